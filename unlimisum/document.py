@@ -1,0 +1,43 @@
+"""The document every input becomes: a title and ordered chapters of clean text."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Chapter:
+    """One chapter: its title (may be empty) and its clean text."""
+
+    title: str
+    text: str
+
+
+@dataclass(frozen=True)
+class Document:
+    """A readable input: text, EPUB, PDF or standard input.
+
+    ``source`` is the path as given (``"-"`` for standard input); ``format`` is one of
+    ``"text"``, ``"epub"``, ``"pdf"``.
+    """
+
+    title: str
+    chapters: tuple[Chapter, ...]
+    source: str = "-"
+    format: str = "text"
+    author: str | None = None
+    metadata: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def text(self) -> str:
+        """The whole document: chapter texts joined by blank lines."""
+        return "\n\n".join(chapter.text for chapter in self.chapters if chapter.text)
+
+    @property
+    def char_count(self) -> int:
+        return sum(len(chapter.text) for chapter in self.chapters)
+
+    @classmethod
+    def from_text(cls, text: str, title: str = "", source: str = "-") -> "Document":
+        """A one-chapter document from a string (no chapter detection)."""
+        return cls(title=title, chapters=(Chapter(title="", text=text),), source=source)
