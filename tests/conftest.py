@@ -1,0 +1,48 @@
+"""Shared fixtures: tiny random models saved to folders, built once per test session."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+from tests.tiny_models import build_tiny_model  # noqa: E402
+
+ALL_FAMILIES = [
+    "bart", "mbart", "pegasus", "marian", "led", "pegasus_x", "blenderbot", "blenderbot-small", "plbart",
+    "t5", "mt5", "longt5",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """``tiny_model_dir("bart")`` -> folder of a tiny random BART with a 64-token window (cached)."""
+    built: dict[tuple, object] = {}
+
+    def build(model_type: str = "bart", window: int = 64):
+        key = (model_type, window)
+        if key not in built:
+            folder = tmp_path_factory.mktemp(f"{model_type}-{window}")
+            built[key] = build_tiny_model(folder, model_type, window=window)
+        return built[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_model_dir):
+    """``tiny_loaded("t5")`` -> a LoadedModel of the tiny model (cached; do not mutate)."""
+    from unlimisum.config import ModelConfig
+    from unlimisum.models import load_model
+
+    loaded: dict[str, object] = {}
+
+    def load(model_type: str = "bart"):
+        if model_type not in loaded:
+            loaded[model_type] = load_model(ModelConfig(name=str(tiny_model_dir(model_type)), device="cpu"))
+        return loaded[model_type]
+
+    return load

@@ -1,0 +1,167 @@
+"""End to end: summarize() equals the unmodified model where the input fits, and reads inputs of any length."""
+
+import pytest
+import torch
+
+from tests.tiny_models import SAMPLE_TEXT
+from unlimisum import compat
+from unlimisum.config import EncodingConfig, GenerationOptions, IndexConfig, ModelConfig, RetrievalConfig
+from unlimisum.document import Chapter, Document
+from unlimisum.errors import EmptyDocumentError, ModelNotFoundError, UnsupportedModelError
+from unlimisum.summarizer import Summarizer, summarize
+
+SHORT = "The lighthouse keeper counted the ships that passed in the night."
+EXACT = IndexConfig(kind="exact", device="cpu", storage_dtype="float32")
+ALL_TOKENS = RetrievalConfig(top_k=100_000)
+
+
+def _reference_ids(loaded, text, generation, encoder_dtype=None):
+    tokens = loaded.tokenizer(text, return_tensors="pt")
+    extra = loaded.architecture.encoder_inputs(tokens.input_ids) if loaded.architecture.encoder_inputs else {}
+    with torch.inference_mode():
+        if encoder_dtype is None:
+            out = loaded.model.generate(**tokens, **extra, **generation.to_generate_kwargs())
+        else:  # the unmodified model fed the very states a 16-bit datastore holds
+            states = loaded.model.get_encoder()(**tokens, **extra).last_hidden_state.to(encoder_dtype).float()
+            out = loaded.model.generate(
+                encoder_outputs=compat.encoder_outputs(states), attention_mask=tokens.attention_mask,
+                **generation.to_generate_kwargs(),
+            )
+    return tuple(out[0].tolist())
+
+
+@pytest.mark.parametrize("model_type", ["bart", "led", "t5", "pegasus_x"])
+@pytest.mark.parametrize("num_beams", [1, 4])
+def test_input_that_fits_one_window_gives_the_unmodified_models_ids(tiny_loaded, model_type, num_beams):
+    loaded = tiny_loaded(model_type)
+    generation = GenerationOptions(max_new_tokens=16, min_new_tokens=16, num_beams=num_beams)
+    summary = Summarizer(loaded, index=EXACT, retrieval=ALL_TOKENS, generation=generation).summarize(SHORT)
+    assert summary.stats.windows == 1
+    assert summary.token_ids == _reference_ids(loaded, SHORT, generation)
+
+
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_16_bit_store_gives_the_ids_of_the_model_fed_the_same_states(tiny_loaded, num_beams):
+    loaded = tiny_loaded("bart")
+    generation = GenerationOptions(max_new_tokens=16, min_new_tokens=16, num_beams=num_beams)
+    index = IndexConfig(kind="exact", device="cpu")  # default 16-bit storage
+    summary = Summarizer(loaded, index=index, retrieval=ALL_TOKENS, generation=generation).summarize(SHORT)
+    assert summary.token_ids == _reference_ids(loaded, SHORT, generation, encoder_dtype=torch.float16)
+
+
+def test_generation_options_reach_generate(tiny_loaded):
+    loaded = tiny_loaded("bart")
+    generation = GenerationOptions(
+        max_new_tokens=12, min_new_tokens=12, num_beams=2, no_repeat_ngram_size=2, length_penalty=0.5,
+        repetition_penalty=1.3,
+    )
+    summary = Summarizer(loaded, index=EXACT, retrieval=ALL_TOKENS, generation=generation).summarize(SHORT)
+    assert summary.token_ids == _reference_ids(loaded, SHORT, generation)
+    ids = summary.token_ids[1:]
+    bigrams = list(zip(ids, ids[1:]))
+    assert len(bigrams) == len(set(bigrams))  # no_repeat_ngram_size=2 was applied
+
+
+def test_batch_of_documents_equals_one_at_a_time(tiny_loaded):
+    loaded = tiny_loaded("bart")
+    texts = [SAMPLE_TEXT * 6, SHORT, SAMPLE_TEXT * 2]  # multi-window and single-window inputs together
+    generation = GenerationOptions(max_new_tokens=10, min_new_tokens=10, num_beams=2)
+    summarizer = Summarizer(loaded, index=EXACT, generation=generation)
+    together = summarizer.summarize_many(texts)
+    alone = [summarizer.summarize(text) for text in texts]
+    assert together[0].stats.windows > 1
+    for batched, single in zip(together, alone):
+        assert batched.token_ids == single.token_ids
+        assert batched.stats.input_tokens == single.stats.input_tokens
+
+
+def test_sampling_with_a_seed_is_reproducible(tiny_loaded):
+    loaded = tiny_loaded("bart")
+    generation = GenerationOptions(max_new_tokens=12, min_new_tokens=12, do_sample=True, temperature=1.5, seed=7)
+    summarizer = Summarizer(loaded, generation=generation)
+    first, second = summarizer.summarize(SAMPLE_TEXT * 3), summarizer.summarize(SAMPLE_TEXT * 3)
+    assert first.token_ids == second.token_ids
+    other = Summarizer(loaded, generation=GenerationOptions(
+        max_new_tokens=12, min_new_tokens=12, do_sample=True, temperature=1.5, seed=8)).summarize(SAMPLE_TEXT * 3)
+    assert other.token_ids != first.token_ids
+
+
+def test_stats_and_progress_events(tiny_loaded):
+    loaded = tiny_loaded("bart")
+    events = []
+    summarizer = Summarizer(
+        loaded, encoding=EncodingConfig(batch_size=2), generation=GenerationOptions(max_new_tokens=5),
+        progress=events.append,
+    )
+    summary = summarizer.summarize(Document(title="Story", chapters=(Chapter("One", SAMPLE_TEXT * 4),)))
+    stats = summary.stats
+    assert summary.title == "Story"
+    assert stats.input_tokens == len(loaded.tokenizer(SAMPLE_TEXT * 4)["input_ids"])
+    assert stats.windows > 1 and stats.window == 64 and stats.top_k == 64
+    assert stats.index_kind == "exact" and stats.index_device == "cpu"
+    assert stats.datastore_bytes <= 2.2 * stats.input_tokens * loaded.model.config.d_model
+    assert set(stats.timings) >= {"tokenize", "encode", "index", "generate", "search"}
+    assert stats.peak_rss_bytes > 0 and stats.peak_gpu_bytes is None
+    stages = [event.stage for event in events]
+    assert stages.index("tokenize") < stages.index("encode") < stages.index("index") < stages.index("generate")
+    encode_events = [event for event in events if event.stage == "encode"]
+    assert encode_events[-1].completed == encode_events[-1].total == stats.windows
+    assert max(event.completed for event in events if event.stage == "generate") >= 1
+
+
+def test_per_chapter_summaries(tiny_loaded):
+    loaded = tiny_loaded("bart")
+    document = Document(title="Book", chapters=(Chapter("One", SAMPLE_TEXT), Chapter("Two", SHORT), Chapter("Blank", " ")))
+    summary = Summarizer(loaded, generation=GenerationOptions(max_new_tokens=4)).summarize(document, per_chapter=True)
+    assert [part.title for part in summary.chapters] == ["One", "Two"]
+    assert summary.stats.input_tokens > summary.chapters[0].stats.input_tokens
+
+
+def test_summarize_function_takes_flat_options(tiny_model_dir):
+    folder = str(tiny_model_dir("bart"))
+    summary = summarize(
+        SAMPLE_TEXT * 3, model=folder, device="cpu", index="exact", top_k=16, overlap=0.25, encode_batch=2,
+        max_new_tokens=6, min_new_tokens=6, num_beams=2,
+    )
+    assert summary.stats.top_k == 16 and summary.stats.generated_tokens <= 6
+    assert isinstance(summary.text, str)
+
+
+def test_approximate_indexes_run_end_to_end(tiny_loaded):
+    loaded = tiny_loaded("bart")
+    for kind in ("ivf", "hnsw"):
+        summary = Summarizer(
+            loaded, index=IndexConfig(kind=kind, device="cpu"), generation=GenerationOptions(max_new_tokens=4)
+        ).summarize(SAMPLE_TEXT * 40)
+        assert summary.stats.index_kind == kind
+
+
+@pytest.mark.slow
+def test_hundred_thousand_token_input_end_to_end(tiny_loaded):
+    import psutil
+
+    loaded = tiny_loaded("bart")
+    text = SAMPLE_TEXT * 1200
+    summary = Summarizer(loaded, generation=GenerationOptions(max_new_tokens=8, num_beams=2)).summarize(text)
+    assert summary.stats.input_tokens >= 100_000
+    assert summary.stats.windows > 3000
+    assert psutil.Process().memory_info().rss < 4 * 2**30
+    assert summary.stats.peak_rss_bytes < 4 * 2**30
+
+
+def test_empty_document_is_an_error(tiny_loaded):
+    with pytest.raises(EmptyDocumentError, match="no text"):
+        Summarizer(tiny_loaded("bart")).summarize(Document.from_text("  \n", source="blank.txt"))
+
+
+def test_missing_model_names_itself(tmp_path):
+    with pytest.raises(ModelNotFoundError, match="no-such-org/no-such-model"):
+        Summarizer(ModelConfig(name="no-such-org/no-such-model", device="cpu"))
+
+
+def test_unsupported_model_fails_before_loading_weights(tmp_path):
+    from transformers import GPT2Config
+
+    GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path)  # a config and no weights at all
+    with pytest.raises(UnsupportedModelError, match="gpt2"):
+        Summarizer(ModelConfig(name=str(tmp_path), device="cpu"))

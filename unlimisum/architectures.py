@@ -1,0 +1,140 @@
+"""One row per model family: where the decoder's cross-attention lives and how it computes.
+
+The retrieval wrapper (attention.py) reads only what a row tells it, so supporting a new
+encoder-decoder family means adding a row here, and nothing else.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import nn
+
+from unlimisum.errors import UnsupportedModelError
+
+# A tokenizer's model_max_length above this is transformers' "no limit" sentinel, not a limit.
+_NO_TOKENIZER_LIMIT = 1_000_000
+
+
+def _bart_like_output(attn_output: torch.Tensor, kwargs: dict) -> tuple:
+    return attn_output, None  # (output, attention weights)
+
+
+def _led_output(attn_output: torch.Tensor, kwargs: dict) -> tuple:
+    return attn_output, None, kwargs.get("cache", kwargs.get("past_key_values"))  # (output, weights, cache)
+
+
+def _t5_output(attn_output: torch.Tensor, kwargs: dict) -> tuple:
+    return attn_output, None, None  # (output, position bias, weights); every layer is wrapped, so no bias to pass on
+
+
+def _led_encoder_inputs(input_ids: torch.Tensor) -> dict:
+    # led-base-book-summary and the LED paper put global attention on the first token of the input.
+    global_attention_mask = torch.zeros_like(input_ids)
+    global_attention_mask[:, 0] = 1
+    return {"global_attention_mask": global_attention_mask}
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """Where a family keeps its decoder cross-attention and what its projections are called."""
+
+    name: str
+    model_types: tuple[str, ...]
+    layers_attribute: str  # the decoder's list of layers: decoder.<layers_attribute>
+    cross_attention_path: str  # dotted path from a decoder layer to its cross-attention module
+    query: str
+    key: str
+    value: str
+    output: str
+    heads_attribute: str
+    head_dim_attribute: str
+    default_scaling: Callable[[int], float]  # head_dim -> scaling, used when the module has no `scaling`
+    pack_output: Callable[[torch.Tensor, dict], tuple] = field(repr=False)
+    source_length_attribute: str | None  # config attribute with the encoder's maximum source length
+    default_source_length: int  # when neither the config nor the tokenizer gives a limit
+    encoder_inputs: Callable[[torch.Tensor], dict] | None = field(default=None, repr=False)
+
+    def max_source_length(self, config, tokenizer=None) -> int:
+        """The encoder's own window: the config's limit, narrowed by the tokenizer's when it has one."""
+        limits = []
+        if self.source_length_attribute is not None:
+            value = getattr(config, self.source_length_attribute, None)
+            if value:
+                limits.append(int(value))
+        tokenizer_limit = getattr(tokenizer, "model_max_length", None) if tokenizer is not None else None
+        if tokenizer_limit and tokenizer_limit < _NO_TOKENIZER_LIMIT:
+            limits.append(int(tokenizer_limit))
+        return min(limits) if limits else self.default_source_length
+
+    def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
+        return getattr(model.get_decoder(), self.layers_attribute)
+
+    def cross_attention_parent(self, layer: nn.Module) -> tuple[nn.Module, str]:
+        """The module that holds the cross-attention, and the attribute name it is under."""
+        *parents, attribute = self.cross_attention_path.split(".")
+        parent = layer
+        for name in parents:
+            parent = parent[int(name)] if name.isdigit() else getattr(parent, name)
+        return parent, attribute
+
+
+def _row(name, model_types, **overrides) -> Architecture:
+    bart_like = dict(
+        layers_attribute="layers", cross_attention_path="encoder_attn",
+        query="q_proj", key="k_proj", value="v_proj", output="out_proj",
+        heads_attribute="num_heads", head_dim_attribute="head_dim",
+        default_scaling=lambda head_dim: head_dim**-0.5, pack_output=_bart_like_output,
+        source_length_attribute="max_position_embeddings", default_source_length=1024,
+    )
+    bart_like.update(overrides)
+    return Architecture(name=name, model_types=tuple(model_types), **bart_like)
+
+
+_T5_ROW = dict(
+    layers_attribute="block", cross_attention_path="layer.1.EncDecAttention",
+    query="q", key="k", value="v", output="o",
+    heads_attribute="n_heads", head_dim_attribute="key_value_proj_dim",
+    default_scaling=lambda head_dim: 1.0,  # T5 does not scale its dot products
+    pack_output=_t5_output, source_length_attribute=None,
+)
+
+ARCHITECTURES: tuple[Architecture, ...] = (
+    _row("BART", ["bart"]),
+    _row("mBART", ["mbart"]),
+    _row("PEGASUS", ["pegasus"]),
+    _row("Marian", ["marian"], default_source_length=512),
+    _row("Blenderbot", ["blenderbot", "blenderbot-small"], default_source_length=128),
+    _row("PLBART", ["plbart"]),
+    _row(
+        "LED", ["led"], pack_output=_led_output, source_length_attribute="max_encoder_position_embeddings",
+        default_source_length=16384, encoder_inputs=_led_encoder_inputs,
+    ),
+    _row("PEGASUS-X", ["pegasus_x"], default_source_length=16384),
+    _row("T5", ["t5", "mt5"], default_source_length=512, **_T5_ROW),
+    _row("LongT5", ["longt5"], default_source_length=4096, **_T5_ROW),
+)
+
+_BY_MODEL_TYPE = {model_type: row for row in ARCHITECTURES for model_type in row.model_types}
+
+
+def supported_model_types() -> list[str]:
+    return sorted(_BY_MODEL_TYPE)
+
+
+def architecture_for(config) -> Architecture:
+    """The table row for a model config; UnsupportedModelError names the type and the supported ones."""
+    model_type = getattr(config, "model_type", None)
+    if not getattr(config, "is_encoder_decoder", False) and model_type not in _BY_MODEL_TYPE:
+        raise UnsupportedModelError(
+            f"model type '{model_type}' is not an encoder-decoder model; unlimisum supports "
+            + ", ".join(supported_model_types())
+        )
+    try:
+        return _BY_MODEL_TYPE[model_type]
+    except KeyError:
+        raise UnsupportedModelError(
+            f"model type '{model_type}' is not supported; unlimisum supports " + ", ".join(supported_model_types())
+        ) from None

@@ -1,0 +1,154 @@
+"""RetrievalCrossAttention: a decoder cross-attention head that reads its top-k input tokens.
+
+For one head with projections W_q, W_k, W_v (and biases),
+    q · k_j = (h_d W_q + b_q) · (h_e,j W_k + b_k) = q_h · h_e,j + q · b_k,   q_h = q W_k^T
+so searching the datastore of encoder states h_e with q_h finds the head's top-k keys;
+q · b_k is the same for every key and cancels in the softmax. The values need no
+per-token projection either: with softmax weights p_j summing to one,
+    sum_j p_j (h_e,j W_v + b_v) = (sum_j p_j h_e,j) W_v + b_v.
+With exact search and k >= N this equals ordinary cross-attention over all encoded tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from unlimisum.architectures import Architecture
+
+
+@dataclass
+class RetrievalStats:
+    """What retrieval cost during one generate() call."""
+
+    search_calls: int = 0
+    search_seconds: float = 0.0
+    steps: int = 0  # decoder forward passes seen by the first layer
+
+
+@dataclass
+class RetrievalSession:
+    """The datastores of one summarize call: one per document of the generation batch."""
+
+    stores: Sequence  # Datastore per document, in batch order
+    top_k: int
+    stats: RetrievalStats = field(default_factory=RetrievalStats)
+
+
+class RetrievalCrossAttention(nn.Module):
+    """Wraps one decoder cross-attention module; the original stays as the child ``original``.
+
+    Without an active session it is the original module, unchanged.
+    """
+
+    def __init__(self, original: nn.Module, architecture: Architecture, layer_index: int):
+        super().__init__()
+        self.original = original
+        self.architecture = architecture
+        self.layer_index = layer_index
+        self.session: RetrievalSession | None = None
+        self.num_heads = getattr(original, architecture.heads_attribute)
+        self.head_dim = getattr(original, architecture.head_dim_attribute)
+        self.scaling = float(getattr(original, "scaling", architecture.default_scaling(self.head_dim)))
+
+    def _projection(self, role: str) -> nn.Linear:
+        return getattr(self.original, getattr(self.architecture, role))
+
+    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        if self.session is None:
+            return self.original(hidden_states, *args, **kwargs)
+        return self.architecture.pack_output(self.attend(hidden_states, self.session), kwargs)
+
+    def attend(self, hidden_states: torch.Tensor, session: RetrievalSession) -> torch.Tensor:
+        """Retrieval attention for decoder states [R, T, d_model]; rows are documents x beams."""
+        rows, steps, _ = hidden_states.shape
+        heads, head_dim = self.num_heads, self.head_dim
+        query_proj, key_proj = self._projection("query"), self._projection("key")
+        value_proj, output_proj = self._projection("value"), self._projection("output")
+        d_model = key_proj.weight.shape[1]
+
+        q = query_proj(hidden_states).view(rows, steps, heads, head_dim)  # [R, T, H, dh]
+        w_k = key_proj.weight.view(heads, head_dim, d_model)  # [H, dh, d]
+        q_hidden = torch.einsum("rthe,hed->rthd", q, w_k).float()  # [R, T, H, d]
+
+        n_docs = len(session.stores)
+        if rows % n_docs:
+            raise RuntimeError(f"{rows} decoder rows cannot be split over {n_docs} documents")
+        rows_per_doc = rows // n_docs  # generate() repeats each document's row for beams and samples
+        mixed = torch.empty_like(q_hidden)  # [R, T, H, d]: softmax-weighted sums of retrieved states
+        for doc, store in enumerate(session.stores):
+            block = slice(doc * rows_per_doc, (doc + 1) * rows_per_doc)
+            queries = q_hidden[block].reshape(-1, d_model)  # [rows_per_doc * T * H, d]
+            started = time.perf_counter()
+            scores, ids = store.search(queries, min(session.top_k, store.n_tokens))  # [nq, k]
+            session.stats.search_seconds += time.perf_counter() - started
+            session.stats.search_calls += 1
+            weights = torch.softmax(scores * self.scaling, dim=-1)
+            mixed[block] = store.weighted_sum(ids, weights).view(rows_per_doc, steps, heads, d_model)
+        if self.layer_index == 0:
+            session.stats.steps += 1
+
+        w_v = value_proj.weight.view(heads, head_dim, d_model)  # [H, dh, d]
+        values = torch.einsum("rthd,hed->rthe", mixed.to(w_v.dtype), w_v)  # [R, T, H, dh]
+        if value_proj.bias is not None:
+            values = values + value_proj.bias.view(heads, head_dim)
+        return output_proj(values.reshape(rows, steps, heads * head_dim))
+
+
+def _cross_attention_sites(model: nn.Module, architecture: Architecture):
+    for index, layer in enumerate(architecture.decoder_layers(model)):
+        parent, attribute = architecture.cross_attention_parent(layer)
+        yield index, parent, attribute
+
+
+def install(model: nn.Module, architecture: Architecture) -> list[RetrievalCrossAttention]:
+    """Wrap every decoder cross-attention of ``model``; refuse to wrap twice."""
+    wrappers = []
+    sites = list(_cross_attention_sites(model, architecture))
+    if any(isinstance(getattr(parent, attribute), RetrievalCrossAttention) for _, parent, attribute in sites):
+        raise RuntimeError("retrieval attention is already installed on this model")
+    for index, parent, attribute in sites:
+        wrapper = RetrievalCrossAttention(getattr(parent, attribute), architecture, index)
+        setattr(parent, attribute, wrapper)
+        wrappers.append(wrapper)
+    return wrappers
+
+
+def uninstall(model: nn.Module, architecture: Architecture) -> None:
+    """Put every original cross-attention module back."""
+    for _, parent, attribute in _cross_attention_sites(model, architecture):
+        module = getattr(parent, attribute)
+        if isinstance(module, RetrievalCrossAttention):
+            setattr(parent, attribute, module.original)
+
+
+def installed_wrappers(model: nn.Module, architecture: Architecture) -> list[RetrievalCrossAttention]:
+    """The wrappers currently installed on ``model`` (empty when none)."""
+    modules = [getattr(parent, attribute) for _, parent, attribute in _cross_attention_sites(model, architecture)]
+    return [module for module in modules if isinstance(module, RetrievalCrossAttention)]
+
+
+@contextmanager
+def retrieval(model: nn.Module, architecture: Architecture, session: RetrievalSession) -> Iterator[RetrievalSession]:
+    """Within the block, every cross-attention of ``model`` reads ``session``'s datastores.
+
+    Installs the wrappers if they are not there yet, and leaves the model as it found it.
+    """
+    wrappers = installed_wrappers(model, architecture)
+    installed_here = not wrappers
+    if installed_here:
+        wrappers = install(model, architecture)
+    for wrapper in wrappers:
+        wrapper.session = session
+    try:
+        yield session
+    finally:
+        for wrapper in wrappers:
+            wrapper.session = None
+        if installed_here:
+            uninstall(model, architecture)

@@ -1,0 +1,96 @@
+"""Frozen configuration of one summarize call. Every default says why it is what it is."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+DEFAULT_MODEL = "pszemraj/led-base-book-summary"  # Apache-2.0, fine-tuned on BookSum chapters and books
+
+
+@dataclass(frozen=True)
+class EncodingConfig:
+    """How the input is cut into windows and encoded."""
+
+    # Fraction of each window shared with its neighbours; 0.5 keeps the middle half, as the paper.
+    overlap: float = 0.5
+    # Windows per encoder forward pass; None picks from the window length and the device.
+    batch_size: int | None = None
+    # Window length in tokens; None reads the model's own maximum source length.
+    window: int | None = None
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    """Which nearest-neighbour index holds the encoded input, and where it lives."""
+
+    # "auto" | "exact" | "ivf" | "hnsw"; auto is exact up to `exact_max_tokens`, then approximate.
+    kind: str = "auto"
+    # "auto" | "cpu" | "gpu"; auto uses the GPU when CUDA is present and the store fits in free memory.
+    device: str = "auto"
+    # Above this many input tokens `auto` switches to an approximate index on the CPU (the GPU stays exact:
+    # brute force there is sub-millisecond). EXACT_MAX_TOKENS_PLACEHOLDER
+    exact_max_tokens: int = 200_000
+    # Storage of the encoded states: "auto" is float16 (one copy serves search and values, 2 bytes per
+    # number); "bfloat16" for models whose states overflow fp16; "float32" exists for exactness checks.
+    storage_dtype: str = "auto"
+    # Fraction of free GPU memory the store may take when placement is automatic.
+    gpu_memory_fraction: float = 0.5
+    # The approximate index `auto` uses above exact_max_tokens: "ivf" | "hnsw". APPROXIMATE_KIND_PLACEHOLDER
+    approximate_kind: str = "ivf"
+    # IVF probes enough lists to scan about this many stored states per requested neighbour
+    # (nprobe ~ factor * k / list length, capped by the list count). IVF_SCAN_PLACEHOLDER
+    ivf_scan_factor: float = 16.0
+
+
+@dataclass(frozen=True)
+class RetrievalConfig:
+    """How many input tokens each cross-attention head attends to at every step."""
+
+    # Retrieved tokens per head and step; None means the model's own context size, capped by N.
+    top_k: int | None = None
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """Options forwarded to the model's own ``generate()``; None leaves the model's default."""
+
+    max_new_tokens: int | None = 256  # a few paragraphs; books want more, headlines less
+    min_new_tokens: int | None = None
+    num_beams: int | None = None
+    no_repeat_ngram_size: int | None = None
+    length_penalty: float | None = None
+    repetition_penalty: float | None = None
+    do_sample: bool | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None  # sampling top-k (not the retrieval top-k)
+    seed: int | None = None  # same seed, same output
+    # Anything else generate() accepts, passed through untouched.
+    extra: dict = field(default_factory=dict)
+
+    def to_generate_kwargs(self) -> dict:
+        """The keyword arguments for ``model.generate`` (unset options omitted)."""
+        names = (
+            "max_new_tokens", "min_new_tokens", "num_beams", "no_repeat_ngram_size", "length_penalty",
+            "repetition_penalty", "do_sample", "temperature", "top_p", "top_k",
+        )
+        kwargs = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        kwargs.update(self.extra)
+        return kwargs
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which checkpoint to load and how."""
+
+    # Hub name or local folder.
+    name: str = DEFAULT_MODEL
+    # Tokenizer hub name or folder; None uses the model's own.
+    tokenizer: str | None = None
+    # "auto" | "cpu" | "cuda" | "cuda:N" | "mps"; auto is CUDA when available.
+    device: str = "auto"
+    # "auto" | "float32" | "float16" | "bfloat16"; auto is float32 on CPU and bf16 (else fp16) on GPU.
+    dtype: str = "auto"
+    # Off unless the user asks: remote code runs arbitrary Python from the hub.
+    trust_remote_code: bool = False
