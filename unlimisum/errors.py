@@ -57,6 +57,10 @@ class PasswordRequiredError(InputError):
     """The PDF needs a password, or the password given is wrong."""
 
 
+class InputTooLargeError(InputError):
+    """The file is larger than the ingestion limits allow (see IngestLimits)."""
+
+
 # --- models and configuration -----------------------------------------------------------
 
 
