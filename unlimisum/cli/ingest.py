@@ -1,0 +1,109 @@
+"""`unlimisum ingest PATH...`: show what unlimisum reads from each input.
+
+Per input: title, author, format, chapters and character counts (or, with --text, the
+extracted text; with --json, one JSON object per input). A bad input gets a one-line
+error on stderr and the batch goes on; the exit status is 1 if any input failed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import List, Optional
+
+import typer
+
+from unlimisum.cli.app import EXIT_FAILURE, app, fail
+from unlimisum.document import Document
+from unlimisum.errors import UnlimisumError
+from unlimisum.ingest import expand_paths, read_document
+
+_TITLE_WIDTH = 60  # chapter titles are cut to this many characters in the table
+
+
+@app.command()
+def ingest(
+    paths: List[str] = typer.Argument(..., metavar="PATH...", help="Files, folders (searched recursively) or '-' for standard input."),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per input (JSON Lines)."),
+    text: bool = typer.Option(False, "--text", help="Print the extracted text (in --json: include it)."),
+    password: Optional[str] = typer.Option(None, "--password", help="Password for encrypted PDFs."),
+) -> None:
+    """Read inputs and report what was found: title, format, chapters, characters."""
+    inputs = expand_paths(paths)
+    failures = 0
+    for index, item in enumerate(inputs):
+        source = str(item)
+        try:
+            document = read_document(item, password=password)
+        except UnlimisumError as error:
+            failures += 1
+            typer.echo(f"unlimisum: error: {error}", err=True)
+            if as_json:
+                typer.echo(json.dumps({"source": source, "error": error.problem, "error_type": type(error).__name__}, ensure_ascii=False))
+            continue
+        for warning in document.metadata.get("warnings", []):
+            typer.echo(f"unlimisum: warning: {source}: {warning}", err=True)
+        if as_json:
+            typer.echo(json.dumps(document_record(document, with_text=text), ensure_ascii=False))
+        elif text:
+            typer.echo(("\n\n" if index else "") + render_text(document))
+        else:
+            typer.echo(("\n" if index else "") + render_summary(document))
+    if failures:
+        if len(inputs) > 1:
+            raise fail(f"{failures} of {len(inputs)} inputs could not be read")
+        raise typer.Exit(EXIT_FAILURE)
+
+
+def document_record(document: Document, with_text: bool = False) -> dict:
+    """A JSON-ready description of a document (chapter texts only when ``with_text``)."""
+    chapters = []
+    for chapter in document.chapters:
+        entry = {"title": chapter.title, "chars": len(chapter.text)}
+        if with_text:
+            entry["text"] = chapter.text
+        chapters.append(entry)
+    metadata = {key: value for key, value in document.metadata.items() if _json_safe(value)}
+    return {
+        "source": document.source,
+        "format": document.format,
+        "title": document.title,
+        "author": document.author,
+        "chars": document.char_count,
+        "chapters": chapters,
+        "metadata": metadata,
+    }
+
+
+def render_summary(document: Document) -> str:
+    """Plain-text report of one document: readable in a terminal and when piped."""
+    lines = [
+        document.source,
+        f"  title:      {document.title or '(none)'}",
+        f"  author:     {document.author or '(unknown)'}",
+        f"  format:     {document.format}",
+        f"  chapters:   {len(document.chapters)}",
+        f"  characters: {document.char_count:,}",
+    ]
+    number_width = len(str(len(document.chapters)))
+    for number, chapter in enumerate(document.chapters, start=1):
+        title = chapter.title or "(untitled)"
+        if len(title) > _TITLE_WIDTH:
+            title = title[: _TITLE_WIDTH - 1] + "\u2026"
+        lines.append(f"  {number:>{number_width}}  {title:<{_TITLE_WIDTH}}  {len(chapter.text):>10,}")
+    return "\n".join(lines)
+
+
+def render_text(document: Document) -> str:
+    """The extracted text, each chapter under its title."""
+    parts = []
+    for chapter in document.chapters:
+        parts.append(f"{chapter.title}\n\n{chapter.text}" if chapter.title else chapter.text)
+    return "\n\n\n".join(parts)
+
+
+def _json_safe(value) -> bool:
+    try:
+        json.dumps(value)
+    except (TypeError, ValueError):
+        return False
+    return True
