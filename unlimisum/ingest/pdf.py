@@ -164,8 +164,22 @@ def _outline_chapters(reader, page_texts: list[str]) -> list[Chapter]:
     for index, (page, title) in enumerate(starts):
         end = starts[index + 1][0] if index + 1 < len(starts) else len(page_texts)
         # Two entries on one page: the page goes with the later one, the earlier keeps its title.
-        chapters.append(Chapter(title, join_pages(page_texts[page:end])))
+        chapters.append(Chapter(title, _without_heading(join_pages(page_texts[page:end]), title)))
     return [chapter for chapter in chapters if chapter.text.strip()]
+
+
+def _without_heading(text: str, title: str) -> str:
+    """The chapter's text without its first line(s) when they only repeat the title."""
+    wanted = _words(title)
+    lines = text.split("\n")
+    for count in range(1, min(3, len(lines)) + 1):
+        if _words(" ".join(lines[:count])) == wanted:
+            return "\n".join(lines[count:]).strip()
+    return text
+
+
+def _words(text: str) -> str:
+    return " ".join(re.sub(r"\W+", " ", text).split()).lower()
 
 
 def _heading_chapters(page_texts: list[str]) -> list[Chapter]:
