@@ -135,7 +135,8 @@ class Summarizer:
             return []
         peak_gpu = self._reset_gpu_peak()
         encoded = [self._encode(document) for document in documents]
-        output, generate_seconds, search_seconds = self._generate(encoded)
+        name = encoded[0].name if len(encoded) == 1 else f"{len(encoded)} documents"
+        output, generate_seconds, search_seconds = self.generate([enc.store for enc in encoded], name=name)
         tokenizer = self.loaded.tokenizer
         texts = [text.strip() for text in tokenizer.batch_decode(output, skip_special_tokens=True)]
         special = torch.tensor(sorted(set(tokenizer.all_special_ids)), device=output.device)
@@ -213,21 +214,23 @@ class Summarizer:
         seconds = {"tokenize": tokenized - started, "encode": encoded - tokenized, "index": finished - encoded}
         return _Encoded(name, store, n_tokens, plan.n_windows, seconds)
 
-    def _generate(self, encoded: list[_Encoded]) -> tuple[torch.Tensor, float, float]:
-        """Token ids [B, T] for the batch, generate() seconds, and search seconds within them."""
+    def generate(self, stores: Sequence[Datastore], name: str = "") -> tuple[torch.Tensor, float, float]:
+        """Generate from encoded inputs, one datastore per document.
+
+        Returns the token ids [B, T], the seconds generate() took, and the seconds of search within them.
+        """
         model = self.loaded.model
         options = self.generation
         kwargs = options.to_generate_kwargs()
         if options.seed is not None:
             torch.manual_seed(options.seed)
-        batch = len(encoded)
+        batch = len(stores)
         # generate() only needs the encoder's shape; every cross-attention reads the datastores instead
         stand_in = torch.zeros(batch, 1, model.config.d_model, dtype=self.loaded.dtype, device=self.loaded.device)
         attention_mask = torch.ones(batch, 1, dtype=torch.long, device=self.loaded.device)
         total = kwargs.get("max_new_tokens")
-        name = encoded[0].name if batch == 1 else f"{batch} documents"
         progress = _GenerationProgress(lambda steps: self.progress(ProgressEvent("generate", steps, total, name)))
-        session = RetrievalSession(stores=[enc.store for enc in encoded], top_k=self._top_k())
+        session = RetrievalSession(stores=list(stores), top_k=self._top_k())
         started = time.perf_counter()
         self.progress(ProgressEvent("generate", 0, total, name))
         with retrieval(model, self.loaded.architecture, session), torch.inference_mode():
