@@ -44,7 +44,7 @@ def read_pdf(file: str | BinaryIO, source: str, password: str | None = None) -> 
     except FileNotDecryptedError:
         raise PasswordRequiredError("PDF is password-protected: give the password with --password", source=source) from None
     except Exception as error:  # pypdf raises many kinds of errors on damaged files
-        raise CorruptFileError(f"PDF cannot be read ({_describe(error)})", source=source) from None
+        raise CorruptFileError(f"PDF is damaged or truncated and cannot be read ({_describe(error)})", source=source) from None
     if not pages:
         raise CorruptFileError("PDF has no pages", source=source)
 
@@ -102,13 +102,14 @@ def remove_running_lines(page_texts: list[str]) -> list[str]:
     pages = [[line for line in text.split("\n")] for text in page_texts]
     edge_counts: Counter[str] = Counter()
     for lines in pages:
-        edge_counts.update({shape for line in _edges(lines) if (shape := _shape(line))})
+        content = [line for line in lines if line.strip()]
+        edge_counts.update({shape for line in _edges(content) if (shape := _shape(line))})
     threshold = max(_MIN_REPEATS, _MIN_REPEAT_FRACTION * len(pages))
     running = {shape for shape, count in edge_counts.items() if count >= threshold}
     cleaned = []
     for lines in pages:
         content = [index for index, line in enumerate(lines) if line.strip()]
-        edge = set(content[:_EDGE_LINES] + content[-_EDGE_LINES:])
+        edge = set(_edges(content))
         kept = [
             line
             for index, line in enumerate(lines)
@@ -118,9 +119,10 @@ def remove_running_lines(page_texts: list[str]) -> list[str]:
     return cleaned
 
 
-def _edges(lines: list[str]) -> list[str]:
-    content = [line for line in lines if line.strip()]
-    return content[:_EDGE_LINES] + content[-_EDGE_LINES:]
+def _edges(items: list) -> list:
+    """The first and last few items; fewer on short pages, so body text stays out of reach."""
+    count = min(_EDGE_LINES, max(1, len(items) // 3))
+    return items[:count] + items[-count:]
 
 
 def _shape(line: str) -> str:

@@ -1,0 +1,101 @@
+"""`unlimisum ingest`: report per input, JSON Lines, text output, errors on stderr, exit codes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from unlimisum.cli import app
+
+SAMPLES = Path(__file__).resolve().parents[1] / "samples"
+STORY_TITLES = [
+    "Chapter 1: The Map That Moved",
+    "Chapter 2: The Grandmother's Notebook",
+    "Chapter 3: The Lowest Tide",
+    "Chapter 4: What the Sea Keeps",
+]
+
+
+@pytest.fixture
+def runner():
+    return CliRunner()
+
+
+def test_report_for_each_sample(runner):
+    result = runner.invoke(app, ["ingest", str(SAMPLES)])
+    assert result.exit_code == 0, result.output
+    for name in ("story.epub", "story.pdf", "story.txt"):
+        assert str(SAMPLES / name) in result.stdout
+    assert result.stdout.count("title:      The Cartographer of Low Tide") == 3
+    assert "format:     epub" in result.stdout and "format:     pdf" in result.stdout
+    for title in STORY_TITLES:
+        assert result.stdout.count(title) == 3
+    assert result.stderr == ""
+
+
+def test_json_lines(runner):
+    result = runner.invoke(app, ["ingest", "--json", str(SAMPLES / "story.txt"), str(SAMPLES / "story.epub")])
+    assert result.exit_code == 0
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [record["format"] for record in records] == ["text", "epub"]
+    assert [c["title"] for c in records[1]["chapters"]] == STORY_TITLES
+    assert records[0]["author"] == "the unlimisum authors"
+    assert records[1]["chars"] == sum(c["chars"] for c in records[1]["chapters"])
+    assert "text" not in records[1]["chapters"][0]
+
+
+def test_text_output(runner):
+    result = runner.invoke(app, ["ingest", "--text", str(SAMPLES / "story.epub")])
+    assert result.exit_code == 0
+    assert result.stdout.startswith("Chapter 1: The Map That Moved\n\nThe village of Saltmarrow")
+    with_text = runner.invoke(app, ["ingest", "--json", "--text", str(SAMPLES / "story.epub")])
+    assert json.loads(with_text.stdout)["chapters"][0]["text"].startswith("The village of Saltmarrow")
+
+
+def test_batch_goes_on_past_bad_inputs_and_fails_at_the_end(runner, tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_bytes(b"")
+    missing = tmp_path / "missing.pdf"
+    result = runner.invoke(app, ["ingest", str(empty), str(SAMPLES / "story.txt"), str(missing)])
+    assert result.exit_code == 1
+    assert "The Cartographer of Low Tide" in result.stdout
+    assert result.stderr.splitlines() == [
+        f"unlimisum: error: {empty}: empty file",
+        f"unlimisum: error: {missing}: no such file or directory",
+        "unlimisum: error: 2 of 3 inputs could not be read",
+    ]
+
+
+def test_json_reports_failures_too(runner, tmp_path):
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64))
+    result = runner.invoke(app, ["ingest", "--json", str(bad)])
+    assert result.exit_code == 1
+    record = json.loads(result.stdout)
+    assert record == {"source": str(bad), "error": "a PNG image, not text, EPUB or PDF", "error_type": "UnsupportedFormatError"}
+    assert result.stderr.strip() == f"unlimisum: error: {bad}: a PNG image, not text, EPUB or PDF"
+
+
+def test_stdin(runner):
+    result = runner.invoke(app, ["ingest", "--json", "-"], input=(SAMPLES / "story.txt").read_bytes())
+    assert result.exit_code == 0
+    record = json.loads(result.stdout)
+    assert record["source"] == "-" and record["title"] == "The Cartographer of Low Tide"
+    pdf = runner.invoke(app, ["ingest", "--json", "-"], input=(SAMPLES / "story.pdf").read_bytes())
+    assert json.loads(pdf.stdout)["format"] == "pdf"
+
+
+def test_password_option(runner, tmp_path):
+    pypdf = pytest.importorskip("pypdf")
+    writer = pypdf.PdfWriter(clone_from=SAMPLES / "story.pdf")
+    writer.encrypt(user_password="letmein", owner_password="owner", algorithm="AES-256")
+    locked = tmp_path / "locked.pdf"
+    with open(locked, "wb") as file:
+        writer.write(file)
+    refused = runner.invoke(app, ["ingest", str(locked)])
+    assert refused.exit_code == 1 and "password-protected" in refused.stderr
+    opened = runner.invoke(app, ["ingest", "--password", "letmein", str(locked)])
+    assert opened.exit_code == 0 and "Chapter 4: What the Sea Keeps" in opened.stdout
