@@ -79,7 +79,7 @@ def make_epub(path, members: dict[str, str | bytes], mimetype: bytes | None = b"
 def epub_with(tmp_path, name="book.epub", **changes) -> object:
     members = basic_members()
     for key, value in changes.items():
-        member = key.replace("__", "/").replace("_dot_", ".")
+        member = key.replace("META_INF", "META-INF").replace("__", "/").replace("_dot_", ".")
         if value is None:
             members.pop(member)
         else:
@@ -334,3 +334,10 @@ def test_unpacked_folder_is_not_read_as_an_epub(tmp_path):
 def test_read_from_memory_matches_read_from_file(tmp_path):
     path = epub_with(tmp_path)
     assert read_bytes(path.read_bytes(), str(path)) == read_document(path)
+
+
+def test_drm_protected_epub_is_named_as_such(tmp_path):
+    encryption = '<encryption xmlns="urn:oasis:names:tc:opendocument:xmlns:container"/>'
+    path = epub_with(tmp_path, OEBPS__c1_dot_xhtml=bytes(range(256)) * 8, META_INF__encryption_dot_xml=encryption)
+    with pytest.raises(UnsupportedFormatError, match="DRM"):
+        read_document(path)

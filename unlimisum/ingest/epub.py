@@ -141,8 +141,8 @@ class _Book:
             items[item.get("id")] = (self._member(path), (item.get("media-type") or "").lower(), properties)
         return items
 
-    def _spine_documents(self, spine, manifest) -> list[tuple[str, object]]:
-        """(path, parsed root) of each linear, non-navigation spine document, in order."""
+    def _spine_documents(self, spine, manifest) -> list[str]:
+        """Member paths of the linear, non-navigation spine documents, in order."""
         documents = []
         for itemref in spine:
             if local_name(itemref) != "itemref":
@@ -155,11 +155,7 @@ class _Book:
                 continue
             if not self._has(path):
                 raise CorruptFileError(f"EPUB spine document {path!r} is missing from the zip", source=self.source)
-            root = self._xml(path, "spine document")
-            body_types = set().union(*(epub_types(el) for el in root.iter() if local_name(el) in ("html", "body")))
-            if body_types & DROPPED_EPUB_TYPES:  # the whole document is marked front/back matter
-                continue
-            documents.append((path, root))
+            documents.append(path)
         if not documents and not any(local_name(el) == "itemref" for el in spine):
             raise CorruptFileError("EPUB spine lists no documents", source=self.source)
         return documents
@@ -221,7 +217,7 @@ class _Book:
 
     # --- text ------------------------------------------------------------------------------
 
-    def _chapters(self, documents, toc: list[TocEntry]) -> list[Chapter]:
+    def _chapters(self, documents: list[str], toc: list[TocEntry]) -> list[Chapter]:
         """Split spine documents into chapters at the TOC's targets.
 
         A document the TOC never points at continues the previous chapter (books are often
@@ -232,7 +228,11 @@ class _Book:
         for entry in toc:
             by_path.setdefault(entry.path, []).append(entry)
         chapters: list[Chapter] = []
-        for path, root in documents:
+        for path in documents:  # parsed one at a time: only one tree is in memory
+            root = self._spine_document(path)
+            body_types = set().union(*(epub_types(el) for el in root.iter() if local_name(el) in ("html", "body")))
+            if body_types & DROPPED_EPUB_TYPES:  # the whole document is marked front/back matter
+                continue
             entries = by_path.get(path, [])
             anchor_titles: dict[str, str] = {}
             for entry in entries:
@@ -275,6 +275,14 @@ class _Book:
 
     def _has(self, path: str) -> bool:
         return self.archive.has(path)
+
+    def _spine_document(self, path: str):
+        try:
+            return self._xml(path, "spine document")
+        except CorruptFileError:
+            if self._has("META-INF/rights.xml") or self._has("META-INF/encryption.xml"):
+                raise UnsupportedFormatError("EPUB is DRM-protected (its text is encrypted)", source=self.source) from None
+            raise
 
     def _xml(self, path: str, what: str):
         try:

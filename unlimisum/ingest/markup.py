@@ -53,7 +53,8 @@ def parse_xml(data: bytes) -> etree._Element:
     try:
         return etree.fromstring(data, _STRICT_PARSER)
     except etree.XMLSyntaxError as error:
-        if "amplification" in str(error) or "entity" in str(error).lower() and "loop" in str(error).lower():
+        message = str(error).lower()
+        if "amplification" in message or ("entity" in message and "loop" in message):
             raise MarkupProblem(f"entity expansion refused ({error})", unsafe=True) from None
         strict_error = error
     try:
