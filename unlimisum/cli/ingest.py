@@ -11,6 +11,7 @@ import json
 from typing import List, Optional
 
 import typer
+from rich.cells import cell_len
 
 from unlimisum.cli.app import EXIT_FAILURE, app, fail
 from unlimisum.document import Document
@@ -89,7 +90,8 @@ def render_summary(document: Document) -> str:
         title = chapter.title or "(untitled)"
         if len(title) > _TITLE_WIDTH:
             title = title[: _TITLE_WIDTH - 1] + "\u2026"
-        lines.append(f"  {number:>{number_width}}  {title:<{_TITLE_WIDTH}}  {len(chapter.text):>10,}")
+        padding = " " * max(0, _TITLE_WIDTH - cell_len(title))  # CJK characters are two cells wide
+        lines.append(f"  {number:>{number_width}}  {title}{padding}  {len(chapter.text):>10,}")
     return "\n".join(lines)
 
 
