@@ -4,6 +4,9 @@ Each command lives in its own module and registers itself on ``app``.
 """
 
 from unlimisum.cli.app import app, main
+from unlimisum.cli import summarize as _summarize  # noqa: F401  (registers `summarize`)
 from unlimisum.cli import ingest as _ingest  # noqa: F401  (registers `ingest`)
+from unlimisum.cli import info as _info  # noqa: F401  (registers `info`)
+from unlimisum.cli import tc as _tc  # noqa: F401  (registers `tc fit`)
 
 __all__ = ["app", "main"]

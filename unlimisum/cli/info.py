@@ -1,0 +1,267 @@
+"""`unlimisum info`: versions, devices, Faiss build, model cache, and the index plan for N tokens.
+
+Everything a bug report needs, and the answer to "what would unlimisum do with a book of N
+tokens on this machine" (``--tokens N``). Plain text by default, one JSON object with --json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Literal, Optional
+
+import typer
+
+from unlimisum import __version__
+from unlimisum.cli.app import EXIT_USAGE, app, fail
+from unlimisum.config import DEFAULT_MODEL, IndexConfig
+from unlimisum.errors import ConfigError
+
+ASSUMED_D_MODEL = 768  # hidden size of the base models (BART-base, LED-base, T5-base) when no config is at hand
+
+
+@app.command()
+def info(
+    tokens: Optional[int] = typer.Option(
+        None, "--tokens", min=1, metavar="N", help="Show the index and placement unlimisum would choose for N input tokens."
+    ),
+    model: Optional[str] = typer.Option(
+        None, "-m", "--model", envvar="UNLIMISUM_MODEL", show_envvar=True,
+        help="Model whose hidden size sizes the plan (read from a local folder or the cache; else 768).",
+    ),
+    index: Literal["auto", "exact", "ivf", "hnsw"] = typer.Option("auto", "--index", help="Index kind to plan for."),
+    index_device: Literal["auto", "cpu", "gpu"] = typer.Option("auto", "--index-device", help="Index device to plan for."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+) -> None:
+    """Show versions, devices, the Faiss build, where models are cached, and the index plan for N tokens."""
+    report = {
+        "versions": collect_versions(),
+        "devices": collect_devices(),
+        "faiss": collect_faiss(),
+        "models": collect_models(model),
+        "plan": None,
+    }
+    if tokens is not None:
+        try:
+            report["plan"] = collect_plan(tokens, model or DEFAULT_MODEL, IndexConfig(kind=index, device=index_device))
+        except ConfigError as error:
+            raise fail(error, EXIT_USAGE)
+    if as_json:
+        typer.echo(json.dumps(report, ensure_ascii=False))
+    else:
+        typer.echo(render_report(report))
+
+
+# -- collecting -----------------------------------------------------------------------------
+
+
+def collect_versions() -> dict:
+    """Versions of unlimisum, Python and the libraries that do the work."""
+    import torch
+
+    return {
+        "unlimisum": __version__,
+        "python": platform.python_version(),
+        "python_executable": sys.executable,
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "torch_cuda": torch.version.cuda,  # None on CPU-only builds
+        "transformers": _package_version("transformers"),
+        "tokenizers": _package_version("tokenizers"),
+        "huggingface_hub": _package_version("huggingface_hub"),
+        "faiss": _faiss_version(),
+        "typer": _package_version("typer"),
+        "rich": _package_version("rich"),
+    }
+
+
+def collect_devices() -> dict:
+    """CPU threads, CUDA GPUs with their free memory, and MPS."""
+    import torch
+
+    gpus = []
+    cuda = torch.cuda.is_available()
+    if cuda:
+        for number in range(torch.cuda.device_count()):
+            free, total = torch.cuda.mem_get_info(number)
+            gpus.append({
+                "device": f"cuda:{number}", "name": torch.cuda.get_device_name(number),
+                "free_bytes": free, "total_bytes": total,
+            })
+    mps = getattr(torch.backends, "mps", None)
+    return {
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda_available": cuda,
+        "gpus": gpus,
+        "mps_available": bool(mps and mps.is_available()),
+    }
+
+
+def collect_faiss() -> dict:
+    """The Faiss build: version, GPU support (``get_num_gpus`` exists only in GPU builds) and CPU options."""
+    try:
+        import faiss
+    except ImportError:
+        return {"installed": False, "version": None, "gpu_build": False, "gpus": 0, "compile_options": None}
+    get_num_gpus = getattr(faiss, "get_num_gpus", None)
+    gpus = int(get_num_gpus()) if get_num_gpus else 0
+    options = faiss.get_compile_options().strip() if hasattr(faiss, "get_compile_options") else None
+    return {
+        "installed": True,
+        "version": getattr(faiss, "__version__", None),
+        "gpu_build": hasattr(faiss, "StandardGpuResources"),
+        "gpus": gpus,
+        "compile_options": options,
+    }
+
+
+def collect_models(model: str | None) -> dict:
+    """The default model, the model asked for, whether each is available offline, and the cache folders."""
+    from huggingface_hub import constants
+
+    chosen = model or DEFAULT_MODEL
+    return {
+        "default_model": DEFAULT_MODEL,
+        "model": chosen,
+        "model_source": "--model/UNLIMISUM_MODEL" if model else "default",
+        "model_available_offline": _available_offline(chosen),
+        "hf_home": str(constants.HF_HOME),
+        "hub_cache": str(constants.HF_HUB_CACHE),
+        "hf_hub_offline": bool(constants.HF_HUB_OFFLINE),
+    }
+
+
+def collect_plan(tokens: int, model: str, index: IndexConfig) -> dict:
+    """The index kind and device ``plan_index`` chooses for ``tokens`` states of the model's hidden size."""
+    from unlimisum.datastore import plan_index
+
+    d_model, d_model_source = model_hidden_size(model)
+    plan = plan_index(tokens, d_model, index)
+    return {
+        "tokens": tokens,
+        "model": model,
+        "d_model": d_model,
+        "d_model_source": d_model_source,
+        "index": index.kind,
+        "index_device": index.device,
+        "kind": plan.kind,
+        "device": plan.device,
+        "reason": plan.reason,
+    }
+
+
+def model_hidden_size(model: str) -> tuple[int, str]:
+    """``(d_model, where it came from)``: the model's config when it is local or cached, else 768."""
+    local = Path(model).expanduser()
+    if local.is_dir() or _available_offline(model):
+        try:
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(str(local) if local.is_dir() else model, local_files_only=True)
+        except (OSError, ValueError):
+            pass
+        else:
+            size = getattr(config, "d_model", None) or getattr(config, "hidden_size", None)
+            if isinstance(size, int) and size > 0:
+                return size, "model config"
+    return ASSUMED_D_MODEL, f"assumed ({model} is not available offline)"
+
+
+# -- rendering ------------------------------------------------------------------------------
+
+
+def render_report(report: dict) -> str:
+    """The report as aligned plain text (stable for pipes and bug reports)."""
+    from unlimisum.cli.progress import format_bytes
+
+    versions, devices, faiss_info, models, plan = (
+        report["versions"], report["devices"], report["faiss"], report["models"], report["plan"]
+    )
+    cuda_build = f" (CUDA {versions['torch_cuda']})" if versions["torch_cuda"] else " (CPU build)"
+    lines = [
+        "versions",
+        *_rows([
+            ("unlimisum", versions["unlimisum"]),
+            ("python", f"{versions['python']} ({versions['python_executable']})"),
+            ("torch", versions["torch"] + cuda_build),
+            ("transformers", versions["transformers"]),
+            ("tokenizers", versions["tokenizers"]),
+            ("faiss", versions["faiss"] or "not installed"),
+        ]),
+        "devices",
+        *_rows([
+            ("cpu", f"{devices['cpu_count']} cores, torch uses {devices['torch_threads']} threads"),
+            ("cuda", "available" if devices["cuda_available"] else "not available"),
+            *[(gpu["device"], f"{gpu['name']}, {format_bytes(gpu['free_bytes'])} free of "
+               f"{format_bytes(gpu['total_bytes'])}") for gpu in devices["gpus"]],
+            ("mps", "available" if devices["mps_available"] else "not available"),
+        ]),
+        "faiss",
+        *_rows([
+            ("build", ("GPU" if faiss_info["gpu_build"] else "CPU") if faiss_info["installed"] else "not installed"),
+            ("gpus", str(faiss_info["gpus"])),
+            ("options", faiss_info["compile_options"] or "-"),
+        ]),
+        "models",
+        *_rows([
+            ("default model", models["default_model"]),
+            *([("model", models["model"])] if models["model_source"] != "default" else []),
+            ("available offline", "yes" if models["model_available_offline"] else "no (downloaded on first use)"),
+            ("HF_HOME", models["hf_home"]),
+            ("hub cache", models["hub_cache"]),
+            ("HF_HUB_OFFLINE", "on" if models["hf_hub_offline"] else "off"),
+        ]),
+    ]
+    if plan is not None:
+        lines += [
+            f"index plan for {plan['tokens']:,} tokens",
+            *_rows([
+                ("model", f"{plan['model']} (d_model {plan['d_model']}, {plan['d_model_source']})"),
+                ("asked", f"--index {plan['index']} --index-device {plan['index_device']}"),
+                ("index", f"{plan['kind']} on {plan['device']}"),
+                ("reason", plan["reason"]),
+            ]),
+        ]
+    return "\n".join(lines)
+
+
+def _rows(pairs: list[tuple[str, str]]) -> list[str]:
+    return [f"  {key + ':':<19}{value}" for key, value in pairs]
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _faiss_version() -> str | None:
+    for name in ("faiss-cpu", "faiss-gpu", "faiss-gpu-cu12", "faiss-gpu-cu11", "faiss"):
+        version = _package_version(name)
+        if version:
+            return f"{version} ({name})"
+    try:
+        import faiss
+
+        return getattr(faiss, "__version__", "unknown")
+    except ImportError:
+        return None
+
+
+def _available_offline(model: str) -> bool:
+    """True when ``model`` is a local folder or its config is in the Hugging Face cache."""
+    if Path(model).expanduser().is_dir():
+        return True
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(model, "config.json")
+    except Exception:  # noqa: BLE001  (an invalid repo id is simply not available)
+        return False
+    return isinstance(found, str)

@@ -1,0 +1,129 @@
+"""What `unlimisum summarize` writes: Markdown and JSON renderings, and atomic file writes.
+
+JSON schema (one object per document; JSON Lines on stdout, one file per input with -o)::
+
+    {
+      "schema_version": 1,
+      "path": "books/moby.epub",          # the input as given ("-" for standard input)
+      "title": "Moby-Dick",               # the document's title ("" when it has none)
+      "format": "epub",                   # "text" | "epub" | "pdf"
+      "summary": "...",                   # the whole-document summary
+      "chapters": [                       # empty unless --per-chapter
+        {"title": "Loomings", "summary": "...", "stats": {...}}
+      ],
+      "stats": {
+        "model": "...", "input_tokens": 0, "windows": 0, "window": 0,
+        "index_kind": "exact", "index_device": "cpu", "top_k": 0,
+        "datastore_bytes": 0, "generated_tokens": 0,
+        "timings": {"read": 0.0, "tokenize": 0.0, "encode": 0.0, "index": 0.0,
+                    "generate": 0.0, "search": 0.0},       # seconds per stage
+        "peak_rss_bytes": 0, "peak_gpu_bytes": null       # null unless on CUDA
+      }
+    }
+
+A document that failed is, on stdout only, ``{"schema_version": 1, "path": ..., "error": ...,
+"error_type": ...}`` so that a JSON Lines consumer sees every input once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the summarizer imports torch; keep `unlimisum --help` and completion fast
+    from unlimisum.document import Document
+    from unlimisum.summarizer import Summary
+
+JSON_SCHEMA_VERSION = 1  # bump when a field changes meaning or disappears (adding fields keeps it)
+
+
+def stats_record(summary: Summary, read_seconds: float | None = None) -> dict:
+    """The ``stats`` object of a summary; ``read_seconds`` adds the ``read`` stage to the timings."""
+    stats = dataclasses.asdict(summary.stats)
+    timings = {"read": read_seconds} if read_seconds is not None else {}
+    timings.update(stats["timings"])
+    stats["timings"] = timings
+    return stats
+
+
+def summary_record(summary: Summary, document: Document, read_seconds: float | None = None) -> dict:
+    """The JSON object for one summarized document (see the module docstring for the schema)."""
+    return {
+        "schema_version": JSON_SCHEMA_VERSION,
+        "path": document.source,
+        "title": document.title,
+        "format": document.format,
+        "summary": summary.text,
+        "chapters": [
+            {"title": part.title, "summary": part.text, "stats": stats_record(part)} for part in summary.chapters
+        ],
+        "stats": stats_record(summary, read_seconds),
+    }
+
+
+def error_record(source: str, problem: str, error_type: str) -> dict:
+    """The JSON object for an input that could not be summarized."""
+    return {"schema_version": JSON_SCHEMA_VERSION, "path": source, "error": problem, "error_type": error_type}
+
+
+def to_json_line(record: dict) -> str:
+    """One line of JSON (no newline inside, non-ASCII kept readable)."""
+    return json.dumps(record, ensure_ascii=False)
+
+
+def to_json_file(record: dict) -> str:
+    """Indented JSON for a ``.summary.json`` file, ending with a newline."""
+    return json.dumps(record, ensure_ascii=False, indent=2) + "\n"
+
+
+def document_heading(document: Document) -> str:
+    """``The Title — path/to/file``, or just the path when the title is missing or only the file name."""
+    source = "standard input" if document.source == "-" else document.source
+    if not document.title or document.title == Path(document.source).stem:
+        return source
+    return f"{document.title} — {source}"
+
+
+def render_markdown(summary: Summary, document: Document, *, heading: bool) -> str:
+    """The summary as Markdown: ``# heading`` (when asked), the text, then ``## chapter`` sections."""
+    parts = [f"# {document_heading(document)}"] if heading else []
+    parts.append(summary.text)
+    for number, chapter in enumerate(summary.chapters, start=1):
+        title = chapter.title or f"Chapter {number}"
+        parts.append(f"## {title}\n\n{chapter.text}")
+    return "\n\n".join(parts) + "\n"
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` all at once: a temporary file in the same folder, then os.replace.
+
+    An interrupted or failed write removes the temporary file, so ``path`` is either the old
+    file, or absent, or complete. The temporary file is hidden (leading dot) so that a later
+    run over the folder does not read it. Missing parent folders are created.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
+    try:
+        with os.fdopen(handle, "w", encoding="utf-8", newline="\n") as file:
+            file.write(text)
+            file.flush()
+            os.fsync(file.fileno())
+        os.chmod(temporary, 0o666 & ~_current_umask())  # mkstemp makes 0600; give it a normal file's mode
+        os.replace(temporary, path)
+    except BaseException:
+        try:
+            os.unlink(temporary)
+        except FileNotFoundError:
+            pass
+        raise
+
+
+def _current_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask

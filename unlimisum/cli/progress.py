@@ -1,0 +1,327 @@
+"""Progress, memory and per-document results on stderr, drawn with Rich.
+
+``ProgressDisplay`` is the library's progress callback (it takes ``ProgressEvent``s) plus the
+CLI's own stages (loading the model, reading a file). It draws a live display only when
+stderr is a terminal; otherwise, and always with ``show=False`` (``--quiet``), it stays
+silent except for errors. The console, the clock and the memory probe are passed in, so
+tests can render it into a string with a fake clock.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import TYPE_CHECKING, Callable, Iterable
+
+from rich.console import Console, RenderableType
+from rich.markup import escape
+from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Task, TextColumn, TimeElapsedColumn
+from rich.table import Table
+from rich.text import Text
+
+if TYPE_CHECKING:  # the summarizer imports torch; keep `unlimisum --help` and completion fast
+    from unlimisum.summarizer import ProgressEvent, Summary
+
+MEMORY_SAMPLE_SECONDS = 0.25  # how often the live display reads RSS/GPU memory (psutil is cheap, not free)
+
+
+def make_stderr_console() -> Console:
+    """The console for everything that is not a summary: stderr, colour off under NO_COLOR."""
+    return Console(stderr=True, no_color=bool(os.environ.get("NO_COLOR")), highlight=False)
+
+
+def format_bytes(count: int | None) -> str:
+    """``1536`` -> ``1.5 KiB``; binary units, one decimal from KiB on."""
+    if count is None:
+        return "n/a"
+    value = float(count)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_seconds(seconds: float) -> str:
+    """``5.25`` -> ``5.2 s``; ``125`` -> ``2m05s``; ``3725`` -> ``1h02m05s``."""
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    minutes, secs = divmod(int(round(seconds)), 60)
+    if minutes < 60:
+        return f"{minutes}m{secs:02d}s"
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}h{minutes:02d}m{secs:02d}s"
+
+
+class MemoryProbe:
+    """Live memory of this process: resident set size (psutil) and CUDA memory when on CUDA."""
+
+    def __init__(self, cuda_device=None):
+        import psutil
+
+        self._process = psutil.Process()
+        self.cuda_device = cuda_device  # a torch.device of type cuda, or None
+
+    def rss(self) -> int:
+        return self._process.memory_info().rss
+
+    def gpu(self) -> int | None:
+        if self.cuda_device is None:
+            return None
+        import torch
+
+        return torch.cuda.memory_allocated(self.cuda_device)
+
+
+class _CountColumn(ProgressColumn):
+    """``completed/total`` for stages that count (windows, tokens); blank for the others."""
+
+    def render(self, task: Task) -> Text:
+        if not task.fields.get("counted"):
+            return Text("")
+        total = "?" if task.total is None else f"{int(task.total):,}"
+        return Text(f"{int(task.completed):,}/{total}")
+
+
+class _StatusProgress(Progress):
+    """Rich Progress with a status line (document, memory, datastore) under the task rows."""
+
+    def __init__(self, *columns, status: Callable[[], RenderableType], **options):
+        self._status = status  # before super().__init__, which renders once
+        super().__init__(*columns, **options)
+
+    def get_renderables(self) -> Iterable[RenderableType]:
+        yield self.make_tasks_table(self.tasks)
+        yield self._status()
+
+
+class ProgressDisplay:
+    """Renders a summarize run on a Rich console; call it with ``ProgressEvent``s.
+
+    ``show``: False for --quiet (only errors are printed). ``live``: draw the animated
+    display; None decides by ``console.is_terminal``. ``verbose``: also print a log line
+    per stage. Use as a context manager around the run.
+    """
+
+    def __init__(
+        self,
+        console: Console,
+        *,
+        show: bool = True,
+        live: bool | None = None,
+        verbose: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+        memory: MemoryProbe | None = None,
+        auto_refresh: bool = True,
+    ):
+        self.console = console
+        self.show = show
+        self.live = show and (console.is_terminal if live is None else live)
+        self.verbose = verbose if show else 0
+        self.clock = clock
+        self.memory = memory
+        self._started = clock()
+        self._document = ""
+        self._document_number = ""
+        self._datastore_bytes: int | None = None
+        self._rss: int | None = None
+        self._gpu: int | None = None
+        self._memory_sampled_at = float("-inf")
+        self._stage_started = self._started
+        self._stage_units = ""
+        self._tokens = 0
+        self._progress = _StatusProgress(
+            SpinnerColumn(),
+            TextColumn("{task.description}"),
+            BarColumn(bar_width=30),
+            _CountColumn(),
+            TextColumn("{task.fields[rate]}"),
+            TimeElapsedColumn(),
+            status=self._status_line,
+            console=console,
+            transient=True,
+            get_time=clock,
+            auto_refresh=auto_refresh,
+            redirect_stdout=False,  # stdout carries the summaries; never route it through the display
+            disable=not self.live,
+        )
+        self._task = self._progress.add_task("starting", total=None, rate="", counted=False)
+
+    # -- context ---------------------------------------------------------------------------
+
+    def __enter__(self) -> "ProgressDisplay":
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._progress.stop()
+
+    def refresh(self) -> None:
+        """Redraw now (the display also redraws by itself when ``auto_refresh``)."""
+        self._progress.refresh()
+
+    # -- stages the CLI drives ---------------------------------------------------------------
+
+    def set_memory_probe(self, memory: MemoryProbe) -> None:
+        """Use ``memory`` from now on (once the model's device is known)."""
+        self.memory = memory
+
+    def loading_model(self, name: str) -> None:
+        self._stage(f"loading model {name}")
+        self.log(f"loading model {name}")
+
+    def model_loaded(self, name: str, device: str, dtype: str, seconds: float) -> None:
+        self.log(f"model {name} on {device} ({dtype}) loaded in {format_seconds(seconds)}")
+
+    def begin_document(self, number: int, total: int, source: str) -> None:
+        """A new input: show its name and the reading stage."""
+        self._document = "standard input" if source == "-" else source
+        self._document_number = f"{number}/{total}" if total > 1 else ""
+        self._datastore_bytes = None
+        self._stage("reading")
+        self.log(f"reading {self._document}")
+
+    # -- the library's callback --------------------------------------------------------------
+
+    def __call__(self, event: ProgressEvent) -> None:
+        """Take one ``ProgressEvent`` from the Summarizer."""
+        handler = getattr(self, f"_on_{event.stage}", None)
+        if handler is not None:
+            handler(event)
+        self._sample_memory()
+
+    def _on_tokenize(self, event: ProgressEvent) -> None:
+        if event.completed == 0:
+            self._stage("tokenizing")
+        else:
+            self.log(f"tokenized: {event.info.get('tokens', 0):,} tokens")
+
+    def _on_encode(self, event: ProgressEvent) -> None:
+        self._tokens = int(event.info.get("tokens", 0))
+        if event.completed == 0:
+            self._stage("encoding windows", total=event.total, units="tokens/s")
+            self.log(
+                f"encoding {self._tokens:,} tokens in {event.total:,} windows; "
+                f"index: {event.info.get('index')} on {event.info.get('index_device')}"
+            )
+            return
+        fraction = event.completed / event.total if event.total else 0.0
+        self._advance(event.completed, rate_count=self._tokens * fraction)
+
+    def _on_index(self, event: ProgressEvent) -> None:
+        if event.completed == 0:
+            self._stage(f"building the index ({event.info.get('index')} on {event.info.get('index_device')})")
+        else:
+            self._datastore_bytes = event.info.get("bytes")
+            self.log(f"index built: {format_bytes(self._datastore_bytes)}")
+
+    def _on_generate(self, event: ProgressEvent) -> None:
+        if event.completed == 0:
+            self._stage("generating tokens", total=event.total, units="tokens/s")
+            limit = f"up to {event.total:,} tokens" if event.total else "tokens"
+            self.log(f"generating {limit} for {event.document}" if event.document else f"generating {limit}")
+            return
+        self._advance(event.completed, rate_count=event.completed)
+
+    # -- results -------------------------------------------------------------------------------
+
+    def document_done(self, summary: Summary, source: str, seconds: float, output=None) -> None:
+        """The one-line summary of a finished document (not in quiet mode)."""
+        if not self.show:
+            return
+        stats = summary.stats
+        generate_seconds = stats.timings.get("generate", 0.0)
+        rate = f" ({stats.generated_tokens / generate_seconds:,.1f} tokens/s)" if generate_seconds > 0 else ""
+        parts = [
+            f"{stats.input_tokens:,} tokens in {stats.windows:,} windows",
+            f"{stats.index_kind} index on {stats.index_device} ({format_bytes(stats.datastore_bytes)}), k={stats.top_k}",
+            f"{stats.generated_tokens:,} tokens generated{rate}",
+        ]
+        if summary.chapters:
+            parts.append(f"{len(summary.chapters)} chapter summaries")
+        parts.append(f"peak RSS {format_bytes(stats.peak_rss_bytes)}")
+        if stats.peak_gpu_bytes is not None:
+            parts.append(f"peak GPU {format_bytes(stats.peak_gpu_bytes)}")
+        parts.append(format_seconds(seconds))
+        line = f"[green]done[/] {escape(_display_name(source))}: " + escape(" · ".join(parts))
+        if output is not None:
+            line += f" -> {escape(str(output))}"
+        self.console.print(line, soft_wrap=True)
+
+    def document_skipped(self, source: str, output) -> None:
+        """An input whose output exists (--skip-existing)."""
+        if self.show:
+            self.console.print(
+                f"[yellow]skipped[/] {escape(_display_name(source))}: {escape(str(output))} exists", soft_wrap=True
+            )
+
+    def document_failed(self, source: str, problem: str) -> None:
+        """An input that failed: always printed, even in quiet mode."""
+        self.console.print(f"[red]unlimisum: error:[/] {escape(_display_name(source))}: {escape(problem)}", soft_wrap=True)
+
+    def failure_report(self, failures: list[tuple[str, str]], total: int) -> None:
+        """The closing list of failed inputs (always printed)."""
+        heading = f"{len(failures)} of {total} inputs failed:"
+        if self.console.is_terminal:
+            table = Table(title=heading, title_justify="left", show_edge=False, header_style="bold")
+            table.add_column("input", overflow="fold")
+            table.add_column("problem", overflow="fold")
+            for source, problem in failures:
+                table.add_row(_display_name(source), problem)
+            self.console.print(table)
+            return
+        self.console.print(heading, soft_wrap=True)
+        for source, problem in failures:
+            self.console.print(f"  {escape(_display_name(source))}: {escape(problem)}", soft_wrap=True)
+
+    def log(self, message: str) -> None:
+        """A log line (only with -v)."""
+        if self.verbose:
+            elapsed = self.clock() - self._started
+            self.console.print(f"[dim]{elapsed:8.2f}s[/] {escape(message)}", soft_wrap=True)
+
+    def note(self, message: str) -> None:
+        """A line for the user that is neither an error nor a log (not in quiet mode)."""
+        if self.show:
+            self.console.print(escape(message), soft_wrap=True)
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _stage(self, description: str, *, total: int | None = None, units: str = "") -> None:
+        self._stage_started = self.clock()
+        self._stage_units = units
+        self._progress.reset(
+            self._task, total=total, completed=0, description=description, rate="", counted=total is not None
+        )
+
+    def _advance(self, completed: int, *, rate_count: float) -> None:
+        elapsed = self.clock() - self._stage_started
+        rate = f"{rate_count / elapsed:,.0f} {self._stage_units}" if elapsed > 0 and self._stage_units else ""
+        self._progress.update(self._task, completed=completed, rate=rate)
+
+    def _sample_memory(self) -> None:
+        if self.memory is None or not self.live:
+            return
+        now = self.clock()
+        if now - self._memory_sampled_at < MEMORY_SAMPLE_SECONDS:
+            return
+        self._memory_sampled_at = now
+        self._rss = self.memory.rss()
+        self._gpu = self.memory.gpu()
+
+    def _status_line(self) -> Text:
+        parts = []
+        if self._document:
+            number = f" ({self._document_number})" if self._document_number else ""
+            parts.append(f"{self._document}{number}")
+        if self._rss is not None:
+            parts.append(f"RSS {format_bytes(self._rss)}")
+        if self._gpu is not None:
+            parts.append(f"GPU {format_bytes(self._gpu)}")
+        if self._datastore_bytes is not None:
+            parts.append(f"datastore {format_bytes(self._datastore_bytes)}")
+        return Text("  " + " · ".join(parts), style="dim")
+
+
+def _display_name(source: str) -> str:
+    return "standard input" if source == "-" else source
