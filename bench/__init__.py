@@ -1,0 +1,1 @@
+"""Benchmarks: each prints figures and writes JSON under bench/results/."""

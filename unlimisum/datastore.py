@@ -1,0 +1,350 @@
+"""The datastore: every encoded input state h_e [N, d], stored once, searched by inner product.
+
+One copy of the states in 16 bits serves both the search (which tokens each head attends
+to) and the value lookup (``weighted_sum``, the attention output in hidden space). How:
+
+- exact on CPU: a ``faiss.IndexScalarQuantizer`` (fp16/bf16; ``IndexFlatIP`` for float32)
+  whose ``codes`` buffer is sized once to N*d*2 bytes; ``add`` writes each chunk straight
+  into a zero-copy torch view of that buffer, ``finish`` sets ``ntotal``. ~2.0 bytes per
+  number, no growth reallocation, no fp32 copy.
+- exact on GPU (and on CPU when asked, for tests): a 16-bit torch tensor, searched by
+  chunked matmul with fp32 upcast and a running top-k merge (no faiss-gpu needed).
+- ivf: the exact buffer above plus an ``IndexIVFScalarQuantizer`` trained at ``finish`` on a
+  strided sample of it. Inverted lists keep their own codes and int64 ids, so IVF holds
+  the states twice (~4 bytes per number + 8 per token); lists are sized exactly, once.
+- hnsw: ``IndexHNSWSQ``; its storage is reserved once and is the only copy (values are a
+  zero-copy view of it); the graph adds ~0.3 bytes per number at d=768 (M=32).
+
+Scores are always the inner products of the fp32 query with the stored (decoded) state.
+"""
+
+from __future__ import annotations
+
+import math
+
+import faiss
+import numpy as np
+import torch
+
+from .config import IndexConfig
+from .errors import ConfigError
+from .placement import APPROXIMATE_KINDS, IndexPlan, plan_index, storage_dtype, validate_index_config
+
+__all__ = ["IndexPlan", "plan_index", "DatastoreBuilder", "Datastore", "attention_mass_recall",
+           "TorchExactDatastore", "FaissDatastore", "IVFDatastore", "HNSWDatastore"]
+
+# Bound on the temporaries of one search or weighted_sum step (fp32 upcasts, gathers).
+CHUNK_BYTES_CPU = 64 * 2**20
+CHUNK_BYTES_GPU = 256 * 2**20  # bigger steps on the GPU: fewer kernel launches, still small next to the store
+# IVF: nlist ~ 4 sqrt(N) (faiss' usual range), trained with faiss' minimum of 39 points per list on
+# at most a quarter of the states, so the fp32 training sample stays under half the fp16 store.
+IVF_LISTS_PER_SQRT_N = 4
+IVF_TRAIN_POINTS_PER_LIST = 39
+IVF_MAX_TRAIN_FRACTION = 0.25
+# HNSW: M=32 links per node and efConstruction=80 (build time grows with both; recall saturates);
+# efSearch = 2k, since fewer than k candidates in the beam cannot fill k results.
+HNSW_M = 32
+HNSW_EF_CONSTRUCTION = 80
+HNSW_EF_PER_K = 2
+
+_SCALAR_QUANTIZER = {torch.float16: faiss.ScalarQuantizer.QT_fp16, torch.bfloat16: faiss.ScalarQuantizer.QT_bf16}
+
+
+class Datastore:
+    """The encoded input, ready for search and value lookup. Build it with ``DatastoreBuilder``."""
+
+    def __init__(self, states: torch.Tensor, kind: str, device: str, nbytes: int):
+        self._states = states  # [N, d] 16-bit (or fp32), the one copy of the encoded input
+        self.n_tokens, self.dim = states.shape
+        self.kind = kind
+        self.device = device
+        self.storage_dtype = states.dtype
+        self.nbytes = nbytes  # states + index structures
+        self._chunk_bytes = CHUNK_BYTES_GPU if states.device.type == "cuda" else CHUNK_BYTES_CPU
+
+    def __repr__(self) -> str:
+        return (f"Datastore(kind={self.kind!r}, device={self.device!r}, n_tokens={self.n_tokens}, dim={self.dim}, "
+                f"storage_dtype={self.storage_dtype}, nbytes={self.nbytes})")
+
+    def states(self) -> torch.Tensor:
+        """[N, d] zero-copy view of the stored states, valid while this datastore lives."""
+        return self._states
+
+    def search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k stored states by inner product for each query.
+
+        queries [nq, d] on any device -> (scores [nq, k'] float32, ids [nq, k'] int64) on that device,
+        k' = min(k, N), sorted by score descending. Approximate kinds may find fewer than k': the
+        missing tail is id 0 with score -inf (weight 0 after softmax).
+        """
+        if queries.dim() != 2 or queries.shape[1] != self.dim:
+            raise ValueError(f"queries must be [nq, {self.dim}], got {list(queries.shape)}")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        k = min(k, self.n_tokens)
+        scores, ids = self._search(queries.detach().float(), k)
+        return scores.to(queries.device), ids.to(queries.device)
+
+    def _search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def weighted_sum(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum_j weights[i, j] * state[ids[i, j]]: ids [nq, k] int64, weights [nq, k] -> [nq, d] float32.
+
+        The result is on the weights' device. Gathers in bounded steps (rows of nq, and slices of k
+        when one row is too big), never materialising [nq, k, d].
+        """
+        if ids.shape != weights.shape or ids.dim() != 2:
+            raise ValueError(f"ids and weights must both be [nq, k], got {list(ids.shape)} and {list(weights.shape)}")
+        out_device = weights.device
+        ids = ids.to(self._states.device)
+        weights = weights.to(self._states.device, torch.float32)
+        out = torch.zeros(ids.shape[0], self.dim, dtype=torch.float32, device=self._states.device)  # [nq, d]
+        for rows, cols in self._gather_steps(*ids.shape):
+            gathered = self._states[ids[rows, cols]].float()  # [r, c, d]
+            out[rows] += torch.bmm(weights[rows, cols].unsqueeze(1), gathered).squeeze(1)  # [r, d]
+        return out.to(out_device)
+
+    def _gather_steps(self, nq: int, k: int):
+        """(row slice, column slice) blocks of an [nq, k] id matrix whose gathered states, 16-bit plus
+        their fp32 upcast, fit in the chunk budget: rows of nq, and slices of k when one row is too big."""
+        bytes_per_state = self.dim * (self._states.element_size() + 4)
+        k_step = max(1, min(k, self._chunk_bytes // bytes_per_state))
+        row_step = max(1, self._chunk_bytes // (k_step * bytes_per_state))
+        for r in range(0, nq, row_step):
+            for c in range(0, k, k_step):
+                yield slice(r, r + row_step), slice(c, c + k_step)
+
+
+class TorchExactDatastore(Datastore):
+    """Exact search by chunked matmul over a torch tensor on any device (the GPU backend)."""
+
+    def _search(self, queries, k):
+        queries = queries.to(self._states.device)  # [nq, d] fp32
+        rows = max(1, self._chunk_bytes // (self.dim * 4))  # states per step, upcast to fp32
+        best_scores = best_ids = None  # [nq, <=k]
+        for start in range(0, self.n_tokens, rows):
+            block = self._states[start:start + rows].float()  # [rows, d] fp32 temporary
+            scores, ids = (queries @ block.T).topk(min(k, block.shape[0]), dim=1)  # [nq, <=k]
+            ids += start
+            if best_scores is not None:
+                scores, ids = torch.cat([best_scores, scores], 1), torch.cat([best_ids, ids], 1)
+                scores, order = scores.topk(min(k, scores.shape[1]), dim=1)
+                ids = ids.gather(1, order)
+            best_scores, best_ids = scores, ids
+        return best_scores, best_ids
+
+
+class FaissDatastore(Datastore):
+    """Search through a faiss index on the CPU (exact flat/SQ here; IVF and HNSW below)."""
+
+    def __init__(self, states, kind, nbytes, index: faiss.Index, keep_alive: tuple = ()):
+        super().__init__(states, kind, "cpu", nbytes)
+        self._index = index
+        self._keep_alive = keep_alive  # faiss objects the index or the states view point into
+
+    def _search_params(self, k: int):
+        return None
+
+    def _search(self, queries, k):
+        x = np.ascontiguousarray(queries.cpu().numpy())  # [nq, d] fp32
+        scores, ids = self._index.search(x, k, params=self._search_params(k))  # [nq, k], id -1: not found
+        scores, ids = torch.from_numpy(scores), torch.from_numpy(ids)
+        missing = ids < 0
+        if missing.any():
+            ids = ids.masked_fill(missing, 0)
+            scores = scores.masked_fill(missing, float("-inf"))
+        return scores, ids
+
+
+class IVFDatastore(FaissDatastore):
+    """IVF: probes enough lists to scan about ``scan_factor * k`` states per query."""
+
+    def __init__(self, states, nbytes, index, keep_alive, scan_factor: float):
+        super().__init__(states, "ivf", nbytes, index, keep_alive)
+        self.nlist = index.nlist
+        self.scan_factor = scan_factor  # tunable after building (the benchmark sweeps it)
+
+    def nprobe(self, k: int) -> int:
+        """Lists probed for a top-k search: enough for ~scan_factor*k states, at most all of them."""
+        mean_list = self.n_tokens / self.nlist
+        return min(self.nlist, max(1, math.ceil(self.scan_factor * k / mean_list)))
+
+    def _search_params(self, k):
+        return faiss.SearchParametersIVF(nprobe=self.nprobe(k))
+
+
+class HNSWDatastore(FaissDatastore):
+    """HNSW: searches with a beam of ``ef_per_k * k`` candidates."""
+
+    def __init__(self, states, nbytes, index, keep_alive, ef_per_k: float = HNSW_EF_PER_K):
+        super().__init__(states, "hnsw", nbytes, index, keep_alive)
+        self.ef_per_k = ef_per_k  # tunable after building
+
+    def _search_params(self, k):
+        return faiss.SearchParametersHNSW(efSearch=max(16, math.ceil(self.ef_per_k * k)))
+
+
+class DatastoreBuilder:
+    """Collect the encoded states chunk by chunk, in input order, then ``finish()`` into a Datastore.
+
+    ``exact_backend`` ("auto" | "faiss" | "torch") picks how an exact CPU store searches; auto is faiss
+    on the CPU (faster there) and torch on the GPU. Tests use "torch" to check the GPU code on the CPU.
+    """
+
+    def __init__(self, n_tokens: int, dim: int, plan: IndexPlan, config: IndexConfig = IndexConfig(),
+                 *, exact_backend: str = "auto"):
+        validate_index_config(config)
+        if n_tokens <= 0 or dim <= 0:
+            raise ValueError(f"a datastore needs at least one token and one dimension, got {n_tokens} x {dim}")
+        if plan.kind not in ("exact", *APPROXIMATE_KINDS):
+            raise ValueError(f"unknown index kind {plan.kind!r}")
+        if exact_backend not in ("auto", "faiss", "torch"):
+            raise ValueError(f"exact_backend must be auto, faiss or torch, not {exact_backend!r}")
+        on_cpu = torch.device(plan.device).type == "cpu"
+        if plan.kind != "exact" and not on_cpu:
+            raise ValueError(f"index kind {plan.kind!r} runs on the CPU only, not on {plan.device}")
+        if exact_backend == "faiss" and not on_cpu:
+            raise ValueError("the faiss exact backend runs on the CPU only")
+        self.n_tokens, self.dim, self.plan, self.config = n_tokens, dim, plan, config
+        self.dtype = storage_dtype(config)
+        self._filled = 0
+        self._use_torch = plan.kind == "exact" and (exact_backend == "torch" or not on_cpu)
+        nbytes = n_tokens * dim * self.dtype.itemsize
+        if self._use_torch:
+            self._index = None
+            self._states = torch.empty(n_tokens, dim, dtype=self.dtype, device=plan.device)  # [N, d]
+        elif plan.kind == "hnsw":
+            self._index = _new_hnsw_index(dim, self.dtype)
+            self._codes_owner = faiss.downcast_index(self._index.storage)
+            _reserve(self._codes_owner.codes, nbytes)  # storage.add appends without ever reallocating
+        else:  # exact or ivf: a flat buffer filled in place
+            self._index = _new_flat_index(dim, self.dtype)
+            self._codes_owner = self._index
+            self._index.codes.resize(nbytes)
+            self._states = _codes_view(self._index.codes, n_tokens, dim, self.dtype)  # [N, d]
+
+    def add(self, states: torch.Tensor) -> None:
+        """Append encoded states [n, d] (any float dtype, any device) after those added before."""
+        if states.dim() != 2 or states.shape[1] != self.dim or not states.is_floating_point():
+            raise ValueError(f"states must be a float tensor [n, {self.dim}], got {states.dtype} {list(states.shape)}")
+        n = states.shape[0]
+        if self._filled + n > self.n_tokens:
+            raise ValueError(f"datastore announced {self.n_tokens} tokens but {self._filled + n} were added")
+        states = states.detach()
+        if self.plan.kind == "hnsw":
+            rows = max(1, CHUNK_BYTES_CPU // (self.dim * 4))
+            for start in range(0, n, rows):
+                x = states[start:start + rows].to("cpu", torch.float32)  # [rows, d] fp32 temporary
+                self._check_range(x)
+                self._index.add(np.ascontiguousarray(x.numpy()))
+        else:
+            target = self._states[self._filled:self._filled + n]  # [n, d] view into the store
+            target.copy_(states)
+            self._check_range(target)
+        self._filled += n
+
+    def _check_range(self, x: torch.Tensor) -> None:
+        """fp16 storage turns states beyond +-65504 into inf: say so instead of searching garbage."""
+        if self.dtype != torch.float16:
+            return
+        if torch.isinf(x).any() if x.dtype == torch.float16 else x.abs().amax() > 65504:
+            raise ConfigError("encoder states exceed the float16 range; set the index storage_dtype to "
+                              "'bfloat16' or 'float32'")
+
+    def finish(self) -> Datastore:
+        """The built Datastore; every announced token must have been added."""
+        if self._filled != self.n_tokens:
+            raise ValueError(f"datastore announced {self.n_tokens} tokens but only {self._filled} were added")
+        n, d, dtype = self.n_tokens, self.dim, self.dtype
+        states_bytes = n * d * dtype.itemsize
+        if self._use_torch:
+            return TorchExactDatastore(self._states, "exact", self.plan.device, states_bytes)
+        if self.plan.kind == "hnsw":
+            hnsw = self._index.hnsw
+            assert self._codes_owner.codes.size() == states_bytes, "HNSW storage does not hold every state"
+            states = _codes_view(self._codes_owner.codes, n, d, dtype)  # the storage's own codes
+            graph_bytes = hnsw.neighbors.size() * 4 + hnsw.levels.size() * 4 + hnsw.offsets.size() * 8
+            return HNSWDatastore(states, states_bytes + graph_bytes, self._index, (self._codes_owner,))
+        self._index.ntotal = n
+        if self.plan.kind == "exact":
+            return FaissDatastore(self._states, "exact", states_bytes, self._index)
+        return self._finish_ivf()
+
+    def _finish_ivf(self) -> Datastore:
+        """Train an IVF on a strided sample of the filled buffer, then fill exactly sized lists from it."""
+        n, d, dtype, states = self.n_tokens, self.dim, self.dtype, self._states
+        nlist = max(1, min(round(IVF_LISTS_PER_SQRT_N * math.sqrt(n)),
+                           int(n * IVF_MAX_TRAIN_FRACTION) // IVF_TRAIN_POINTS_PER_LIST))
+        quantizer = faiss.IndexFlatIP(d)
+        if dtype == torch.float32:
+            ivf = faiss.IndexIVFFlat(quantizer, d, nlist, faiss.METRIC_INNER_PRODUCT)
+        else:
+            ivf = faiss.IndexIVFScalarQuantizer(quantizer, d, nlist, _SCALAR_QUANTIZER[dtype],
+                                                faiss.METRIC_INNER_PRODUCT, False)
+        n_train = min(n, max(nlist * IVF_TRAIN_POINTS_PER_LIST, 1))
+        sample = states[torch.linspace(0, n - 1, n_train).long()].float()  # [n_train, d] fp32
+        ivf.train(np.ascontiguousarray(sample.numpy()))
+        del sample
+
+        rows = max(1, CHUNK_BYTES_CPU // (d * 4))
+        assign = np.empty(n, dtype=np.int64)  # list of every state, computed once
+        for start in range(0, n, rows):
+            x = np.ascontiguousarray(states[start:start + rows].float().numpy())  # [rows, d] fp32 temporary
+            assign[start:start + len(x)] = quantizer.search(x, 1)[1].ravel()
+        lists = faiss.downcast_InvertedLists(ivf.invlists)
+        for list_no, size in enumerate(np.bincount(assign, minlength=nlist)):
+            lists.resize(list_no, int(size))  # reserve exactly: adding later never reallocates
+            lists.resize(list_no, 0)
+        for start in range(0, n, rows):
+            x = np.ascontiguousarray(states[start:start + rows].float().numpy())
+            ivf.add_core(len(x), faiss.swig_ptr(x), None, faiss.swig_ptr(assign[start:start + len(x)]))
+        del assign
+
+        lists_bytes = n * (lists.code_size + 8) + nlist * d * 4  # codes + int64 ids + centroids
+        nbytes = n * d * dtype.itemsize + lists_bytes
+        return IVFDatastore(states, nbytes, ivf, (self._index, quantizer), self.config.ivf_scan_factor)
+
+
+def attention_mass_recall(exact: Datastore, approx: Datastore, queries: torch.Tensor, k: int,
+                          scaling: float = 1.0) -> float:
+    """Mean over queries of the exact top-k attention mass (softmax of scores*scaling) that
+    the approximate top-k also retrieved. 1.0 means the approximation loses nothing."""
+    exact_scores, exact_ids = exact.search(queries, k)  # [nq, k]
+    approx_scores, approx_ids = approx.search(queries, k)
+    mass = torch.softmax(exact_scores * scaling, dim=1)  # [nq, k]
+    found = approx_ids.masked_fill(approx_scores == float("-inf"), -1).sort(dim=1).values  # padding matches nothing
+    pos = torch.searchsorted(found, exact_ids).clamp(max=found.shape[1] - 1)
+    hit = found.gather(1, pos) == exact_ids  # [nq, k]
+    return float((mass * hit).sum(1).mean())
+
+
+# --- faiss plumbing -----------------------------------------------------------------------------
+
+
+def _new_flat_index(dim: int, dtype: torch.dtype) -> faiss.Index:
+    if dtype == torch.float32:
+        return faiss.IndexFlatIP(dim)
+    return faiss.IndexScalarQuantizer(dim, _SCALAR_QUANTIZER[dtype], faiss.METRIC_INNER_PRODUCT)
+
+
+def _new_hnsw_index(dim: int, dtype: torch.dtype) -> faiss.Index:
+    if dtype == torch.float32:
+        index = faiss.IndexHNSWFlat(dim, HNSW_M, faiss.METRIC_INNER_PRODUCT)
+    else:
+        index = faiss.IndexHNSWSQ(dim, _SCALAR_QUANTIZER[dtype], HNSW_M, faiss.METRIC_INNER_PRODUCT)
+    index.hnsw.efConstruction = HNSW_EF_CONSTRUCTION
+    return index
+
+
+def _reserve(codes, nbytes: int) -> None:
+    """Give a faiss byte vector capacity for ``nbytes`` (resize up then down keeps the capacity)."""
+    codes.resize(nbytes)
+    codes.resize(0)
+
+
+def _codes_view(codes, n: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
+    """[n, dim] torch view of a faiss code buffer holding ``dtype`` numbers; no copy."""
+    raw = faiss.rev_swig_ptr(codes.data(), n * dim * dtype.itemsize)  # numpy uint8 over faiss memory
+    return torch.from_numpy(raw).view(dtype).view(n, dim)
+
