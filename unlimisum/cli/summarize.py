@@ -7,9 +7,13 @@ reported and skipped; Ctrl-C stops at once and leaves no partial output file.
 
 from __future__ import annotations
 
+import io
+import os
 import re
+import sys
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, List, Literal, Optional
@@ -81,7 +85,7 @@ def _check_device(value: str) -> str:
 @app.command()
 def summarize(
     paths: List[str] = typer.Argument(
-        ..., metavar="PATH...",
+        ..., metavar="PATH",
         help="Files (text, EPUB, PDF), folders (searched recursively) or '-' for standard input. "
         "Put '--' before names that start with '-'.",
     ),
@@ -225,8 +229,13 @@ def summarize(
         raise fail(error, EXIT_USAGE)
     runner = BatchRunner(settings, display)
     try:
-        with display:
+        with display, warnings.catch_warnings():
+            if quiet:  # library warnings would break the promise of an empty stderr
+                warnings.simplefilter("ignore")
             result = runner.run(jobs)
+    except BrokenPipeError:  # `unlimisum summarize ... | head`: the reader left; stop quietly
+        _silence_stdout()
+        raise typer.Exit(EXIT_FAILURE)
     except KeyboardInterrupt:
         resume = "; rerun with --skip-existing to resume" if output_dir is not None else ""
         typer.echo(f"unlimisum: interrupted after {runner.result.done} of {len(jobs)} inputs{resume}", err=True)
@@ -337,6 +346,8 @@ class BatchRunner:
         except UnlimisumError as error:
             self._failed(job, error.problem, type(error).__name__)
             return
+        except BrokenPipeError:
+            raise
         except OSError as error:  # writing the output: disk full, permission denied
             self._failed(job, f"cannot write the summary ({error.strerror or error})", type(error).__name__)
             return
@@ -382,3 +393,13 @@ def _unexpected(error: Exception) -> str:
 
 def _echo(text: str) -> None:
     typer.echo(text, nl=False)
+    sys.stdout.flush()  # one document at a time: a pipe sees each summary when it is done
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush does not fail again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
+        pass

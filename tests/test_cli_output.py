@@ -1,0 +1,215 @@
+"""The CLI's pieces on their own: job planning, atomic writes, rendering, the Rich progress display."""
+
+from __future__ import annotations
+
+import io
+import os
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from unlimisum.cli import output
+from unlimisum.cli.jobs import JSON_EXTENSION, plan_jobs
+from unlimisum.cli.output import atomic_write_text, render_markdown
+from unlimisum.cli.progress import ProgressDisplay, format_bytes, format_seconds
+from unlimisum.document import Chapter, Document
+from unlimisum.errors import ConfigError
+from unlimisum.summarizer import ProgressEvent, Summary, SummaryStats
+
+
+def make_summary(text="A short summary.", chapters=()):
+    stats = SummaryStats(
+        model="tiny", input_tokens=1234, windows=5, window=64, index_kind="exact", index_device="cpu", top_k=64,
+        datastore_bytes=3 * 2**20, generated_tokens=40, timings={"generate": 2.0}, peak_rss_bytes=2**30,
+        peak_gpu_bytes=None,
+    )
+    return Summary(text=text, title="Book", source="book.txt", stats=stats, chapters=tuple(chapters))
+
+
+# -- jobs ------------------------------------------------------------------------------------
+
+
+def touch(path: Path, text: str = "text") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def test_outputs_mirror_subfolders_of_each_directory_argument(tmp_path):
+    touch(tmp_path / "shelf" / "a.txt")
+    touch(tmp_path / "shelf" / "deep" / "er" / "b.epub")
+    touch(tmp_path / "shelf" / "a.summary.md")  # an earlier output next to its book: not an input
+    loose = touch(tmp_path / "loose.pdf")
+    out = tmp_path / "out"
+    jobs = plan_jobs([str(tmp_path / "shelf"), str(loose), "-"], out)
+    assert [(job.source, job.output) for job in jobs] == [
+        (str(tmp_path / "shelf" / "a.txt"), out / "a.summary.md"),
+        (str(tmp_path / "shelf" / "deep" / "er" / "b.epub"), out / "deep" / "er" / "b.summary.md"),
+        (str(loose), out / "loose.summary.md"),
+        ("-", out / "stdin.summary.md"),
+    ]
+    assert all(job.problem is None for job in jobs)
+
+
+def test_same_stem_keeps_suffixes_and_duplicates_are_dropped(tmp_path):
+    text, pdf = touch(tmp_path / "book.txt"), touch(tmp_path / "book.pdf")
+    jobs = plan_jobs([str(text), str(pdf), str(tmp_path / "." / "book.txt")], tmp_path / "out", JSON_EXTENSION)
+    assert [job.output.name for job in jobs] == ["book.txt.summary.json", "book.pdf.summary.json"]
+
+
+def test_two_directories_with_the_same_layout_conflict(tmp_path):
+    first, second = touch(tmp_path / "a" / "x.txt"), touch(tmp_path / "b" / "x.txt")
+    jobs = plan_jobs([str(first.parent), str(second.parent)], tmp_path / "out")
+    problems = [job.problem for job in jobs]
+    assert problems[0] is None and "also the output of" in str(problems[1])
+
+
+def test_an_output_that_is_an_input_is_refused(tmp_path):
+    book = touch(tmp_path / "book.txt")
+    os.link(book, tmp_path / "book.summary.md")  # a hard link: same file, other name
+    (job,) = plan_jobs([str(book)], tmp_path)
+    assert "that is an input file" in str(job.problem)
+
+
+def test_stdin_twice_is_a_usage_error():
+    with pytest.raises(ConfigError):
+        plan_jobs(["-", "-"], None)
+
+
+def test_without_output_dir_jobs_print(tmp_path):
+    (job,) = plan_jobs([str(touch(tmp_path / "a.txt"))], None)
+    assert job.output is None and job.problem is None
+
+
+# -- atomic writes and rendering ---------------------------------------------------------------
+
+
+def test_atomic_write_creates_folders_and_replaces(tmp_path):
+    target = tmp_path / "new" / "dir" / "x.summary.md"
+    atomic_write_text(target, "one")
+    atomic_write_text(target, "two")
+    assert target.read_text() == "two"
+    assert os.listdir(target.parent) == ["x.summary.md"]
+    assert oct(target.stat().st_mode & 0o777) != oct(0o600)  # a normal file's mode, not mkstemp's
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, OSError])
+def test_interrupted_write_leaves_the_old_file_and_no_temporary(tmp_path, monkeypatch, failure):
+    target = tmp_path / "x.summary.md"
+    target.write_text("old")
+
+    def broken_replace(source, destination):
+        raise failure()
+
+    monkeypatch.setattr(output.os, "replace", broken_replace)
+    with pytest.raises(failure):
+        atomic_write_text(target, "new")
+    assert os.listdir(tmp_path) == ["x.summary.md"] and target.read_text() == "old"
+
+
+def test_markdown_has_heading_and_chapter_sections():
+    document = Document(title="Book", chapters=(Chapter("One", "a"), Chapter("", "b")), source="shelf/book.epub")
+    stats = make_summary().stats
+    summary = make_summary(chapters=[Summary("first", "One", "", stats), Summary("second", "", "", stats)])
+    text = render_markdown(summary, document, heading=True)
+    assert text == "# Book — shelf/book.epub\n\nA short summary.\n\n## One\n\nfirst\n\n## Chapter 2\n\nsecond\n"
+    assert render_markdown(make_summary(), document, heading=False) == "A short summary.\n"
+
+
+def test_formatting():
+    assert format_bytes(512) == "512 B" and format_bytes(1536) == "1.5 KiB" and format_bytes(3 * 2**30) == "3.0 GiB"
+    assert format_seconds(5.25) == "5.2 s" and format_seconds(125) == "2m05s" and format_seconds(3725) == "1h02m05s"
+
+
+# -- progress display -----------------------------------------------------------------------------
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+
+    def __call__(self):
+        return self.now
+
+
+class FakeMemory:
+    cuda_device = None
+
+    def rss(self):
+        return 512 * 2**20
+
+    def gpu(self):
+        return 3 * 2**30
+
+
+def terminal(width=160):
+    return Console(file=io.StringIO(), force_terminal=True, width=width, color_system=None)
+
+
+def test_live_display_shows_stages_rates_memory_and_datastore():
+    console, clock = terminal(), FakeClock()
+    display = ProgressDisplay(console, clock=clock, memory=FakeMemory(), auto_refresh=False)
+    with display:
+        display.begin_document(2, 3, "shelf/book.epub")
+        display(ProgressEvent("tokenize", 0, 1, "Book"))
+        display(ProgressEvent("tokenize", 1, 1, "Book", {"tokens": 10_000}))
+        info = {"tokens": 10_000, "index": "exact", "index_device": "cpu"}
+        display(ProgressEvent("encode", 0, 4, "Book", info))
+        clock.now += 2.0
+        display(ProgressEvent("encode", 2, 4, "Book", info))  # 5,000 tokens in 2 s
+        display.refresh()
+        encoding = console.file.getvalue()
+        display(ProgressEvent("index", 0, 1, "Book", info))
+        display(ProgressEvent("index", 1, 1, "Book", dict(info, bytes=3 * 2**20)))
+        display(ProgressEvent("generate", 0, 256, "Book"))
+        clock.now += 4.0
+        display(ProgressEvent("generate", 100, 256, "Book"))  # 100 tokens in 4 s
+        display.refresh()
+        generating = console.file.getvalue()[len(encoding):]
+    assert "encoding windows" in encoding and "2/4" in encoding and "2,500 tokens/s" in encoding
+    assert "shelf/book.epub (2/3)" in encoding and "RSS 512.0 MiB" in encoding and "GPU 3.0 GiB" in encoding
+    assert "generating tokens" in generating and "100/256" in generating and "25 tokens/s" in generating
+    assert "datastore 3.0 MiB" in generating
+
+
+def test_done_line_and_failures_without_a_terminal():
+    console = Console(file=io.StringIO(), force_terminal=False, width=60)
+    display = ProgressDisplay(console, clock=FakeClock())
+    assert not display.live
+    with display:
+        display.begin_document(1, 2, "book.txt")
+        display(ProgressEvent("encode", 0, 4, "Book", {"tokens": 10}))
+        display.document_done(make_summary(), "book.txt", 12.5, output=Path("out/book.summary.md"))
+        display.document_failed("a/very/long/path/that/does/not/fit/in/sixty/columns/bad.pdf", "corrupt file")
+        display.failure_report([("a/very/long/path/that/does/not/fit/in/sixty/columns/bad.pdf", "corrupt file")], 2)
+    lines = console.file.getvalue().splitlines()
+    assert lines[0] == (
+        "done book.txt: 1,234 tokens in 5 windows · exact index on cpu (3.0 MiB), k=64 · 40 tokens generated "
+        "(20.0 tokens/s) · peak RSS 1.0 GiB · 12.5 s -> out/book.summary.md"
+    )
+    assert lines[1] == "unlimisum: error: a/very/long/path/that/does/not/fit/in/sixty/columns/bad.pdf: corrupt file"
+    assert lines[2:] == ["1 of 2 inputs failed:", "  a/very/long/path/that/does/not/fit/in/sixty/columns/bad.pdf: corrupt file"]
+
+
+def test_quiet_prints_errors_only():
+    console = terminal()
+    display = ProgressDisplay(console, show=False, verbose=1, clock=FakeClock(), memory=FakeMemory())
+    with display:
+        display.begin_document(1, 1, "book.txt")
+        display(ProgressEvent("generate", 0, 10, "Book"))
+        display.document_done(make_summary(), "book.txt", 1.0)
+        display.document_skipped("other.txt", "out/other.summary.md")
+        display.log("a log line")
+        assert console.file.getvalue() == ""
+        display.document_failed("bad.txt", "empty file")
+    assert console.file.getvalue() == "unlimisum: error: bad.txt: empty file\n"
+
+
+def test_verbose_logs_stages():
+    console = Console(file=io.StringIO(), force_terminal=False, width=200)
+    clock = FakeClock()
+    display = ProgressDisplay(console, verbose=1, clock=clock)
+    clock.now += 1.5
+    display(ProgressEvent("tokenize", 1, 1, "Book", {"tokens": 42}))
+    assert console.file.getvalue() == "    1.50s tokenized: 42 tokens\n"
