@@ -40,9 +40,9 @@ class Job:
     source: str  # the path as given or found ("-" for standard input)
     output: Path | None = None  # None: print on stdout
     problem: UnlimisumError | None = None  # known before reading: the job fails without being read
-    # internal: the output path relative to the output folder, before collisions are resolved
-    _relative_folder: Path = Path()
-    _name: str = ""
+    # where the output goes relative to the output folder, and the input file name (before collisions)
+    relative_folder: Path = Path()
+    name: str = ""
 
     @property
     def is_stdin(self) -> bool:
@@ -72,17 +72,17 @@ def plan_jobs(arguments: list[str], output_dir: Path | None, extension: str = MA
 
 def _jobs_for_argument(argument: str) -> list[Job]:
     if argument == STDIN:
-        return [Job(STDIN, _name="stdin")]
+        return [Job(STDIN, name="stdin")]
     path = Path(argument)
     if not path.is_dir():
-        return [Job(argument, _name=path.name)]
+        return [Job(argument, name=path.name)]
     found = [item for item in expand_paths([path]) if not _is_own_output(Path(item))]
     if not found or found == [path]:
-        return [Job(argument, _name=path.name or "input")]  # reading it reports "holds no supported files"
+        return [Job(argument, name=path.name or "input")]  # reading it reports "holds no supported files"
     jobs = []
     for item in found:
         relative = Path(item).relative_to(path)
-        jobs.append(Job(str(item), _relative_folder=relative.parent, _name=relative.name))
+        jobs.append(Job(str(item), relative_folder=relative.parent, name=relative.name))
     return jobs
 
 
@@ -93,12 +93,12 @@ def _is_own_output(path: Path) -> bool:
 def _assign_outputs(jobs: list[Job], output_dir: Path, extension: str) -> None:
     by_target: dict[Path, list[Job]] = defaultdict(list)
     for job in jobs:
-        stem = Path(job._name).stem if not job.is_stdin else job._name
-        by_target[output_dir / job._relative_folder / f"{stem}{extension}"].append(job)
+        stem = Path(job.name).stem if not job.is_stdin else job.name
+        by_target[output_dir / job.relative_folder / f"{stem}{extension}"].append(job)
     claimed: dict[Path, Job] = {}
     for target, group in by_target.items():
         for job in group:
-            output = target if len(group) == 1 else output_dir / job._relative_folder / f"{job._name}{extension}"
+            output = target if len(group) == 1 else output_dir / job.relative_folder / f"{job.name}{extension}"
             if output in claimed:
                 job.problem = OutputConflictError(
                     f"its output {output} is also the output of {claimed[output].source}; summarize them in separate runs",
