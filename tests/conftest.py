@@ -8,6 +8,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# Tiny models gain nothing from threads, and two of them on two shared cores oversubscribe badly.
+torch.set_num_threads(1)
 
 from tests.tiny_models import build_tiny_model  # noqa: E402
 

@@ -7,7 +7,7 @@ from tests.tiny_models import SAMPLE_TEXT
 from unlimisum import compat
 from unlimisum.config import EncodingConfig, GenerationOptions, IndexConfig, ModelConfig, RetrievalConfig
 from unlimisum.document import Chapter, Document
-from unlimisum.errors import EmptyDocumentError, ModelNotFoundError, UnsupportedModelError
+from unlimisum.errors import ConfigError, EmptyDocumentError, ModelNotFoundError, UnsupportedModelError
 from unlimisum.summarizer import Summarizer, summarize
 
 SHORT = "The lighthouse keeper counted the ships that passed in the night."
@@ -151,7 +151,14 @@ def test_hundred_thousand_token_input_end_to_end(tiny_loaded):
 
 def test_empty_document_is_an_error(tiny_loaded):
     with pytest.raises(EmptyDocumentError, match="no text"):
-        Summarizer(tiny_loaded("bart")).summarize(Document.from_text("  \n", source="blank.txt"))
+        Summarizer(tiny_loaded("bart"), generation=GenerationOptions(max_new_tokens=8)).summarize(
+            Document.from_text("  \n", source="blank.txt")
+        )
+
+
+def test_max_new_tokens_beyond_the_decoders_positions_is_refused(tiny_loaded):
+    with pytest.raises(ConfigError, match="exceeds the 64 positions"):
+        Summarizer(tiny_loaded("bart"), generation=GenerationOptions(max_new_tokens=65))
 
 
 def test_missing_model_names_itself(tmp_path):

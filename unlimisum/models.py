@@ -36,6 +36,16 @@ class LoadedModel:
     def max_source_length(self) -> int:
         return self.architecture.max_source_length(self.model.config, self.tokenizer)
 
+    @property
+    def max_target_length(self) -> int | None:
+        """Positions the decoder has learned embeddings for; None for relative positions (T5: no limit)."""
+        config = self.model.config
+        for name in ("max_decoder_position_embeddings", "max_position_embeddings", "n_positions"):
+            value = getattr(config, name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return None
+
 
 def resolve_device(name: str) -> torch.device:
     """``auto`` is CUDA when available, else CPU; anything else must name an available device."""

@@ -113,6 +113,12 @@ class Summarizer:
         self.retrieval = retrieval
         self.generation = generation
         self.progress = progress or (lambda event: None)
+        limit, wanted = self.loaded.max_target_length, generation.max_new_tokens
+        if limit is not None and wanted is not None and wanted > limit:
+            raise ConfigError(
+                f"max_new_tokens {wanted} exceeds the {limit} positions the decoder of model "
+                f"'{self.loaded.name}' has"
+            )
 
     # -- public -------------------------------------------------------------------------
 

@@ -257,15 +257,6 @@ def check_index_settings(index: IndexConfig) -> None:
     plan_index(1, 1, index)  # validates kind/device and CUDA presence for --index-device gpu
 
 
-def decoder_position_limit(model_config) -> int | None:
-    """The most positions the model's decoder has learned embeddings for (None: relative positions, no limit)."""
-    for name in ("max_decoder_position_embeddings", "max_position_embeddings", "n_positions"):
-        value = getattr(model_config, name, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
 class BatchRunner:
     """Runs the jobs of one `summarize` invocation with one model: read, summarize, write, report."""
 
@@ -313,12 +304,6 @@ class BatchRunner:
         self.display.loading_model(settings.model.name)
         started = self.clock()
         loaded = load_model(settings.model)
-        limit = decoder_position_limit(loaded.model.config)
-        if limit is not None and settings.generation.max_new_tokens > limit:
-            raise ConfigError(
-                f"--max-new-tokens {settings.generation.max_new_tokens} exceeds the {limit} positions "
-                f"the decoder of model '{settings.model.name}' has"
-            )
         self.display.model_loaded(loaded.name, str(loaded.device), str(loaded.dtype).replace("torch.", ""),
                                   self.clock() - started)
         if loaded.device.type == "cuda":
