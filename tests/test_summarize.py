@@ -172,3 +172,12 @@ def test_unsupported_model_fails_before_loading_weights(tmp_path):
     GPT2Config(n_layer=1, n_embd=8, n_head=2).save_pretrained(tmp_path)  # a config and no weights at all
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         Summarizer(ModelConfig(name=str(tmp_path), device="cpu"))
+
+
+def test_public_api_is_importable_from_the_package(tiny_model_dir):
+    import unlimisum
+
+    assert unlimisum.summarize is summarize and unlimisum.Summarizer is Summarizer
+    assert callable(unlimisum.read_document) and issubclass(unlimisum.errors.ConfigError, unlimisum.UnlimisumError)
+    with pytest.raises(AttributeError):
+        unlimisum.no_such_name

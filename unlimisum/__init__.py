@@ -1,8 +1,42 @@
-"""unlimisum: summarize whole books with pretrained encoder-decoder models, no truncation."""
+"""unlimisum: summarize whole books with pretrained encoder-decoder models, no truncation.
+
+The package is the API; the CLI is a thin layer over it::
+
+    import unlimisum
+    summary = unlimisum.summarize(text, model="pszemraj/led-base-book-summary", num_beams=4)
+
+Heavy modules (torch, transformers, faiss) load on first use of what needs them.
+"""
+
+from importlib import import_module
 
 __version__ = "0.1.0"
 
 from unlimisum.document import Chapter, Document  # noqa: E402
 from unlimisum.errors import UnlimisumError  # noqa: E402
 
-__all__ = ["Chapter", "Document", "UnlimisumError", "__version__"]
+_LAZY = {
+    "summarize": "unlimisum.summarizer",
+    "Summarizer": "unlimisum.summarizer",
+    "Summary": "unlimisum.summarizer",
+    "SummaryStats": "unlimisum.summarizer",
+    "ProgressEvent": "unlimisum.summarizer",
+    "load_model": "unlimisum.models",
+    "read_document": "unlimisum.ingest",
+    "read_stdin": "unlimisum.ingest",
+    "EncodingConfig": "unlimisum.config",
+    "GenerationOptions": "unlimisum.config",
+    "IndexConfig": "unlimisum.config",
+    "ModelConfig": "unlimisum.config",
+    "RetrievalConfig": "unlimisum.config",
+    "errors": "unlimisum.errors",
+}
+
+__all__ = ["Chapter", "Document", "UnlimisumError", "__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module 'unlimisum' has no attribute {name!r}")
+    module = import_module(_LAZY[name])
+    return module if name == "errors" else getattr(module, name)
