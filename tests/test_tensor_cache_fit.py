@@ -1,0 +1,94 @@
+"""Fitting λ, η, g of a frozen model, and the `unlimisum tc fit` command."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tests.tiny_models import SAMPLE_TEXT
+from unlimisum.cli import app
+from unlimisum.errors import ConfigError
+from unlimisum.tensor_cache import TensorCacheSettings, load_params, tensor_cache
+from unlimisum.tensor_cache.attention import installed_wrappers
+from unlimisum.tensor_cache.fit import FitSettings, fit_tensor_cache
+
+TEXTS = [SAMPLE_TEXT * 4, SAMPLE_TEXT * 3]
+QUICK = FitSettings(window=6, context=24, steps=3, batch_size=2, encoder_tokens=12)
+
+
+@pytest.mark.parametrize("model_type", ["bart", "t5"])
+def test_fit_learns_only_the_tensor_cache_constants(tiny_loaded, model_type):
+    loaded = tiny_loaded(model_type)
+    model = loaded.model
+    weights = {name: p.detach().clone() for name, p in model.named_parameters()}
+    flags = {name: p.requires_grad for name, p in model.named_parameters()}
+    report = fit_tensor_cache(model, loaded.tokenizer, TEXTS, settings=QUICK, architecture=loaded.architecture)
+
+    for name, parameter in model.named_parameters():  # frozen and restored
+        assert torch.equal(parameter, weights[name]), name
+        assert parameter.requires_grad == flags[name]
+    assert installed_wrappers(model, loaded.architecture) == []
+    params = report.params
+    layers = len(loaded.architecture.decoder_layers(model))
+    assert params.decay_logit.shape[0] == params.write_logit.shape[0] == params.gate_logit.shape[0] == layers
+    assert params.gate_logit.shape[1] == 1  # one gate per layer by default
+    assert not torch.allclose(params.gate_logit, torch.full_like(params.gate_logit, QUICK.init_gate_logit))
+    assert len(report.losses) == QUICK.steps and all(map(torch.isfinite, torch.tensor(report.losses)))
+    # near positions (t < W) cannot see L2: sliding window and Tensor Cache agree there
+    assert report.nll["tensor_cache"]["near"] == pytest.approx(report.nll["sliding_window"]["near"], rel=1e-6)
+    assert set(report.nll) == {"full", "sliding_window", "tensor_cache"}
+    assert report.held_out_blocks >= 1 and report.train_blocks >= 1
+
+
+def test_fitted_parameters_drive_generate(tiny_loaded, tmp_path):
+    loaded = tiny_loaded("bart")
+    report = fit_tensor_cache(loaded.model, loaded.tokenizer, TEXTS, settings=QUICK, architecture=loaded.architecture)
+    from unlimisum.tensor_cache import save_params
+
+    path = save_params(report.params, tmp_path / "tc.safetensors")
+    tokens = loaded.tokenizer(["A short text."], return_tensors="pt")
+    with tensor_cache(loaded.model, loaded.architecture, TensorCacheSettings(params=path)) as session:
+        assert session.window == QUICK.window and not session.gate_closed
+        with torch.no_grad():
+            out = loaded.model.generate(**tokens, max_new_tokens=20, min_new_tokens=20, **session.generate_kwargs())
+        assert out.shape[1] >= 20 and session.retained_bytes() > 0
+
+
+def test_fit_explains_too_little_text(tiny_loaded):
+    loaded = tiny_loaded("bart")
+    with pytest.raises(ConfigError, match="at least 2"):
+        fit_tensor_cache(loaded.model, loaded.tokenizer, ["Too short."], settings=QUICK)
+    with pytest.raises(ConfigError, match="no far positions"):
+        fit_tensor_cache(loaded.model, loaded.tokenizer, TEXTS, settings=FitSettings(window=30, context=24))
+    with pytest.raises(ConfigError, match="exceeds the decoder"):
+        fit_tensor_cache(loaded.model, loaded.tokenizer, TEXTS, settings=FitSettings(window=6, context=1000))
+
+
+def test_tc_fit_command_writes_a_loadable_file(tiny_model_dir, tmp_path):
+    folder = tiny_model_dir("bart")
+    text = tmp_path / "book.txt"
+    text.write_text(SAMPLE_TEXT * 4)
+    out = tmp_path / "tc.safetensors"
+    result = CliRunner().invoke(app, [
+        "tc", "fit", "--model", str(folder), "--text", str(text), "--text", str(text), "--window", "6",
+        "--context", "24", "--steps", "2", "--batch-size", "2", "--encoder-tokens", "12", "--device", "cpu",
+        "--out", str(out), "--json",
+    ])
+    assert result.exit_code == 0, result.output
+    numbers = json.loads(result.stdout.strip().splitlines()[-1])
+    assert set(numbers["nll"]) == {"full", "sliding_window", "tensor_cache"}
+    params = load_params(out)
+    assert params.window == 6 and params.model_type == "bart"
+    assert params.report["nll_held_out"] == numbers["nll"]
+
+
+def test_tc_fit_command_reports_unreadable_input(tiny_model_dir, tmp_path):
+    result = CliRunner().invoke(app, [
+        "tc", "fit", "--model", str(tiny_model_dir("bart")), "--text", str(tmp_path / "missing.txt"),
+        "--out", str(tmp_path / "tc.safetensors"),
+    ])
+    assert result.exit_code == 1
+    assert "missing.txt" in result.output

@@ -1,0 +1,262 @@
+"""Tensor Cache inside generate(): wrappers, Cache API, beam search, batches, regression guarantees."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer, EncoderDecoderCache
+
+from tests.conftest import ALL_FAMILIES
+from unlimisum.compat import encoder_outputs
+from unlimisum.errors import ConfigError
+from unlimisum.tensor_cache import (
+    TensorCacheParams, TensorCacheSettings, load_params, retained_bytes, save_params, tensor_cache,
+)
+from unlimisum.tensor_cache.attention import (
+    ParallelMemory, TensorCacheSelfAttention, install, installed_wrappers, uninstall,
+)
+
+TEXTS = ["The lighthouse keeper counted the ships that passed.", "Every morning she wrote their names."]
+EXACT_FAMILIES = ["bart", "mbart", "pegasus", "marian", "blenderbot", "blenderbot-small", "plbart", "pegasus_x"]
+
+
+def _encoded(loaded, texts=TEXTS):
+    tokens = loaded.tokenizer(texts, return_tensors="pt", padding=True)
+    extra = loaded.architecture.encoder_inputs(tokens.input_ids) if loaded.architecture.encoder_inputs else {}
+    with torch.no_grad():
+        states = loaded.model.get_encoder()(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask, **extra)
+    return states.last_hidden_state, tokens.attention_mask
+
+
+def _generate(model, states, mask, steps, **kwargs):
+    with torch.no_grad():
+        return model.generate(
+            encoder_outputs=encoder_outputs(states), attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps,
+            do_sample=False, output_scores=True, output_logits=True, return_dict_in_generate=True, **kwargs,
+        )
+
+
+def _same_scores(a, b) -> bool:
+    return len(a.scores) == len(b.scores) and all(torch.equal(x, y) for x, y in zip(a.scores, b.scores))
+
+
+def _random_params(loaded, window: int, seed: int = 0, gate_heads: int = 1) -> TensorCacheParams:
+    """Open-gate parameters with distinct λ, η per head, so that reordering mistakes show."""
+    torch.manual_seed(seed)
+    wrappers = install(loaded.model, loaded.architecture)
+    try:
+        layers, heads = len(wrappers), wrappers[0].num_heads
+    finally:
+        uninstall(loaded.model, loaded.architecture)
+    return TensorCacheParams(
+        decay_logit=torch.randn(layers, heads) + 3.0, write_logit=torch.randn(layers, heads),
+        gate_logit=torch.randn(layers, gate_heads) + 1.0, window=window, normalize_read=False,
+    )
+
+
+def _teacher_forced_logprobs(loaded, params: TensorCacheParams, states, mask, sequences, window):
+    """Log-probabilities of ``sequences`` from the parallel form (whole sequence at once, no cache)."""
+    model = loaded.model
+    with torch.no_grad():
+        wrappers = install(model, loaded.architecture)
+        try:
+            heads = wrappers[0].num_heads
+            for layer, wrapper in enumerate(wrappers):
+                gate = params.gate_logit[layer]
+                wrapper.parallel = ParallelMemory(
+                    window=window, decay=torch.sigmoid(params.decay_logit[layer]),
+                    write_rate=torch.sigmoid(params.write_logit[layer]),
+                    gate_logit=gate if gate.numel() == heads else gate[0], normalize_read=params.normalize_read,
+                )
+            logits = model(encoder_outputs=encoder_outputs(states), attention_mask=mask,
+                           decoder_input_ids=sequences[:, :-1], use_cache=False).logits
+        finally:
+            uninstall(model, loaded.architecture)
+    return torch.log_softmax(logits.float(), dim=-1)  # [B, T-1, V]
+
+
+# --- wrapping -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ALL_FAMILIES)
+def test_install_wraps_every_decoder_self_attention_and_uninstall_restores(tiny_loaded, model_type):
+    loaded = tiny_loaded(model_type)
+    model, row = loaded.model, loaded.architecture
+    before = [id(m) for m in model.modules()]
+    wrappers = install(model, row)
+    try:
+        assert len(wrappers) == len(row.decoder_layers(model))
+        assert all(isinstance(w, TensorCacheSelfAttention) for w in installed_wrappers(model, row))
+        with pytest.raises(RuntimeError, match="already installed"):
+            install(model, row)
+    finally:
+        uninstall(model, row)
+    assert [id(m) for m in model.modules()] == before
+    assert installed_wrappers(model, row) == []
+
+
+@pytest.mark.parametrize("model_type", ["bart", "t5", "led"])
+def test_wrapper_without_a_tensor_cache_is_the_original(tiny_loaded, model_type):
+    loaded = tiny_loaded(model_type)
+    states, mask = _encoded(loaded)
+    plain = _generate(loaded.model, states, mask, 10)
+    install(loaded.model, loaded.architecture)
+    try:
+        wrapped = _generate(loaded.model, states, mask, 10)
+    finally:
+        uninstall(loaded.model, loaded.architecture)
+    assert _same_scores(plain, wrapped)
+
+
+def test_unwrapped_model_refuses_a_tensor_cache(tiny_loaded):
+    loaded = tiny_loaded("bart")
+    states, mask = _encoded(loaded)
+    with tensor_cache(loaded.model, loaded.architecture, TensorCacheSettings(window=4)) as session:
+        cache = session.new_cache()
+    with pytest.raises(RuntimeError, match="not wrapped"):
+        _generate(loaded.model, states, mask, 3, **{session.cache_argument: cache})
+
+
+# --- regression guarantees ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ALL_FAMILIES)
+def test_window_covering_the_summary_gives_the_unmodified_model(tiny_loaded, model_type):
+    """W >= generated length: the memory never fills; greedy output equals the model without Tensor Cache."""
+    loaded = tiny_loaded(model_type)
+    states, mask = _encoded(loaded)
+    steps = 20
+    plain = _generate(loaded.model, states, mask, steps)
+    params = _random_params(loaded, window=steps + 1)  # an open gate: still nothing to read
+    with tensor_cache(loaded.model, loaded.architecture, TensorCacheSettings(window=steps + 1, params=params)) as session:
+        cached = _generate(loaded.model, states, mask, steps, **session.generate_kwargs())
+    assert torch.equal(plain.sequences, cached.sequences)
+    if model_type in EXACT_FAMILIES + ["t5", "mt5", "longt5"]:
+        assert _same_scores(plain, cached)  # same attention kernel, same keys: bit for bit
+    else:  # LED computes its attention with its own kernel; ours is the plain softmax
+        for a, b in zip(plain.scores, cached.scores):
+            torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("model_type", EXACT_FAMILIES)
+def test_closed_gate_is_bit_for_bit_the_sliding_window_model(tiny_loaded, model_type):
+    """No parameter file: exactly the model with transformers' own sliding-window cache."""
+    loaded = tiny_loaded(model_type)
+    states, mask = _encoded(loaded)
+    window, steps = 4, 30
+    layers = len(loaded.architecture.decoder_layers(loaded.model))
+    sliding = EncoderDecoderCache(Cache(layers=[DynamicSlidingWindowLayer(window) for _ in range(layers)]), DynamicCache())
+    with tensor_cache(loaded.model, loaded.architecture, TensorCacheSettings(window=window)) as session:
+        assert session.gate_closed and "sliding window" in session.message
+        cached = _generate(loaded.model, states, mask, steps, **session.generate_kwargs())
+        reference = _generate(loaded.model, states, mask, steps, **{session.cache_argument: sliding})
+    assert _same_scores(reference, cached)
+    assert not _same_scores(_generate(loaded.model, states, mask, steps), cached)  # the window does matter
+
+
+@pytest.mark.parametrize("model_type", ["bart", "t5", "led"])
+@pytest.mark.parametrize("num_beams", [1, 3])
+def test_generate_matches_the_parallel_form(tiny_loaded, model_type, num_beams):
+    """Open gate, batch of 2, greedy and beam search: every chosen token's log-probability during
+    generate() equals the teacher-forced parallel form on the returned sequence (so the memory
+    follows its beam through reorder_cache)."""
+    loaded = tiny_loaded(model_type)
+    states, mask = _encoded(loaded)
+    window, steps = 3, 24
+    params = _random_params(loaded, window, seed=1)
+    with tensor_cache(loaded.model, loaded.architecture, TensorCacheSettings(window=window, params=params)) as session:
+        out = _generate(loaded.model, states, mask, steps, num_beams=num_beams, num_return_sequences=num_beams,
+                        length_penalty=0.0, **session.generate_kwargs())
+        cache = session.last_cache
+    assert cache.get_seq_length() == steps  # tokens seen, not tokens kept
+    rows_out = out.sequences.shape[0]
+    beam_indices = getattr(out, "beam_indices", None)
+    if beam_indices is None:  # greedy: every row produced its own tokens
+        beam_indices = torch.arange(rows_out)[:, None].expand(rows_out, len(out.logits))
+    during = torch.zeros(rows_out, len(out.logits))  # log p of each chosen token, from generate()'s raw logits
+    valid = torch.zeros(rows_out, len(out.logits), dtype=torch.bool)
+    for b in range(rows_out):
+        for s in range(len(out.logits)):
+            source = int(beam_indices[b, s])
+            if source >= 0:
+                during[b, s] = torch.log_softmax(out.logits[s][source].float(), -1)[out.sequences[b, s + 1]]
+                valid[b, s] = True
+    rows = torch.arange(rows_out) // num_beams
+    logprobs = _teacher_forced_logprobs(loaded, params, states[rows], mask[rows], out.sequences, window)
+    chosen = logprobs.gather(-1, out.sequences[:, 1:, None])[..., 0]  # [B, T-1]
+    assert valid.sum() >= steps
+    torch.testing.assert_close(during[valid], chosen[:, : during.shape[1]][valid], rtol=1e-4, atol=1e-4)
+
+def test_retained_state_is_constant_in_generated_tokens(tiny_loaded):
+    loaded = tiny_loaded("t5")  # relative positions: no position limit
+    states, mask = _encoded(loaded)
+    params = _random_params(loaded, window=16)
+    sizes = {}
+    for steps in (64, 512):
+        with tensor_cache(loaded.model, loaded.architecture, TensorCacheSettings(window=16, params=params)) as session:
+            _generate(loaded.model, states, mask, steps, **session.generate_kwargs())
+            sizes[steps] = session.retained_bytes()
+            assert session.last_cache.get_seq_length() == steps
+    assert sizes[64] == sizes[512] > 0
+    full_sizes = {}
+    for steps in (64, 512):  # the ordinary cache, for contrast, grows with the summary
+        full = EncoderDecoderCache(DynamicCache(), DynamicCache())
+        _generate(loaded.model, states, mask, steps, **{session.cache_argument: full})
+        full_sizes[steps] = retained_bytes(full)
+    assert full_sizes[512] > 7 * full_sizes[64]
+    assert sizes[512] < full_sizes[512]
+
+
+def test_retrieval_and_tensor_cache_together(tiny_loaded):
+    """Unlimiformer cross-attention + Tensor Cache: W >= length equals retrieval alone, greedy and beams."""
+    from unlimisum.attention import RetrievalSession, retrieval
+    from unlimisum.config import IndexConfig
+    from unlimisum.datastore import DatastoreBuilder, plan_index
+
+    loaded = tiny_loaded("bart")
+    states, mask = _encoded(loaded)
+    config = IndexConfig(kind="exact", device="cpu", storage_dtype="float32")
+    stores = []
+    for row in range(states.shape[0]):
+        kept = states[row][mask[row].bool()]
+        builder = DatastoreBuilder(kept.shape[0], kept.shape[1], plan_index(kept.shape[0], kept.shape[1], config), config)
+        builder.add(kept)
+        stores.append(builder.finish())
+    stand_in = torch.zeros(len(stores), 1, loaded.model.config.d_model)
+    ones = torch.ones(len(stores), 1, dtype=torch.long)
+    steps = 16
+    for beams in (1, 2):
+        with retrieval(loaded.model, loaded.architecture, RetrievalSession(stores, top_k=1000)):
+            alone = _generate(loaded.model, stand_in, ones, steps, num_beams=beams)
+            with tensor_cache(loaded.model, loaded.architecture, TensorCacheSettings(window=steps + 1)) as session:
+                both = _generate(loaded.model, stand_in, ones, steps, num_beams=beams, **session.generate_kwargs())
+            params = _random_params(loaded, window=4)
+            with tensor_cache(loaded.model, loaded.architecture, TensorCacheSettings(window=4, params=params)) as session:
+                bounded = _generate(loaded.model, stand_in, ones, steps, num_beams=beams, **session.generate_kwargs())
+        assert torch.equal(alone.sequences, both.sequences)
+        assert bounded.sequences.shape == alone.sequences.shape
+
+
+# --- parameter file -------------------------------------------------------------------------------
+
+
+def test_parameter_file_round_trip_and_errors(tmp_path, tiny_loaded):
+    loaded = tiny_loaded("bart")
+    params = _random_params(loaded, window=8, gate_heads=4)
+    path = save_params(params, tmp_path / "tc.safetensors")
+    again = load_params(path)
+    for name in ("decay_logit", "write_logit", "gate_logit"):
+        torch.testing.assert_close(getattr(again, name), getattr(params, name))
+    assert (again.window, again.normalize_read, again.lag) == (8, False, 0)
+    with tensor_cache(loaded.model, "bart", TensorCacheSettings(params=path)) as session:
+        assert session.window == 8 and not session.gate_closed and str(path) in session.message
+    wrong = TensorCacheParams.initial(num_layers=5, kv_heads=4, window=8)
+    with pytest.raises(ConfigError, match="fitted for 5 layers"):
+        with tensor_cache(loaded.model, "bart", TensorCacheSettings(params=wrong)):
+            pass
+    (tmp_path / "bad.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(ConfigError, match="not a Tensor Cache parameter file"):
+        load_params(tmp_path / "bad.safetensors")
+    with pytest.raises(ConfigError, match="not found"):
+        load_params(tmp_path / "missing.safetensors")
+    assert installed_wrappers(loaded.model, loaded.architecture) == []

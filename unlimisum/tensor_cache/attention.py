@@ -1,0 +1,272 @@
+"""TensorCacheSelfAttention: wraps a decoder self-attention module to read and write a Tensor Cache.
+
+The wrapper holds the original module as the child ``original`` and reuses its projections; it
+is installed and removed with setattr and refuses to stack (the same rules as the retrieval
+cross-attention). It acts only
+
+* when the cache passed to the layer holds a TensorCache (streaming, inside generate()), or
+* when ``parallel`` is set (fitting: a whole teacher-forced sequence, no cache);
+
+otherwise it is the original module, unchanged. Local attention goes through the model's own
+attention kernel (eager/sdpa, with T5's relative position bias for the actual positions), so
+with the gate closed the result is bit-for-bit the model with a sliding-window cache.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from unlimisum.architectures import ARCHITECTURES, Architecture
+from unlimisum.errors import UnsupportedModelError
+from unlimisum.tensor_cache.cache import find_tensor_cache
+from unlimisum.tensor_cache.scan import tensor_cache_attention
+from unlimisum.tensor_cache.streaming import band_mask
+
+
+def _two_outputs(output: torch.Tensor, kwargs: dict) -> tuple:
+    return output, None  # (output, attention weights)
+
+
+def _led_outputs(output: torch.Tensor, kwargs: dict) -> tuple:
+    return output, None, kwargs.get("cache", kwargs.get("past_key_values"))  # (output, weights, cache)
+
+
+def _t5_outputs(output: torch.Tensor, kwargs: dict) -> tuple:
+    return output, None, None  # (output, position bias, weights); every layer computes its own bias
+
+
+@dataclass(frozen=True)
+class SelfAttentionSite:
+    """Where a family keeps its decoder self-attention and what its projections are called."""
+
+    path: str  # dotted path from a decoder layer to the self-attention module
+    query: str
+    key: str
+    value: str
+    output: str
+    heads_attribute: str
+    head_dim_attribute: str
+    pack_output: Callable[[torch.Tensor, dict], tuple] = field(repr=False)
+    relative_bias: bool = False  # T5-like: relative position bias shared from the first layer
+
+    def parent(self, layer: nn.Module) -> tuple[nn.Module, str]:
+        *parents, attribute = self.path.split(".")
+        parent = layer
+        for name in parents:
+            parent = parent[int(name)] if name.isdigit() else getattr(parent, name)
+        return parent, attribute
+
+
+_BART_LIKE = SelfAttentionSite("self_attn", "q_proj", "k_proj", "v_proj", "out_proj", "num_heads", "head_dim", _two_outputs)
+_T5_LIKE = SelfAttentionSite(
+    "layer.0.SelfAttention", "q", "k", "v", "o", "n_heads", "key_value_proj_dim", _t5_outputs, relative_bias=True,
+)
+
+# Keyed by the name of the row in unlimisum.architectures.
+SELF_ATTENTION_SITES: dict[str, SelfAttentionSite] = {
+    "BART": _BART_LIKE, "mBART": _BART_LIKE, "PEGASUS": _BART_LIKE, "Marian": _BART_LIKE,
+    "Blenderbot": _BART_LIKE, "PLBART": _BART_LIKE, "PEGASUS-X": _BART_LIKE,
+    "LED": SelfAttentionSite("self_attn", "q_proj", "k_proj", "v_proj", "out_proj", "num_heads", "head_dim", _led_outputs),
+    "T5": _T5_LIKE, "LongT5": _T5_LIKE,
+}
+
+
+def resolve_architecture(architecture: Architecture | str) -> Architecture:
+    """An Architecture row, given the row itself, its name ('BART') or a model_type ('bart')."""
+    if isinstance(architecture, Architecture):
+        return architecture
+    for row in ARCHITECTURES:
+        if architecture == row.name or architecture in row.model_types:
+            return row
+    raise UnsupportedModelError(f"model type '{architecture}' has no Tensor Cache support")
+
+
+def self_attention_site(architecture: Architecture | str) -> SelfAttentionSite:
+    row = resolve_architecture(architecture)
+    try:
+        return SELF_ATTENTION_SITES[row.name]
+    except KeyError:
+        raise UnsupportedModelError(f"model family '{row.name}' has no Tensor Cache support") from None
+
+
+@dataclass
+class ParallelMemory:
+    """What the wrapper needs to run a whole sequence with the parallel form (fitting)."""
+
+    window: int
+    decay: torch.Tensor  # λ per KV head [H_kv] (may require grad)
+    write_rate: torch.Tensor  # η per KV head [H_kv]
+    gate_logit: torch.Tensor | None  # g, [] or [H]; None: gate closed (sliding window baseline)
+    normalize_keys: bool = True
+    normalize_read: bool = True
+
+
+class TensorCacheSelfAttention(nn.Module):
+    """Wraps one decoder self-attention module; the original stays as the child ``original``."""
+
+    def __init__(self, original: nn.Module, site: SelfAttentionSite, layer_index: int,
+                 bias_source: nn.Module | None = None):
+        super().__init__()
+        self.original = original
+        self.site = site
+        self.layer_index = layer_index
+        self.num_heads = getattr(original, site.heads_attribute)
+        self.head_dim = getattr(original, site.head_dim_attribute)
+        default_scaling = 1.0 if site.relative_bias else self.head_dim**-0.5  # T5 does not scale its scores
+        self.scaling = float(getattr(original, "scaling", default_scaling))
+        self.parallel: ParallelMemory | None = None
+        # T5: the module holding the relative position table (the first layer's); not a child, to keep
+        # the module tree unchanged.
+        self.__dict__["_bias_source"] = bias_source
+        module = sys.modules.get(type(original).__module__)
+        self._eager = getattr(module, "eager_attention_forward", None)  # None: the family has no attention interface
+
+    def _projection(self, role: str) -> nn.Linear:
+        return getattr(self.original, getattr(self.site, role))
+
+    def forward(self, *args, **kwargs):
+        hidden_states = args[0] if args else kwargs["hidden_states"]
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        tensor_cache = find_tensor_cache(cache)
+        if tensor_cache is not None:
+            mask = kwargs.get("attention_mask", kwargs.get("mask"))
+            return self.site.pack_output(self.stream(hidden_states, tensor_cache, mask), kwargs)
+        if self.parallel is not None:
+            return self.site.pack_output(self.whole_sequence(hidden_states, self.parallel), kwargs)
+        return self.original(*args, **kwargs)
+
+    def _qkv(self, hidden_states: torch.Tensor):
+        rows, steps, _ = hidden_states.shape
+        shape = (rows, steps, -1, self.head_dim)
+        q = self._projection("query")(hidden_states).view(shape).transpose(1, 2)  # [B, H, n, dh]
+        k = self._projection("key")(hidden_states).view(shape).transpose(1, 2)  # [B, H_kv, n, dh]
+        v = self._projection("value")(hidden_states).view(shape).transpose(1, 2)  # [B, H_kv, n, dh]
+        return q, k, v
+
+    def position_bias(self, query_positions: torch.Tensor, key_positions: torch.Tensor) -> torch.Tensor | None:
+        """T5 relative position bias for the actual positions: [n], [m] -> [1, H, n, m] (None for other families)."""
+        source = self.__dict__["_bias_source"]
+        if source is None:
+            return None
+        relative = key_positions[None, :] - query_positions[:, None]  # [n, m]
+        buckets = source._relative_position_bucket(
+            relative, bidirectional=False, num_buckets=source.relative_attention_num_buckets,
+            max_distance=source.relative_attention_max_distance,
+        )
+        return source.relative_attention_bias(buckets).permute(2, 0, 1).unsqueeze(0)  # [1, H, n, m]
+
+    def stream(self, hidden_states: torch.Tensor, cache, given_mask) -> torch.Tensor:
+        """One decoding call with the TensorCache: [B, n, d_model] -> [B, n, d_model]."""
+        layer = cache.layers[self.layer_index]
+        q, k, v = self._qkv(hidden_states)
+        attend = _LocalAttention(self, layer.params.window, given_mask)
+        out = layer.extend(q, k, v, self.scaling, attend=attend)  # [B, H, n, dh]
+        rows, steps = hidden_states.shape[:2]
+        return self._projection("output")(out.transpose(1, 2).reshape(rows, steps, -1).to(hidden_states.dtype))
+
+    def whole_sequence(self, hidden_states: torch.Tensor, memory: ParallelMemory) -> torch.Tensor:
+        """The parallel form over a whole sequence (no cache): [B, T, d_model] -> [B, T, d_model]."""
+        q, k, v = self._qkv(hidden_states)  # [B, H, T, dh]
+        positions = torch.arange(q.shape[2], device=q.device)
+        bias = self.position_bias(positions, positions)
+        out = tensor_cache_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), memory.window, memory.decay, memory.write_rate,
+            memory.gate_logit, memory.normalize_keys, memory.normalize_read, scale=self.scaling, score_bias=bias,
+        )  # [B, T, H, dh]
+        rows, steps = hidden_states.shape[:2]
+        return self._projection("output")(out.reshape(rows, steps, -1).to(hidden_states.dtype))
+
+
+class _LocalAttention:
+    """Local (L1) attention of one call through the model's own attention kernel."""
+
+    def __init__(self, wrapper: TensorCacheSelfAttention, window: int, given_mask):
+        self.wrapper, self.window, self.given_mask = wrapper, window, given_mask
+
+    def __call__(self, q, keys, values, query_positions, key_positions) -> torch.Tensor:
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        wrapper, window, given = self.wrapper, self.window, self.given_mask
+        steps = q.shape[2]
+        visible = min(keys.shape[2], window - 1 + steps)  # the keys any query of the block may see
+        keys, values, key_positions = keys[:, :, -visible:], values[:, :, -visible:], key_positions[-visible:]
+        bias = wrapper.position_bias(query_positions, key_positions)  # [1, H, n, m] or None
+        allowed = band_mask(query_positions, key_positions, window)  # [n, m]
+        if wrapper._eager is None:  # a family without an attention interface (LED): plain softmax
+            from unlimisum.tensor_cache.streaming import local_attention
+
+            return local_attention(q, keys, values, allowed, wrapper.scaling, bias)
+        if steps == 1 and (given is None or given.shape[-1] == visible):
+            mask = given  # what the decoder built from get_mask_sizes: the same as for a sliding-window cache
+        else:
+            mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
+            mask = mask.masked_fill(~allowed, torch.finfo(q.dtype).min)[None, None]  # [1, 1, n, m]
+        original = wrapper.original
+        interface = ALL_ATTENTION_FUNCTIONS.get_interface(original.config._attn_implementation, wrapper._eager)
+        extra = {"position_bias": bias} if wrapper.site.relative_bias else {}
+        out, _ = interface(original, q, keys, values, mask, dropout=0.0, scaling=wrapper.scaling, **extra)
+        return out.transpose(1, 2)  # [B, n, H, dh] -> [B, H, n, dh]
+
+
+def _sites(model: nn.Module, architecture: Architecture, site: SelfAttentionSite):
+    for index, layer in enumerate(architecture.decoder_layers(model)):
+        parent, attribute = site.parent(layer)
+        yield index, parent, attribute
+
+
+def install(model: nn.Module, architecture: Architecture | str) -> list[TensorCacheSelfAttention]:
+    """Wrap every decoder self-attention of ``model``; refuse to wrap twice."""
+    row = resolve_architecture(architecture)
+    site = self_attention_site(row)
+    sites = list(_sites(model, row, site))
+    if any(isinstance(getattr(parent, attribute), TensorCacheSelfAttention) for _, parent, attribute in sites):
+        raise RuntimeError("Tensor Cache self-attention is already installed on this model")
+    bias_source = None
+    if site.relative_bias:
+        bias_source = next(
+            (getattr(p, a) for _, p, a in sites if getattr(getattr(p, a), "has_relative_attention_bias", False)), None
+        )
+    wrappers = []
+    for index, parent, attribute in sites:
+        wrapper = TensorCacheSelfAttention(getattr(parent, attribute), site, index, bias_source)
+        setattr(parent, attribute, wrapper)
+        wrappers.append(wrapper)
+    return wrappers
+
+
+def uninstall(model: nn.Module, architecture: Architecture | str) -> None:
+    """Put every original self-attention module back."""
+    row = resolve_architecture(architecture)
+    for _, parent, attribute in _sites(model, row, self_attention_site(row)):
+        module = getattr(parent, attribute)
+        if isinstance(module, TensorCacheSelfAttention):
+            setattr(parent, attribute, module.original)
+
+
+def installed_wrappers(model: nn.Module, architecture: Architecture | str) -> list[TensorCacheSelfAttention]:
+    """The wrappers currently installed on ``model`` (empty when none)."""
+    row = resolve_architecture(architecture)
+    modules = [getattr(parent, attribute) for _, parent, attribute in _sites(model, row, self_attention_site(row))]
+    return [module for module in modules if isinstance(module, TensorCacheSelfAttention)]
+
+
+@contextmanager
+def wrapped_self_attention(model: nn.Module, architecture: Architecture | str) -> Iterator[list[TensorCacheSelfAttention]]:
+    """Within the block the decoder's self-attention is wrapped (installed here if not yet there)."""
+    wrappers = installed_wrappers(model, architecture)
+    installed_here = not wrappers
+    if installed_here:
+        wrappers = install(model, architecture)
+    try:
+        yield wrappers
+    finally:
+        for wrapper in wrappers:
+            wrapper.parallel = None
+        if installed_here:
+            uninstall(model, architecture)

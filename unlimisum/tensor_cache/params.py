@@ -1,0 +1,149 @@
+"""The fitted Tensor Cache constants (λ, η, g per layer) and their safetensors file.
+
+File layout (``tc fit --out tc.safetensors``):
+    decay_logit  [L, H_kv]  λ = sigmoid(decay_logit)
+    write_logit  [L, H_kv]  η = sigmoid(write_logit)
+    gate_logit   [L, G]     γ = sigmoid(gate_logit); G = 1 (one gate per layer) or H (per head)
+metadata (strings): format, window (the W it was fitted with), normalize_keys, normalize_read,
+lag, model_type, model_name, and ``report`` (the fit's JSON numbers).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from unlimisum.errors import ConfigError
+from unlimisum.tensor_cache.streaming import MemoryParams
+
+FORMAT = "unlimisum-tensor-cache/1"
+INIT_DECAY = 0.995  # λ0 of the paper's code
+INIT_WRITE_RATE = 0.05  # η0 of the paper's code
+INIT_GATE_LOGIT = -4.0  # g0 for fitting a pretrained model: γ0 ≈ 0.018, close to the sliding window (SPEC §5)
+
+
+def logit(p: float) -> float:
+    return math.log(p / (1.0 - p))
+
+
+@dataclass(frozen=True)
+class TensorCacheParams:
+    """Per-layer logits of λ, η and the gate, and the flags they were fitted with."""
+
+    decay_logit: torch.Tensor  # [L, H_kv]
+    write_logit: torch.Tensor  # [L, H_kv]
+    gate_logit: torch.Tensor  # [L, G], G = 1 or H
+    window: int  # the W used when fitting
+    normalize_keys: bool = True  # k̂ = k/‖k‖ written to A
+    normalize_read: bool = True  # read divided by max(|q·z|, 1): bounds ‖r‖ for pretrained query norms (SPEC §3)
+    lag: int = 0  # canonical: the evicted token is readable at once
+    model_type: str = ""  # config.model_type it was fitted on
+    model_name: str = ""  # the checkpoint it was fitted on (informational)
+    report: dict = field(default_factory=dict)  # the fit's numbers, stored in the file's metadata
+
+    @property
+    def num_layers(self) -> int:
+        return self.decay_logit.shape[0]
+
+    @classmethod
+    def initial(cls, num_layers: int, kv_heads: int, window: int, gate_heads: int = 1, *,
+                decay: float = INIT_DECAY, write_rate: float = INIT_WRITE_RATE, gate_logit: float = INIT_GATE_LOGIT,
+                **flags) -> "TensorCacheParams":
+        """Starting values for fitting."""
+        return cls(
+            decay_logit=torch.full((num_layers, kv_heads), logit(decay)),
+            write_logit=torch.full((num_layers, kv_heads), logit(write_rate)),
+            gate_logit=torch.full((num_layers, gate_heads), float(gate_logit)),
+            window=window, **flags,
+        )
+
+    def layer_params(self, heads: int, window: int | None = None, dtype: torch.dtype = torch.float32,
+                     device=None) -> list[MemoryParams]:
+        """MemoryParams per layer for a decoder with ``heads`` query heads, at ``window`` (default: fitted W)."""
+        window = self.window if window is None else window
+        gate = torch.sigmoid(self.gate_logit.to(dtype))  # [L, G]
+        if gate.shape[1] not in (1, heads):
+            raise ConfigError(f"the Tensor Cache file has {gate.shape[1]} gates per layer; the model has {heads} heads")
+        return [
+            MemoryParams(
+                window=window,
+                decay=torch.sigmoid(self.decay_logit[layer].to(dtype)).to(device),
+                write_rate=torch.sigmoid(self.write_logit[layer].to(dtype)).to(device),
+                gate=gate[layer].expand(heads).contiguous().to(device),
+                normalize_keys=self.normalize_keys, normalize_read=self.normalize_read, lag=self.lag,
+            )
+            for layer in range(self.num_layers)
+        ]
+
+
+def closed_layer_params(num_layers: int, kv_heads: int, window: int, dtype: torch.dtype = torch.float32,
+                        device=None) -> list[MemoryParams]:
+    """MemoryParams with the gate closed exactly (sliding-window attention, no memory kept)."""
+    return [
+        MemoryParams(
+            window=window, decay=torch.full((kv_heads,), INIT_DECAY, dtype=dtype, device=device),
+            write_rate=torch.full((kv_heads,), INIT_WRITE_RATE, dtype=dtype, device=device), gate=None,
+        )
+        for _ in range(num_layers)
+    ]
+
+
+def save_params(params: TensorCacheParams, path: str | Path) -> Path:
+    """Write ``params`` to a safetensors file; returns the path."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    if path.parent and not path.parent.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        "decay_logit": params.decay_logit.detach().float().contiguous().cpu(),
+        "write_logit": params.write_logit.detach().float().contiguous().cpu(),
+        "gate_logit": params.gate_logit.detach().float().contiguous().cpu(),
+    }
+    metadata = {
+        "format": FORMAT,
+        "window": str(params.window),
+        "normalize_keys": str(int(params.normalize_keys)),
+        "normalize_read": str(int(params.normalize_read)),
+        "lag": str(params.lag),
+        "model_type": params.model_type,
+        "model_name": params.model_name,
+        "report": json.dumps(params.report),
+    }
+    save_file(tensors, str(path), metadata=metadata)
+    return path
+
+
+def load_params(path: str | Path) -> TensorCacheParams:
+    """Read a file written by ``save_params``; ConfigError names the file and the problem."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError("Tensor Cache parameter file not found", source=path)
+    try:
+        with safe_open(str(path), framework="pt") as file:
+            metadata = file.metadata() or {}
+            tensors = {name: file.get_tensor(name) for name in file.keys()}
+    except Exception as error:  # safetensors raises its own types for bad headers
+        raise ConfigError(f"not a Tensor Cache parameter file ({type(error).__name__}: {error})", source=path) from None
+    if metadata.get("format") != FORMAT:
+        raise ConfigError(f"not a Tensor Cache parameter file (format {metadata.get('format')!r}, expected {FORMAT!r})", source=path)
+    missing = {"decay_logit", "write_logit", "gate_logit"} - set(tensors)
+    if missing:
+        raise ConfigError(f"Tensor Cache parameter file lacks {', '.join(sorted(missing))}", source=path)
+    shapes = {name: tuple(tensors[name].shape) for name in ("decay_logit", "write_logit", "gate_logit")}
+    if len({shape[0] for shape in shapes.values()}) != 1 or any(len(shape) != 2 for shape in shapes.values()) \
+            or shapes["decay_logit"] != shapes["write_logit"]:
+        raise ConfigError(f"inconsistent tensor shapes in Tensor Cache parameter file: {shapes}", source=path)
+    return TensorCacheParams(
+        decay_logit=tensors["decay_logit"], write_logit=tensors["write_logit"], gate_logit=tensors["gate_logit"],
+        window=int(metadata.get("window", 0)), normalize_keys=metadata.get("normalize_keys", "1") == "1",
+        normalize_read=metadata.get("normalize_read", "0") == "1", lag=int(metadata.get("lag", "0")),
+        model_type=metadata.get("model_type", ""), model_name=metadata.get("model_name", ""),
+        report=json.loads(metadata.get("report", "{}") or "{}"),
+    )
