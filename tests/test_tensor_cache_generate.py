@@ -260,3 +260,28 @@ def test_parameter_file_round_trip_and_errors(tmp_path, tiny_loaded):
     with pytest.raises(ConfigError, match="not found"):
         load_params(tmp_path / "missing.safetensors")
     assert installed_wrappers(loaded.model, loaded.architecture) == []
+
+
+@pytest.mark.parametrize("model_type", ["bart", "t5"])
+def test_multi_token_calls_equal_the_parallel_form(tiny_loaded, model_type):
+    """Prefill of several tokens, then uneven chunks, through the cache: the same logits as the parallel form."""
+    loaded = tiny_loaded(model_type)
+    states, mask = _encoded(loaded)
+    window = 5
+    params = _random_params(loaded, window, seed=2)
+    torch.manual_seed(0)
+    sequence = torch.randint(3, loaded.model.config.vocab_size, (2, 31))
+    expected = _teacher_forced_logprobs(loaded, params, states, mask, sequence, window)  # [B, 30, V]
+    pieces = []
+    with tensor_cache(loaded.model, loaded.architecture, TensorCacheSettings(window=window, params=params)) as session:
+        cache = session.new_cache()
+        start = 0
+        for size in (7, 1, 3, 12, 1, 6):
+            with torch.no_grad():
+                logits = loaded.model(encoder_outputs=encoder_outputs(states), attention_mask=mask,
+                                      decoder_input_ids=sequence[:, start:start + size],
+                                      **{session.cache_argument: cache}, use_cache=True).logits
+            pieces.append(torch.log_softmax(logits.float(), dim=-1))
+            start += size
+            assert cache.get_seq_length() == start
+    torch.testing.assert_close(torch.cat(pieces, dim=1), expected, rtol=1e-4, atol=1e-4)
