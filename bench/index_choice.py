@@ -77,13 +77,13 @@ def time_search(store, queries: torch.Tensor, k: int, reps: int) -> float:
     return min(times)
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="N up to 100k, fewer repetitions")
     parser.add_argument("--dim", type=int, default=768)
     parser.add_argument("--nq", type=int, default=48)
     parser.add_argument("--k", type=int, default=1024)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     sizes = [10_000, 50_000, 100_000] if args.quick else [10_000, 50_000, 100_000, 200_000]
     reps = 3 if args.quick else 5
     rows = []

@@ -1,0 +1,34 @@
+"""Run every benchmark: ``python -m bench.all [--quick]`` (quick: under ~10 minutes on 2 CPU cores).
+
+Each benchmark prints its table and writes bench/results/<name>.json; then bench/plot.py
+renders the figures when matplotlib is installed (``pip install -e ".[bench]"``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import time
+
+BENCHMARKS = ["encoding", "decoding", "index_choice", "memory", "truncation", "needle_eval"]
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", default=None, help="comma-separated subset of " + ", ".join(BENCHMARKS))
+    args = parser.parse_args(argv)
+    names = args.only.split(",") if args.only else BENCHMARKS
+    flags = ["--quick"] if args.quick else []
+    for name in names:
+        print(f"\n=== bench.{name} {' '.join(flags)}", flush=True)
+        started = time.perf_counter()
+        importlib.import_module(f"bench.{name}").main(flags)
+        print(f"=== bench.{name}: {time.perf_counter() - started:.0f} s", flush=True)
+    from bench import plot
+
+    plot.main([])
+
+
+if __name__ == "__main__":
+    main()
