@@ -65,7 +65,8 @@ def run(n_values: list[int], kinds: list[str], new_tokens: int, size: str = "bar
         for kind in kinds:
             store, build_seconds = build_store(states, kind)
             target = RecordingStore(store, keep_every=3) if kind == "exact" else store
-            _, seconds, search_seconds = summarizer.generate([target])
+            run = summarizer.generate([target])
+            seconds, search_seconds = run.seconds, run.search_seconds
             row = dict(n_tokens=n, kind=kind, device=store.device, build_seconds=build_seconds,
                        seconds_per_token=seconds / new_tokens, search_share=search_seconds / seconds,
                        bytes_per_token=store.nbytes / n, recall=None)

@@ -181,3 +181,29 @@ def test_public_api_is_importable_from_the_package(tiny_model_dir):
     assert callable(unlimisum.read_document) and issubclass(unlimisum.errors.ConfigError, unlimisum.UnlimisumError)
     with pytest.raises(AttributeError):
         unlimisum.no_such_name
+
+
+def test_tensor_cache_with_a_window_covering_the_summary_changes_nothing(tiny_loaded):
+    from unlimisum.tensor_cache import TensorCacheSettings
+
+    loaded = tiny_loaded("bart")
+    generation = GenerationOptions(max_new_tokens=12, min_new_tokens=12, num_beams=2)
+    plain = Summarizer(loaded, index=EXACT, generation=generation).summarize(SAMPLE_TEXT * 3)
+    bounded = Summarizer(
+        loaded, index=EXACT, generation=generation, tensor_cache=TensorCacheSettings(window=64)
+    ).summarize(SAMPLE_TEXT * 3)
+    assert bounded.token_ids == plain.token_ids
+    assert plain.stats.tensor_cache_bytes is None and bounded.stats.tensor_cache_bytes > 0
+
+
+def test_tensor_cache_state_does_not_grow_with_the_summary(tiny_loaded):
+    from unlimisum.tensor_cache import TensorCacheSettings
+
+    loaded = tiny_loaded("t5")  # relative positions: no decoder position limit
+    settings = TensorCacheSettings(window=4)
+    sizes = []
+    for length in (16, 48):
+        generation = GenerationOptions(max_new_tokens=length, min_new_tokens=length)
+        summary = Summarizer(loaded, generation=generation, tensor_cache=settings).summarize(SAMPLE_TEXT * 2)
+        sizes.append(summary.stats.tensor_cache_bytes)
+    assert sizes[0] == sizes[1] > 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import resource
 import time
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Sequence
 
@@ -17,6 +18,11 @@ from unlimisum.document import Document
 from unlimisum.encoding import auto_batch_size, encode_windows, plan_windows
 from unlimisum.errors import ConfigError, EmptyDocumentError
 from unlimisum.models import LoadedModel, load_model
+
+
+# Chapters generated together with --per-chapter: batching speeds generation up, while the
+# datastores of a batch are held at once, so a book of 60 chapters is not read in one go.
+CHAPTERS_PER_BATCH = 8
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,7 @@ class SummaryStats:
     timings: dict  # stage -> seconds: tokenize, encode (includes index building), generate, search
     peak_rss_bytes: int  # the process's peak resident memory so far
     peak_gpu_bytes: int | None  # peak CUDA memory during this call, when on CUDA
+    tensor_cache_bytes: int | None = None  # decoder self-attention state retained, with --tensor-cache
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,16 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+@dataclass(frozen=True)
+class Generated:
+    """What one generate() call over a batch of datastores produced and cost."""
+
+    token_ids: torch.Tensor  # [B, T]
+    seconds: float
+    search_seconds: float  # within `seconds`
+    tensor_cache_bytes: int | None  # self-attention state retained at the end, with a Tensor Cache
+
+
 @dataclass
 class _Encoded:
     name: str
@@ -103,8 +120,11 @@ class Summarizer:
         index: IndexConfig = IndexConfig(),
         retrieval: RetrievalConfig = RetrievalConfig(),
         generation: GenerationOptions = GenerationOptions(),
+        tensor_cache=None,
         progress: ProgressCallback | None = None,
     ):
+        """``tensor_cache``: a ``unlimisum.tensor_cache.TensorCacheSettings`` to bound the decoder's
+        self-attention memory, or None for the model's ordinary cache."""
         if isinstance(model, str):
             model = ModelConfig(name=model)
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model)
@@ -112,6 +132,7 @@ class Summarizer:
         self.index = index
         self.retrieval = retrieval
         self.generation = generation
+        self.tensor_cache = tensor_cache
         self.progress = progress or (lambda event: None)
         limit, wanted = self.loaded.max_target_length, generation.max_new_tokens
         if limit is not None and wanted is not None and wanted > limit:
@@ -128,10 +149,14 @@ class Summarizer:
         whole = self.summarize_many([document])[0]
         if not per_chapter:
             return whole
-        chapters = [chapter for chapter in document.chapters if chapter.text.strip()]
-        parts = self.summarize_many(
-            [Document.from_text(chapter.text, title=chapter.title, source=document.source) for chapter in chapters]
-        )
+        chapters = [
+            Document.from_text(chapter.text, title=chapter.title, source=document.source)
+            for chapter in document.chapters
+            if chapter.text.strip()
+        ]
+        parts = []
+        for start in range(0, len(chapters), CHAPTERS_PER_BATCH):
+            parts.extend(self.summarize_many(chapters[start : start + CHAPTERS_PER_BATCH]))
         return Summary(whole.text, whole.title, whole.source, whole.stats, tuple(parts), whole.token_ids)
 
     def summarize_many(self, items: Sequence[str | Document]) -> list[Summary]:
@@ -142,21 +167,22 @@ class Summarizer:
         peak_gpu = self._reset_gpu_peak()
         encoded = [self._encode(document) for document in documents]
         name = encoded[0].name if len(encoded) == 1 else f"{len(encoded)} documents"
-        output, generate_seconds, search_seconds = self.generate([enc.store for enc in encoded], name=name)
+        run = self.generate([enc.store for enc in encoded], name=name)
+        output = run.token_ids
         tokenizer = self.loaded.tokenizer
         texts = [text.strip() for text in tokenizer.batch_decode(output, skip_special_tokens=True)]
         special = torch.tensor(sorted(set(tokenizer.all_special_ids)), device=output.device)
-        generated = (~torch.isin(output, special)).sum(dim=1).tolist()
+        counts = (~torch.isin(output, special)).sum(dim=1).tolist()
         peak_gpu = torch.cuda.max_memory_allocated() if peak_gpu is not None else None
         summaries = []
-        for document, enc, text, n_generated, ids in zip(documents, encoded, texts, generated, output.tolist()):
-            timings = dict(enc.seconds, generate=generate_seconds, search=search_seconds)
+        for document, enc, text, n_generated, ids in zip(documents, encoded, texts, counts, output.tolist()):
+            timings = dict(enc.seconds, generate=run.seconds, search=run.search_seconds)
             stats = SummaryStats(
                 model=self.loaded.name, input_tokens=enc.n_tokens, windows=enc.windows,
                 window=self._window(), index_kind=enc.store.kind, index_device=enc.store.device,
                 top_k=min(self._top_k(), enc.n_tokens), datastore_bytes=enc.store.nbytes,
                 generated_tokens=n_generated, timings=timings, peak_rss_bytes=_peak_rss_bytes(),
-                peak_gpu_bytes=peak_gpu,
+                peak_gpu_bytes=peak_gpu, tensor_cache_bytes=run.tensor_cache_bytes,
             )
             summaries.append(
                 Summary(text=text, title=document.title, source=document.source, stats=stats, token_ids=tuple(ids))
@@ -220,11 +246,8 @@ class Summarizer:
         seconds = {"tokenize": tokenized - started, "encode": encoded - tokenized, "index": finished - encoded}
         return _Encoded(name, store, n_tokens, plan.n_windows, seconds)
 
-    def generate(self, stores: Sequence[Datastore], name: str = "") -> tuple[torch.Tensor, float, float]:
-        """Generate from encoded inputs, one datastore per document.
-
-        Returns the token ids [B, T], the seconds generate() took, and the seconds of search within them.
-        """
+    def generate(self, stores: Sequence[Datastore], name: str = "") -> Generated:
+        """Generate from encoded inputs, one datastore per document (in batch order)."""
         model = self.loaded.model
         options = self.generation
         kwargs = options.to_generate_kwargs()
@@ -239,12 +262,20 @@ class Summarizer:
         session = RetrievalSession(stores=list(stores), top_k=self._top_k())
         started = time.perf_counter()
         self.progress(ProgressEvent("generate", 0, total, name))
-        with retrieval(model, self.loaded.architecture, session), torch.inference_mode():
+        with ExitStack() as stack:
+            stack.enter_context(retrieval(model, self.loaded.architecture, session))
+            if self.tensor_cache is not None:
+                from unlimisum.tensor_cache import tensor_cache
+
+                memory = stack.enter_context(tensor_cache(model, self.loaded.architecture, self.tensor_cache))
+                kwargs.update(memory.generate_kwargs())
+            stack.enter_context(torch.inference_mode())
             output = model.generate(
                 encoder_outputs=compat.encoder_outputs(stand_in), attention_mask=attention_mask,
                 stopping_criteria=[progress], **kwargs,
             )
-        return output, time.perf_counter() - started, session.stats.search_seconds
+            retained = memory.retained_bytes() if self.tensor_cache is not None else None
+        return Generated(output, time.perf_counter() - started, session.stats.search_seconds, retained)
 
 
 def summarize(

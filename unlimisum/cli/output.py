@@ -17,7 +17,8 @@ JSON schema (one object per document; JSON Lines on stdout, one file per input w
         "datastore_bytes": 0, "generated_tokens": 0,
         "timings": {"read": 0.0, "tokenize": 0.0, "encode": 0.0, "index": 0.0,
                     "generate": 0.0, "search": 0.0},       # seconds per stage
-        "peak_rss_bytes": 0, "peak_gpu_bytes": null       # null unless on CUDA
+        "peak_rss_bytes": 0, "peak_gpu_bytes": null,      # null unless on CUDA
+        "tensor_cache_bytes": null                         # decoder memory retained, with --tensor-cache
       }
     }
 

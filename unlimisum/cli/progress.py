@@ -233,10 +233,12 @@ class ProgressDisplay:
         generate_seconds = stats.timings.get("generate", 0.0)
         rate = f" ({stats.generated_tokens / generate_seconds:,.1f} tokens/s)" if generate_seconds > 0 else ""
         parts = [
-            f"{stats.input_tokens:,} tokens in {stats.windows:,} windows",
+            f"{stats.input_tokens:,} tokens in {stats.windows:,} window{'s' if stats.windows != 1 else ''}",
             f"{stats.index_kind} index on {stats.index_device} ({format_bytes(stats.datastore_bytes)}), k={stats.top_k}",
             f"{stats.generated_tokens:,} tokens generated{rate}",
         ]
+        if stats.tensor_cache_bytes is not None:
+            parts.append(f"decoder memory {format_bytes(stats.tensor_cache_bytes)}")
         if summary.chapters:
             parts.append(f"{len(summary.chapters)} chapter summaries")
         parts.append(f"peak RSS {format_bytes(stats.peak_rss_bytes)}")

@@ -40,6 +40,7 @@ _DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 MODEL_PANEL = "Model"
 INDEX_PANEL = "Reading, index and retrieval"
 GENERATION_PANEL = "Generation"
+TENSOR_CACHE_PANEL = "Tensor Cache (bounded decoder memory)"
 OUTPUT_PANEL = "Output"
 DISPLAY_PANEL = "Display"
 
@@ -58,6 +59,7 @@ class SummarizeSettings:
     output_dir: Path | None = None
     skip_existing: bool = False
     password: str | None = None
+    tensor_cache: object | None = None  # unlimisum.tensor_cache.TensorCacheSettings, or None for the ordinary cache
 
 
 @dataclass
@@ -171,6 +173,18 @@ def summarize(
     seed: Optional[int] = typer.Option(
         None, "--seed", help="Random seed: the same seed gives the same summary.", rich_help_panel=GENERATION_PANEL
     ),
+    # -- tensor cache
+    tensor_cache: Optional[str] = typer.Option(
+        None, "--tensor-cache", metavar="[FILE]",
+        help="Bound the decoder's self-attention memory: the last --tc-window tokens exactly, older ones in a "
+        "fitted memory (FILE: a .safetensors from `unlimisum tc fit`; without FILE: a plain sliding window).",
+        rich_help_panel=TENSOR_CACHE_PANEL,
+    ),
+    tc_window: Optional[int] = typer.Option(
+        None, "--tc-window", min=1, metavar="W",
+        help="Tokens the decoder attends to exactly with --tensor-cache (default: the FILE's, else 256).",
+        rich_help_panel=TENSOR_CACHE_PANEL,
+    ),
     # -- output
     per_chapter: bool = typer.Option(
         False, "--per-chapter", help="Also summarize each chapter on its own (after the whole-book summary).",
@@ -206,6 +220,12 @@ def summarize(
         raise fail("--quiet and --verbose contradict each other", EXIT_USAGE)
     if min_new_tokens is not None and min_new_tokens > max_new_tokens:
         raise fail(f"--min-new-tokens {min_new_tokens} exceeds --max-new-tokens {max_new_tokens}", EXIT_USAGE)
+    if tc_window is not None and tensor_cache is None:
+        raise fail("--tc-window needs --tensor-cache", EXIT_USAGE)
+    try:
+        memory = tensor_cache_settings(tensor_cache, tc_window)
+    except ConfigError as error:
+        raise fail(error, EXIT_USAGE)
     do_sample = sample or temperature is not None or top_p is not None
     settings = SummarizeSettings(
         model=ModelConfig(name=model, tokenizer=tokenizer, device=device, dtype=dtype, trust_remote_code=trust_remote_code),
@@ -219,7 +239,7 @@ def summarize(
             top_p=top_p, seed=seed,
         ),
         per_chapter=per_chapter, as_json=as_json, output_dir=output_dir, skip_existing=skip_existing,
-        password=password,
+        password=password, tensor_cache=memory,
     )
     display = ProgressDisplay(make_stderr_console(), show=not quiet, verbose=verbose)
     try:
@@ -248,6 +268,17 @@ def summarize(
         if result.total > 1:
             display.failure_report(result.failures, result.total)
         raise typer.Exit(EXIT_FAILURE)
+
+
+def tensor_cache_settings(file: str | None, window: int | None):
+    """TensorCacheSettings for `--tensor-cache [FILE]` (None without the option); a bad FILE is a ConfigError."""
+    if file is None:
+        return None
+    from unlimisum.tensor_cache import TensorCacheSettings, load_params
+
+    if file:
+        load_params(file)  # read now: a missing or invalid file is a usage error, before the model loads
+    return TensorCacheSettings(window=window, params=file or None)
 
 
 def check_index_settings(index: IndexConfig) -> None:
@@ -312,8 +343,12 @@ class BatchRunner:
             self.display.set_memory_probe(MemoryProbe())
         self.summarizer = Summarizer(
             loaded, encoding=settings.encoding, index=settings.index, retrieval=settings.retrieval,
-            generation=settings.generation, progress=self.display,
+            generation=settings.generation, tensor_cache=settings.tensor_cache, progress=self.display,
         )
+        if settings.tensor_cache is not None:
+            from unlimisum.tensor_cache.session import describe, effective_window
+
+            self.display.note(f"unlimisum: {describe(settings.tensor_cache, effective_window(settings.tensor_cache))}")
 
     def _run_one(self, job: Job) -> None:
         from unlimisum.ingest import read_document

@@ -56,6 +56,14 @@ class TensorCacheSettings:
         return load_params(self.params)
 
 
+def effective_window(settings: TensorCacheSettings, params: TensorCacheParams | None = None) -> int:
+    """W under ``settings``: the explicit window, else the one the parameter file was fitted with, else the default."""
+    if settings.window is not None:
+        return settings.window
+    params = params if params is not None else settings.loaded_params()
+    return params.window if params is not None and params.window > 0 else DEFAULT_WINDOW
+
+
 def describe(settings: TensorCacheSettings, window: int) -> str:
     """One line for the CLI: what the decoder's self-attention does under these settings."""
     if settings.gate_closed:
@@ -100,7 +108,7 @@ class TensorCacheSession:
 def model_layer_params(model: nn.Module, wrappers: list[nn.Module], settings: TensorCacheSettings) -> tuple[list[MemoryParams], int]:
     """Per-layer MemoryParams for ``model`` under ``settings``, and the window used."""
     params = settings.loaded_params()
-    window = settings.window or (params.window if params is not None and params.window > 0 else DEFAULT_WINDOW)
+    window = effective_window(settings, params)
     heads, head_dim = wrappers[0].num_heads, wrappers[0].head_dim
     kv_heads = wrappers[0]._projection("key").out_features // head_dim
     dtype = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
