@@ -68,3 +68,10 @@ def test_gpu_index_without_cuda_is_a_usage_error(info):
     result = info("--tokens", 10, "--index-device", "gpu")
     assert result.exit_code == 2
     assert "CUDA is not available" in result.stderr
+
+
+def test_info_lists_the_supported_model_families():
+    result = CliRunner().invoke(app, ["info", "--json"])
+    assert result.exit_code == 0, result.output
+    families = json.loads(result.stdout)["models"]["supported_model_types"]
+    assert {"bart", "led", "t5", "pegasus"} <= set(families)

@@ -247,6 +247,11 @@ def test_model_from_environment(summarize, books, tiny_model_dir, monkeypatch):
         ["-", "-"],
         ["-q", "-v", "x.txt"],
         ["--no-such-option", "x.txt"],
+        ["--temperature", "0", "x.txt"],
+        ["--repetition-penalty", "0", "x.txt"],
+        ["--top-p", "0", "x.txt"],
+        ["--storage-dtype", "int8", "x.txt"],
+        ["--tc-window", "4", "x.txt"],
     ],
 )
 def test_usage_errors_exit_2_before_loading_the_model(summarize, args, loader):

@@ -210,6 +210,25 @@ def test_plan_gpu_only_when_the_store_fits(monkeypatch):
         plan_index(n, d, IndexConfig(kind="hnsw", device="gpu"))
 
 
+def test_plan_follows_the_models_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    plenty = 10**12
+    on_cpu = plan_index(1000, 64, IndexConfig(), cuda_free_bytes=plenty, model_device="cpu")
+    assert on_cpu.device == "cpu"  # --device cpu on a CUDA machine keeps the store beside the model
+    on_second_gpu = plan_index(1000, 64, IndexConfig(), cuda_free_bytes=plenty, model_device="cuda:1")
+    assert on_second_gpu.device == "cuda:1"
+    assert plan_index(1000, 64, IndexConfig(device="gpu"), model_device="cuda:1").device == "cuda:1"
+
+
+def test_auto_storage_is_bfloat16_for_a_bfloat16_model():
+    from unlimisum.placement import storage_dtype
+
+    assert storage_dtype(IndexConfig(), torch.bfloat16) == torch.bfloat16
+    assert storage_dtype(IndexConfig(), torch.float32) == torch.float16
+    assert storage_dtype(IndexConfig(storage_dtype="float32"), torch.bfloat16) == torch.float32
+
+
 def test_plan_without_cuda(monkeypatch):
     no_cuda(monkeypatch)
     assert plan_index(10, 8, IndexConfig(), cuda_free_bytes=10**12).device == "cpu"

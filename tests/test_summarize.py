@@ -207,3 +207,15 @@ def test_tensor_cache_state_does_not_grow_with_the_summary(tiny_loaded):
         summary = Summarizer(loaded, generation=generation, tensor_cache=settings).summarize(SAMPLE_TEXT * 2)
         sizes.append(summary.stats.tensor_cache_bytes)
     assert sizes[0] == sizes[1] > 0
+
+
+def test_per_chapter_on_a_one_chapter_document_adds_no_parts(tiny_loaded):
+    summary = Summarizer(tiny_loaded("bart"), generation=GenerationOptions(max_new_tokens=4)).summarize(
+        Document(title="Note", chapters=(Chapter("Only", SAMPLE_TEXT),)), per_chapter=True
+    )
+    assert summary.chapters == ()
+
+
+def test_several_return_sequences_are_refused(tiny_loaded):
+    with pytest.raises(ConfigError, match="num_return_sequences"):
+        Summarizer(tiny_loaded("bart"), generation=GenerationOptions(max_new_tokens=4, extra={"num_return_sequences": 2}))

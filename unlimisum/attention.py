@@ -26,9 +26,7 @@ from unlimisum.architectures import Architecture
 class RetrievalStats:
     """What retrieval cost during one generate() call."""
 
-    search_calls: int = 0
     search_seconds: float = 0.0
-    steps: int = 0  # decoder forward passes seen by the first layer
 
 
 @dataclass
@@ -87,11 +85,9 @@ class RetrievalCrossAttention(nn.Module):
             started = time.perf_counter()
             scores, ids = store.search(queries, min(session.top_k, store.n_tokens))  # [nq, k]
             session.stats.search_seconds += time.perf_counter() - started
-            session.stats.search_calls += 1
-            weights = torch.softmax(scores * self.scaling, dim=-1)
+            # an approximate index that found nothing for a query gives all -inf: attend to nothing
+            weights = torch.softmax(scores * self.scaling, dim=-1).nan_to_num(0.0)
             mixed[block] = store.weighted_sum(ids, weights).view(rows_per_doc, steps, heads, d_model)
-        if self.layer_index == 0:
-            session.stats.steps += 1
 
         w_v = value_proj.weight.view(heads, head_dim, d_model)  # [H, dh, d]
         values = torch.einsum("rthd,hed->rthe", mixed.to(w_v.dtype), w_v)  # [R, T, H, dh]

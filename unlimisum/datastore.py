@@ -249,8 +249,8 @@ class DatastoreBuilder:
         if self.dtype != torch.float16:
             return
         if torch.isinf(x).any() if x.dtype == torch.float16 else x.abs().amax() > 65504:
-            raise ConfigError("encoder states exceed the float16 range; set the index storage_dtype to "
-                              "'bfloat16' or 'float32'")
+            raise ConfigError("encoder states exceed the float16 range; store them as bfloat16 or float32 "
+                              "(--storage-dtype, or IndexConfig.storage_dtype)")
 
     def finish(self) -> Datastore:
         """The built Datastore; every announced token must have been added."""

@@ -108,9 +108,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
     try:
         model = AutoModelForSeq2SeqLM.from_pretrained(name, dtype=dtype, trust_remote_code=remote, weights_only=True)
         tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or name, trust_remote_code=remote)
+        model.to(device).eval()
     except OSError as error:
         raise _not_found(config.tokenizer or config.name, error) from None
-    except (ValueError, RuntimeError) as error:
+    except (ImportError, ValueError, RuntimeError) as error:  # a missing extra package, bad files, out of memory
         raise ModelError(f"model '{config.name}' could not be loaded: {error}") from None
-    model.to(device).eval()
     return LoadedModel(model=model, tokenizer=tokenizer, architecture=architecture, name=config.name)

@@ -38,10 +38,14 @@ class IndexPlan:
     reason: str  # one line for `unlimisum info` and the logs
 
 
-def storage_dtype(config: IndexConfig) -> torch.dtype:
-    """The dtype the states are stored in: "auto" is float16 (the one 16-bit type every backend reads)."""
+def storage_dtype(config: IndexConfig, model_dtype: torch.dtype | None = None) -> torch.dtype:
+    """The dtype the states are stored in.
+
+    "auto" is bfloat16 for a bfloat16 model (its states may exceed the float16 range) and
+    float16 otherwise (the 16-bit type every backend reads).
+    """
     if config.storage_dtype == "auto":
-        return torch.float16
+        return torch.bfloat16 if model_dtype == torch.bfloat16 else torch.float16
     if config.storage_dtype not in STORAGE_DTYPES:
         choices = ", ".join(["auto", *STORAGE_DTYPES])
         raise ConfigError(f"index storage_dtype must be one of {choices}, not {config.storage_dtype!r}")
@@ -65,9 +69,12 @@ def validate_index_config(config: IndexConfig) -> None:
     storage_dtype(config)
 
 
-def plan_index(n_tokens: int, dim: int, config: IndexConfig, *, cuda_free_bytes: int | None = None) -> IndexPlan:
+def plan_index(n_tokens: int, dim: int, config: IndexConfig, *, cuda_free_bytes: int | None = None,
+               model_device: torch.device | str | None = None) -> IndexPlan:
     """Choose kind and device for a store of ``n_tokens`` states of size ``dim``.
 
+    ``model_device``: where the model runs; automatic placement uses the GPU only for a model on
+    CUDA, and that model's GPU (None: any CUDA device counts, as for ``unlimisum info``).
     ``cuda_free_bytes`` overrides the free GPU memory (tests); None asks CUDA when it is available.
     """
     validate_index_config(config)
@@ -77,19 +84,22 @@ def plan_index(n_tokens: int, dim: int, config: IndexConfig, *, cuda_free_bytes:
     store_bytes = n_tokens * dim * element_bytes
     size = f"{n_tokens:,} tokens x {dim} ({store_bytes / 2**20:,.0f} MiB)"
     cuda = torch.cuda.is_available()
+    model_device = torch.device(model_device) if model_device is not None else None
+    gpu = _cuda_device(model_device)
 
     if config.device == "gpu":
         if not cuda:
             raise ConfigError("index device 'gpu' was requested but CUDA is not available; use device 'cpu' or 'auto'")
         if config.kind in APPROXIMATE_KINDS:
             raise ConfigError(f"index kind {config.kind!r} runs on the CPU only; on the GPU use kind 'exact' or 'auto'")
-        return IndexPlan("exact", _cuda_device(), f"exact on GPU as requested, {size}")
+        return IndexPlan("exact", gpu, f"exact on GPU as requested, {size}")
 
-    if config.device == "auto" and cuda and config.kind in ("auto", "exact"):
-        free = torch.cuda.mem_get_info()[0] if cuda_free_bytes is None else cuda_free_bytes
+    model_on_gpu = model_device is None or model_device.type == "cuda"
+    if config.device == "auto" and cuda and model_on_gpu and config.kind in ("auto", "exact"):
+        free = torch.cuda.mem_get_info(gpu)[0] if cuda_free_bytes is None else cuda_free_bytes
         budget = config.gpu_memory_fraction * free
         if store_bytes <= budget:
-            return IndexPlan("exact", _cuda_device(), f"exact on GPU: {size} fits in {budget / 2**20:,.0f} MiB")
+            return IndexPlan("exact", gpu, f"exact on GPU: {size} fits in {budget / 2**20:,.0f} MiB")
         too_big = f"{size} exceeds {budget / 2**20:,.0f} MiB of GPU memory"
     else:
         too_big = None
@@ -105,5 +115,8 @@ def plan_index(n_tokens: int, dim: int, config: IndexConfig, *, cuda_free_bytes:
     return IndexPlan(kind, "cpu", f"{kind} on CPU: {why}, {size}{where}")
 
 
-def _cuda_device() -> str:
-    return f"cuda:{torch.cuda.current_device()}"
+def _cuda_device(model_device: torch.device | None) -> str:
+    """The model's GPU when it is on one, else the current CUDA device."""
+    if model_device is not None and model_device.type == "cuda" and model_device.index is not None:
+        return f"cuda:{model_device.index}"
+    return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cuda:0"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import resource
 import time
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Sequence
 
 import torch
@@ -18,6 +18,7 @@ from unlimisum.document import Document
 from unlimisum.encoding import auto_batch_size, encode_windows, plan_windows
 from unlimisum.errors import ConfigError, EmptyDocumentError
 from unlimisum.models import LoadedModel, load_model
+from unlimisum.placement import storage_dtype
 
 
 # Chapters generated together with --per-chapter: batching speeds generation up, while the
@@ -134,6 +135,8 @@ class Summarizer:
         self.generation = generation
         self.tensor_cache = tensor_cache
         self.progress = progress or (lambda event: None)
+        if generation.extra.get("num_return_sequences", 1) != 1:
+            raise ConfigError("num_return_sequences must be 1: unlimisum returns one summary per document")
         limit, wanted = self.loaded.max_target_length, generation.max_new_tokens
         if limit is not None and wanted is not None and wanted > limit:
             raise ConfigError(
@@ -154,6 +157,8 @@ class Summarizer:
             for chapter in document.chapters
             if chapter.text.strip()
         ]
+        if len(chapters) < 2:  # one chapter: its summary is the whole summary
+            return whole
         parts = []
         for start in range(0, len(chapters), CHAPTERS_PER_BATCH):
             parts.extend(self.summarize_many(chapters[start : start + CHAPTERS_PER_BATCH]))
@@ -200,6 +205,13 @@ class Summarizer:
             raise ConfigError(f"top-k must be at least 1, got {top_k}")
         return top_k
 
+    def _index_config(self) -> IndexConfig:
+        """The index options with an automatic storage dtype resolved for this model."""
+        if self.index.storage_dtype != "auto":
+            return self.index
+        dtype = storage_dtype(self.index, self.loaded.dtype)
+        return replace(self.index, storage_dtype=str(dtype).removeprefix("torch."))
+
     def _reset_gpu_peak(self) -> int | None:
         if self.loaded.device.type != "cuda":
             return None
@@ -226,8 +238,9 @@ class Summarizer:
         model = self.loaded.model
         plan = plan_windows(n_tokens, self._window(), self.encoding.overlap)
         d_model = model.config.d_model
-        index_plan = plan_index(n_tokens, d_model, self.index)
-        builder = DatastoreBuilder(n_tokens, d_model, index_plan, self.index)
+        index_config = self._index_config()
+        index_plan = plan_index(n_tokens, d_model, index_config, model_device=self.loaded.device)
+        builder = DatastoreBuilder(n_tokens, d_model, index_plan, index_config)
         batch_size = self.encoding.batch_size or auto_batch_size(plan.window, plan.n_windows, self.loaded.device)
         if batch_size < 1:
             raise ConfigError(f"encode batch size must be at least 1, got {batch_size}")

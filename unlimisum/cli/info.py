@@ -124,9 +124,12 @@ def collect_models(model: str | None) -> dict:
     """The default model, the model asked for, whether each is available offline, and the cache folders."""
     from huggingface_hub import constants
 
+    from unlimisum.architectures import supported_model_types
+
     chosen = model or DEFAULT_MODEL
     return {
         "default_model": DEFAULT_MODEL,
+        "supported_model_types": supported_model_types(),
         "model": chosen,
         "model_source": "--model/UNLIMISUM_MODEL" if model else "default",
         "model_available_offline": _available_offline(chosen),
@@ -210,6 +213,7 @@ def render_report(report: dict) -> str:
         "models",
         *_rows([
             ("default model", models["default_model"]),
+            ("model families", ", ".join(models["supported_model_types"])),
             *([("model", models["model"])] if models["model_source"] != "default" else []),
             ("available offline", "yes" if models["model_available_offline"] else "no (downloaded on first use)"),
             ("HF_HOME", models["hf_home"]),

@@ -123,6 +123,11 @@ def summarize(
         "auto", "--index-device", help="Where the index lives (auto: GPU when CUDA is present and it fits).",
         rich_help_panel=INDEX_PANEL,
     ),
+    storage_dtype: Literal["auto", "float16", "bfloat16", "float32"] = typer.Option(
+        "auto", "--storage-dtype",
+        help="How the encoded input is stored (auto: bfloat16 for bfloat16 models, else float16; float32 doubles memory).",
+        rich_help_panel=INDEX_PANEL,
+    ),
     topk: Optional[int] = typer.Option(
         None, "--topk", min=1, metavar="K",
         help="Input tokens each cross-attention head retrieves per step (default: the model's window).",
@@ -156,18 +161,18 @@ def summarize(
         rich_help_panel=GENERATION_PANEL,
     ),
     repetition_penalty: Optional[float] = typer.Option(
-        None, "--repetition-penalty", min=0.0, help="Penalty for tokens already generated (1 = none).",
+        None, "--repetition-penalty", help="Penalty for tokens already generated (1 = none).",
         rich_help_panel=GENERATION_PANEL,
     ),
     sample: bool = typer.Option(
         False, "--sample", help="Sample instead of greedy/beam search.", rich_help_panel=GENERATION_PANEL
     ),
     temperature: Optional[float] = typer.Option(
-        None, "--temperature", min=0.0, help="Sampling temperature (turns on --sample).",
+        None, "--temperature", help="Sampling temperature (turns on --sample).",
         rich_help_panel=GENERATION_PANEL,
     ),
     top_p: Optional[float] = typer.Option(
-        None, "--top-p", min=0.0, max=1.0, help="Nucleus sampling probability mass (turns on --sample).",
+        None, "--top-p", max=1.0, help="Nucleus sampling probability mass (turns on --sample).",
         rich_help_panel=GENERATION_PANEL,
     ),
     seed: Optional[int] = typer.Option(
@@ -220,6 +225,10 @@ def summarize(
         raise fail("--quiet and --verbose contradict each other", EXIT_USAGE)
     if min_new_tokens is not None and min_new_tokens > max_new_tokens:
         raise fail(f"--min-new-tokens {min_new_tokens} exceeds --max-new-tokens {max_new_tokens}", EXIT_USAGE)
+    for option, value in (("--temperature", temperature), ("--repetition-penalty", repetition_penalty),
+                          ("--top-p", top_p)):
+        if value is not None and value <= 0:
+            raise fail(f"{option} must be greater than 0, got {value}", EXIT_USAGE)
     if tc_window is not None and tensor_cache is None:
         raise fail("--tc-window needs --tensor-cache", EXIT_USAGE)
     try:
@@ -230,7 +239,7 @@ def summarize(
     settings = SummarizeSettings(
         model=ModelConfig(name=model, tokenizer=tokenizer, device=device, dtype=dtype, trust_remote_code=trust_remote_code),
         encoding=EncodingConfig(overlap=overlap, batch_size=encode_batch),
-        index=IndexConfig(kind=index, device=index_device),
+        index=IndexConfig(kind=index, device=index_device, storage_dtype=storage_dtype),
         retrieval=RetrievalConfig(top_k=topk),
         generation=GenerationOptions(
             max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, num_beams=num_beams,

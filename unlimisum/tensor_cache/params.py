@@ -11,6 +11,7 @@ lag, model_type, model_name, and ``report`` (the fit's JSON numbers).
 from __future__ import annotations
 
 import json
+import os
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,7 +115,13 @@ def save_params(params: TensorCacheParams, path: str | Path) -> Path:
         "model_name": params.model_name,
         "report": json.dumps(params.report),
     }
-    save_file(tensors, str(path), metadata=metadata)
+    # written beside the target and renamed, so an interrupted fit never leaves a truncated file
+    partial = path.with_name(f".{path.name}.partial")
+    try:
+        save_file(tensors, str(partial), metadata=metadata)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
     return path
 
 
@@ -140,10 +147,13 @@ def load_params(path: str | Path) -> TensorCacheParams:
     if len({shape[0] for shape in shapes.values()}) != 1 or any(len(shape) != 2 for shape in shapes.values()) \
             or shapes["decay_logit"] != shapes["write_logit"]:
         raise ConfigError(f"inconsistent tensor shapes in Tensor Cache parameter file: {shapes}", source=path)
-    return TensorCacheParams(
-        decay_logit=tensors["decay_logit"], write_logit=tensors["write_logit"], gate_logit=tensors["gate_logit"],
-        window=int(metadata.get("window", 0)), normalize_keys=metadata.get("normalize_keys", "1") == "1",
-        normalize_read=metadata.get("normalize_read", "0") == "1", lag=int(metadata.get("lag", "0")),
-        model_type=metadata.get("model_type", ""), model_name=metadata.get("model_name", ""),
-        report=json.loads(metadata.get("report", "{}") or "{}"),
-    )
+    try:
+        return TensorCacheParams(
+            decay_logit=tensors["decay_logit"], write_logit=tensors["write_logit"], gate_logit=tensors["gate_logit"],
+            window=int(metadata.get("window", 0)), normalize_keys=metadata.get("normalize_keys", "1") == "1",
+            normalize_read=metadata.get("normalize_read", "1") == "1", lag=int(metadata.get("lag", "0")),
+            model_type=metadata.get("model_type", ""), model_name=metadata.get("model_name", ""),
+            report=json.loads(metadata.get("report", "{}") or "{}"),
+        )
+    except ValueError as error:  # int() of a bad window or lag, or a report that is not JSON
+        raise ConfigError(f"bad metadata in Tensor Cache parameter file: {error}", source=path) from None

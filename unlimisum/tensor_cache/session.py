@@ -116,11 +116,18 @@ def model_layer_params(model: nn.Module, wrappers: list[nn.Module], settings: Te
     if params is None:
         return closed_layer_params(len(wrappers), kv_heads, window, dtype, device), window
     model_type = getattr(model.config, "model_type", "")
+    source = settings.params if not isinstance(settings.params, TensorCacheParams) else None
+    if params.model_type and params.model_type != model_type:
+        raise ConfigError(
+            f"the Tensor Cache file was fitted on a {params.model_type} model ({params.model_name or 'unnamed'}), "
+            f"not on this {model_type} model; fit one for it with `unlimisum tc fit`",
+            source=source,
+        )
     if params.num_layers != len(wrappers) or params.decay_logit.shape[1] != kv_heads:
         raise ConfigError(
             f"the Tensor Cache file was fitted for {params.num_layers} layers x {params.decay_logit.shape[1]} heads "
             f"({params.model_type or 'unknown model'}); this {model_type} decoder has {len(wrappers)} x {kv_heads}",
-            source=settings.params if not isinstance(settings.params, TensorCacheParams) else None,
+            source=source,
         )
     return params.layer_params(heads, window, dtype, device), window
 
