@@ -1,7 +1,8 @@
-"""One row per model family: where the decoder's cross-attention lives and how it computes.
+"""One row per model family: where the decoder's attentions live and how they compute.
 
-The retrieval wrapper (attention.py) reads only what a row tells it, so supporting a new
-encoder-decoder family means adding a row here, and nothing else.
+The retrieval wrapper (attention.py) and the Tensor Cache wrapper (tensor_cache/attention.py)
+read only what a row tells them, so supporting a new encoder-decoder family means adding a
+row here, and nothing else.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def _led_output(attn_output: torch.Tensor, kwargs: dict) -> tuple:
 
 
 def _t5_output(attn_output: torch.Tensor, kwargs: dict) -> tuple:
-    return attn_output, None, None  # (output, position bias, weights); every layer is wrapped, so no bias to pass on
+    return attn_output, None, None  # (output, position bias, weights): every wrapped layer needs no bias passed on
 
 
 def _led_encoder_inputs(input_ids: torch.Tensor) -> dict:
@@ -38,21 +39,42 @@ def _led_encoder_inputs(input_ids: torch.Tensor) -> dict:
 
 
 @dataclass(frozen=True)
+class AttentionSite:
+    """Where one decoder attention module sits in a layer, and what its parts are called."""
+
+    path: str  # dotted path from a decoder layer to the module
+    query: str = "q_proj"
+    key: str = "k_proj"
+    value: str = "v_proj"
+    output: str = "out_proj"
+    heads_attribute: str = "num_heads"
+    head_dim_attribute: str = "head_dim"
+
+    def locate(self, layer: nn.Module) -> tuple[nn.Module, str]:
+        """The module that holds the attention, and the attribute name it is under."""
+        *parents, attribute = self.path.split(".")
+        parent = layer
+        for name in parents:
+            parent = parent[int(name)] if name.isdigit() else getattr(parent, name)
+        return parent, attribute
+
+
+_T5_NAMES = dict(query="q", key="k", value="v", output="o", heads_attribute="n_heads",
+                 head_dim_attribute="key_value_proj_dim")
+
+
+@dataclass(frozen=True)
 class Architecture:
-    """Where a family keeps its decoder cross-attention and what its projections are called."""
+    """One model family: where its decoder attentions live and how they compute."""
 
     name: str
     model_types: tuple[str, ...]
     layers_attribute: str  # the decoder's list of layers: decoder.<layers_attribute>
-    cross_attention_path: str  # dotted path from a decoder layer to its cross-attention module
-    query: str
-    key: str
-    value: str
-    output: str
-    heads_attribute: str
-    head_dim_attribute: str
-    default_scaling: Callable[[int], float]  # head_dim -> scaling, used when the module has no `scaling`
-    pack_output: Callable[[torch.Tensor, dict], tuple] = field(repr=False)
+    cross_attention: AttentionSite  # wrapped for retrieval
+    self_attention: AttentionSite  # wrapped for the Tensor Cache
+    default_scaling: Callable[[int], float]  # head_dim -> scaling, used when a module has no `scaling`
+    pack_output: Callable[[torch.Tensor, dict], tuple] = field(repr=False)  # the attention's return tuple
+    relative_position_bias: bool  # T5-like: self-attention scores get a relative position bias
     source_length_attribute: str | None  # config attribute with the encoder's maximum source length
     default_source_length: int  # when neither the config nor the tokenizer gives a limit
     encoder_inputs: Callable[[torch.Tensor], dict] | None = field(default=None, repr=False)
@@ -70,23 +92,15 @@ class Architecture:
         return min(limits) if limits else self.default_source_length
 
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
+        """The decoder's layers, in order."""
         return getattr(model.get_decoder(), self.layers_attribute)
-
-    def cross_attention_parent(self, layer: nn.Module) -> tuple[nn.Module, str]:
-        """The module that holds the cross-attention, and the attribute name it is under."""
-        *parents, attribute = self.cross_attention_path.split(".")
-        parent = layer
-        for name in parents:
-            parent = parent[int(name)] if name.isdigit() else getattr(parent, name)
-        return parent, attribute
 
 
 def _row(name, model_types, **overrides) -> Architecture:
     bart_like = dict(
-        layers_attribute="layers", cross_attention_path="encoder_attn",
-        query="q_proj", key="k_proj", value="v_proj", output="out_proj",
-        heads_attribute="num_heads", head_dim_attribute="head_dim",
-        default_scaling=lambda head_dim: head_dim**-0.5, pack_output=_bart_like_output,
+        layers_attribute="layers", cross_attention=AttentionSite("encoder_attn"),
+        self_attention=AttentionSite("self_attn"), default_scaling=lambda head_dim: head_dim**-0.5,
+        pack_output=_bart_like_output, relative_position_bias=False,
         source_length_attribute="max_position_embeddings", default_source_length=1024,
     )
     bart_like.update(overrides)
@@ -94,11 +108,10 @@ def _row(name, model_types, **overrides) -> Architecture:
 
 
 _T5_ROW = dict(
-    layers_attribute="block", cross_attention_path="layer.1.EncDecAttention",
-    query="q", key="k", value="v", output="o",
-    heads_attribute="n_heads", head_dim_attribute="key_value_proj_dim",
+    layers_attribute="block", cross_attention=AttentionSite("layer.1.EncDecAttention", **_T5_NAMES),
+    self_attention=AttentionSite("layer.0.SelfAttention", **_T5_NAMES),
     default_scaling=lambda head_dim: 1.0,  # T5 does not scale its dot products
-    pack_output=_t5_output, source_length_attribute=None,
+    pack_output=_t5_output, relative_position_bias=True, source_length_attribute=None,
 )
 
 ARCHITECTURES: tuple[Architecture, ...] = (
@@ -121,7 +134,16 @@ _BY_MODEL_TYPE = {model_type: row for row in ARCHITECTURES for model_type in row
 
 
 def supported_model_types() -> list[str]:
+    """Every ``config.model_type`` with a row in the table."""
     return sorted(_BY_MODEL_TYPE)
+
+
+def architecture_named(name: str) -> Architecture:
+    """The row for a row name ('BART') or a model type ('bart')."""
+    for row in ARCHITECTURES:
+        if name == row.name or name in row.model_types:
+            return row
+    raise UnsupportedModelError(f"model type '{name}' is not supported; unlimisum supports " + ", ".join(supported_model_types()))
 
 
 def architecture_for(config) -> Architecture:

@@ -19,6 +19,7 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
+from unlimisum import wrapping
 from unlimisum.architectures import Architecture
 
 
@@ -50,12 +51,13 @@ class RetrievalCrossAttention(nn.Module):
         self.architecture = architecture
         self.layer_index = layer_index
         self.session: RetrievalSession | None = None
-        self.num_heads = getattr(original, architecture.heads_attribute)
-        self.head_dim = getattr(original, architecture.head_dim_attribute)
+        site = architecture.cross_attention
+        self.num_heads = getattr(original, site.heads_attribute)
+        self.head_dim = getattr(original, site.head_dim_attribute)
         self.scaling = float(getattr(original, "scaling", architecture.default_scaling(self.head_dim)))
 
     def _projection(self, role: str) -> nn.Linear:
-        return getattr(self.original, getattr(self.architecture, role))
+        return getattr(self.original, getattr(self.architecture.cross_attention, role))
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
         if self.session is None:
@@ -96,37 +98,19 @@ class RetrievalCrossAttention(nn.Module):
         return output_proj(values.reshape(rows, steps, heads * head_dim))
 
 
-def _cross_attention_sites(model: nn.Module, architecture: Architecture):
-    for index, layer in enumerate(architecture.decoder_layers(model)):
-        parent, attribute = architecture.cross_attention_parent(layer)
-        yield index, parent, attribute
+def _wrap(architecture: Architecture):
+    return lambda original, index: RetrievalCrossAttention(original, architecture, index)
 
 
 def install(model: nn.Module, architecture: Architecture) -> list[RetrievalCrossAttention]:
     """Wrap every decoder cross-attention of ``model``; refuse to wrap twice."""
-    wrappers = []
-    sites = list(_cross_attention_sites(model, architecture))
-    if any(isinstance(getattr(parent, attribute), RetrievalCrossAttention) for _, parent, attribute in sites):
-        raise RuntimeError("retrieval attention is already installed on this model")
-    for index, parent, attribute in sites:
-        wrapper = RetrievalCrossAttention(getattr(parent, attribute), architecture, index)
-        setattr(parent, attribute, wrapper)
-        wrappers.append(wrapper)
-    return wrappers
+    return wrapping.install(model, architecture, architecture.cross_attention, RetrievalCrossAttention,
+                            _wrap(architecture))
 
 
 def uninstall(model: nn.Module, architecture: Architecture) -> None:
     """Put every original cross-attention module back."""
-    for _, parent, attribute in _cross_attention_sites(model, architecture):
-        module = getattr(parent, attribute)
-        if isinstance(module, RetrievalCrossAttention):
-            setattr(parent, attribute, module.original)
-
-
-def installed_wrappers(model: nn.Module, architecture: Architecture) -> list[RetrievalCrossAttention]:
-    """The wrappers currently installed on ``model`` (empty when none)."""
-    modules = [getattr(parent, attribute) for _, parent, attribute in _cross_attention_sites(model, architecture)]
-    return [module for module in modules if isinstance(module, RetrievalCrossAttention)]
+    wrapping.uninstall(model, architecture, architecture.cross_attention, RetrievalCrossAttention)
 
 
 @contextmanager
@@ -135,16 +119,12 @@ def retrieval(model: nn.Module, architecture: Architecture, session: RetrievalSe
 
     Installs the wrappers if they are not there yet, and leaves the model as it found it.
     """
-    wrappers = installed_wrappers(model, architecture)
-    installed_here = not wrappers
-    if installed_here:
-        wrappers = install(model, architecture)
-    for wrapper in wrappers:
-        wrapper.session = session
-    try:
-        yield session
-    finally:
+    site = architecture.cross_attention
+    with wrapping.wrapped(model, architecture, site, RetrievalCrossAttention, _wrap(architecture)) as wrappers:
         for wrapper in wrappers:
-            wrapper.session = None
-        if installed_here:
-            uninstall(model, architecture)
+            wrapper.session = session
+        try:
+            yield session
+        finally:
+            for wrapper in wrappers:
+                wrapper.session = None

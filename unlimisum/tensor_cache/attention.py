@@ -16,83 +16,22 @@ from __future__ import annotations
 
 import sys
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from torch import nn
 
-from unlimisum.architectures import ARCHITECTURES, Architecture
-from unlimisum.errors import UnsupportedModelError
+from unlimisum import wrapping
+from unlimisum.architectures import Architecture, architecture_named
 from unlimisum.tensor_cache.cache import find_tensor_cache
 from unlimisum.tensor_cache.scan import tensor_cache_attention
 from unlimisum.tensor_cache.streaming import band_mask
 
 
-def _two_outputs(output: torch.Tensor, kwargs: dict) -> tuple:
-    return output, None  # (output, attention weights)
-
-
-def _led_outputs(output: torch.Tensor, kwargs: dict) -> tuple:
-    return output, None, kwargs.get("cache", kwargs.get("past_key_values"))  # (output, weights, cache)
-
-
-def _t5_outputs(output: torch.Tensor, kwargs: dict) -> tuple:
-    return output, None, None  # (output, position bias, weights); every layer computes its own bias
-
-
-@dataclass(frozen=True)
-class SelfAttentionSite:
-    """Where a family keeps its decoder self-attention and what its projections are called."""
-
-    path: str  # dotted path from a decoder layer to the self-attention module
-    query: str
-    key: str
-    value: str
-    output: str
-    heads_attribute: str
-    head_dim_attribute: str
-    pack_output: Callable[[torch.Tensor, dict], tuple] = field(repr=False)
-    relative_bias: bool = False  # T5-like: relative position bias shared from the first layer
-
-    def parent(self, layer: nn.Module) -> tuple[nn.Module, str]:
-        *parents, attribute = self.path.split(".")
-        parent = layer
-        for name in parents:
-            parent = parent[int(name)] if name.isdigit() else getattr(parent, name)
-        return parent, attribute
-
-
-_BART_LIKE = SelfAttentionSite("self_attn", "q_proj", "k_proj", "v_proj", "out_proj", "num_heads", "head_dim", _two_outputs)
-_T5_LIKE = SelfAttentionSite(
-    "layer.0.SelfAttention", "q", "k", "v", "o", "n_heads", "key_value_proj_dim", _t5_outputs, relative_bias=True,
-)
-
-# Keyed by the name of the row in unlimisum.architectures.
-SELF_ATTENTION_SITES: dict[str, SelfAttentionSite] = {
-    "BART": _BART_LIKE, "mBART": _BART_LIKE, "PEGASUS": _BART_LIKE, "Marian": _BART_LIKE,
-    "Blenderbot": _BART_LIKE, "PLBART": _BART_LIKE, "PEGASUS-X": _BART_LIKE,
-    "LED": SelfAttentionSite("self_attn", "q_proj", "k_proj", "v_proj", "out_proj", "num_heads", "head_dim", _led_outputs),
-    "T5": _T5_LIKE, "LongT5": _T5_LIKE,
-}
-
-
 def resolve_architecture(architecture: Architecture | str) -> Architecture:
     """An Architecture row, given the row itself, its name ('BART') or a model_type ('bart')."""
-    if isinstance(architecture, Architecture):
-        return architecture
-    for row in ARCHITECTURES:
-        if architecture == row.name or architecture in row.model_types:
-            return row
-    raise UnsupportedModelError(f"model type '{architecture}' has no Tensor Cache support")
-
-
-def self_attention_site(architecture: Architecture | str) -> SelfAttentionSite:
-    row = resolve_architecture(architecture)
-    try:
-        return SELF_ATTENTION_SITES[row.name]
-    except KeyError:
-        raise UnsupportedModelError(f"model family '{row.name}' has no Tensor Cache support") from None
+    return architecture if isinstance(architecture, Architecture) else architecture_named(architecture)
 
 
 @dataclass
@@ -110,16 +49,16 @@ class ParallelMemory:
 class TensorCacheSelfAttention(nn.Module):
     """Wraps one decoder self-attention module; the original stays as the child ``original``."""
 
-    def __init__(self, original: nn.Module, site: SelfAttentionSite, layer_index: int,
+    def __init__(self, original: nn.Module, architecture: Architecture, layer_index: int,
                  bias_source: nn.Module | None = None):
         super().__init__()
         self.original = original
-        self.site = site
+        self.architecture = architecture
         self.layer_index = layer_index
+        site = architecture.self_attention
         self.num_heads = getattr(original, site.heads_attribute)
         self.head_dim = getattr(original, site.head_dim_attribute)
-        default_scaling = 1.0 if site.relative_bias else self.head_dim**-0.5  # T5 does not scale its scores
-        self.scaling = float(getattr(original, "scaling", default_scaling))
+        self.scaling = float(getattr(original, "scaling", architecture.default_scaling(self.head_dim)))
         self.parallel: ParallelMemory | None = None
         # T5: the module holding the relative position table (the first layer's); not a child, to keep
         # the module tree unchanged.
@@ -128,7 +67,7 @@ class TensorCacheSelfAttention(nn.Module):
         self._eager = getattr(module, "eager_attention_forward", None)  # None: the family has no attention interface
 
     def _projection(self, role: str) -> nn.Linear:
-        return getattr(self.original, getattr(self.site, role))
+        return getattr(self.original, getattr(self.architecture.self_attention, role))
 
     def forward(self, *args, **kwargs):
         hidden_states = args[0] if args else kwargs["hidden_states"]
@@ -136,9 +75,9 @@ class TensorCacheSelfAttention(nn.Module):
         tensor_cache = find_tensor_cache(cache)
         if tensor_cache is not None:
             mask = kwargs.get("attention_mask", kwargs.get("mask"))
-            return self.site.pack_output(self.stream(hidden_states, tensor_cache, mask), kwargs)
+            return self.architecture.pack_output(self.stream(hidden_states, tensor_cache, mask), kwargs)
         if self.parallel is not None:
-            return self.site.pack_output(self.whole_sequence(hidden_states, self.parallel), kwargs)
+            return self.architecture.pack_output(self.whole_sequence(hidden_states, self.parallel), kwargs)
         return self.original(*args, **kwargs)
 
     def _qkv(self, hidden_states: torch.Tensor):
@@ -209,64 +148,50 @@ class _LocalAttention:
             mask = mask.masked_fill(~allowed, torch.finfo(q.dtype).min)[None, None]  # [1, 1, n, m]
         original = wrapper.original
         interface = ALL_ATTENTION_FUNCTIONS.get_interface(original.config._attn_implementation, wrapper._eager)
-        extra = {"position_bias": bias} if wrapper.site.relative_bias else {}
+        extra = {"position_bias": bias} if wrapper.architecture.relative_position_bias else {}
         out, _ = interface(original, q, keys, values, mask, dropout=0.0, scaling=wrapper.scaling, **extra)
         return out.transpose(1, 2)  # [B, n, H, dh] -> [B, H, n, dh]
 
 
-def _sites(model: nn.Module, architecture: Architecture, site: SelfAttentionSite):
-    for index, layer in enumerate(architecture.decoder_layers(model)):
-        parent, attribute = site.parent(layer)
-        yield index, parent, attribute
+def _wrap(model: nn.Module, row: Architecture):
+    """The wrapper factory; T5-like wrappers share the first layer's relative position table."""
+    bias_source = None
+    if row.relative_position_bias:
+        for layer in row.decoder_layers(model):
+            parent, attribute = row.self_attention.locate(layer)
+            module = getattr(parent, attribute)
+            module = getattr(module, "original", module)
+            if getattr(module, "has_relative_attention_bias", False):
+                bias_source = module
+                break
+    return lambda original, index: TensorCacheSelfAttention(original, row, index, bias_source)
 
 
 def install(model: nn.Module, architecture: Architecture | str) -> list[TensorCacheSelfAttention]:
     """Wrap every decoder self-attention of ``model``; refuse to wrap twice."""
     row = resolve_architecture(architecture)
-    site = self_attention_site(row)
-    sites = list(_sites(model, row, site))
-    if any(isinstance(getattr(parent, attribute), TensorCacheSelfAttention) for _, parent, attribute in sites):
-        raise RuntimeError("Tensor Cache self-attention is already installed on this model")
-    bias_source = None
-    if site.relative_bias:
-        bias_source = next(
-            (getattr(p, a) for _, p, a in sites if getattr(getattr(p, a), "has_relative_attention_bias", False)), None
-        )
-    wrappers = []
-    for index, parent, attribute in sites:
-        wrapper = TensorCacheSelfAttention(getattr(parent, attribute), site, index, bias_source)
-        setattr(parent, attribute, wrapper)
-        wrappers.append(wrapper)
-    return wrappers
+    return wrapping.install(model, row, row.self_attention, TensorCacheSelfAttention, _wrap(model, row))
 
 
 def uninstall(model: nn.Module, architecture: Architecture | str) -> None:
     """Put every original self-attention module back."""
     row = resolve_architecture(architecture)
-    for _, parent, attribute in _sites(model, row, self_attention_site(row)):
-        module = getattr(parent, attribute)
-        if isinstance(module, TensorCacheSelfAttention):
-            setattr(parent, attribute, module.original)
+    wrapping.uninstall(model, row, row.self_attention, TensorCacheSelfAttention)
 
 
 def installed_wrappers(model: nn.Module, architecture: Architecture | str) -> list[TensorCacheSelfAttention]:
     """The wrappers currently installed on ``model`` (empty when none)."""
     row = resolve_architecture(architecture)
-    modules = [getattr(parent, attribute) for _, parent, attribute in _sites(model, row, self_attention_site(row))]
-    return [module for module in modules if isinstance(module, TensorCacheSelfAttention)]
+    return wrapping.installed(model, row, row.self_attention, TensorCacheSelfAttention)
 
 
 @contextmanager
 def wrapped_self_attention(model: nn.Module, architecture: Architecture | str) -> Iterator[list[TensorCacheSelfAttention]]:
     """Within the block the decoder's self-attention is wrapped (installed here if not yet there)."""
-    wrappers = installed_wrappers(model, architecture)
-    installed_here = not wrappers
-    if installed_here:
-        wrappers = install(model, architecture)
-    try:
-        yield wrappers
-    finally:
-        for wrapper in wrappers:
-            wrapper.parallel = None
-        if installed_here:
-            uninstall(model, architecture)
+    row = resolve_architecture(architecture)
+    with wrapping.wrapped(model, row, row.self_attention, TensorCacheSelfAttention, _wrap(model, row)) as wrappers:
+        try:
+            yield wrappers
+        finally:
+            for wrapper in wrappers:
+                wrapper.parallel = None
