@@ -13,6 +13,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from unlimisum import compat
 from unlimisum.errors import UnsupportedModelError
 
 # A tokenizer's model_max_length above this is transformers' "no limit" sentinel, not a limit.
@@ -24,7 +25,7 @@ def _bart_like_output(attn_output: torch.Tensor, kwargs: dict) -> tuple:
 
 
 def _led_output(attn_output: torch.Tensor, kwargs: dict) -> tuple:
-    return attn_output, None, kwargs.get("cache", kwargs.get("past_key_values"))  # (output, weights, cache)
+    return attn_output, None, compat.cache_from_kwargs(kwargs)  # (output, weights, cache)
 
 
 def _t5_output(attn_output: torch.Tensor, kwargs: dict) -> tuple:

@@ -60,6 +60,7 @@ class RetrievalCrossAttention(nn.Module):
         return getattr(self.original, getattr(self.architecture.cross_attention, role))
 
     def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
+        """The original module's call signature and return tuple; retrieval when a session is active."""
         if self.session is None:
             return self.original(hidden_states, *args, **kwargs)
         return self.architecture.pack_output(self.attend(hidden_states, self.session), kwargs)

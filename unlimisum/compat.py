@@ -6,6 +6,8 @@ the rest of the package needs goes here.
 
 from __future__ import annotations
 
+import inspect
+
 
 def quiet_transformers() -> None:
     """No progress bars or advisory warnings from transformers: the CLI draws its own on stderr."""
@@ -20,3 +22,13 @@ def encoder_outputs(last_hidden_state):
     from transformers.modeling_outputs import BaseModelOutput
 
     return BaseModelOutput(last_hidden_state=last_hidden_state)
+
+
+def cache_from_kwargs(kwargs: dict):
+    """The Cache an attention module was called with: ``cache`` in 5.x, ``past_key_values`` before."""
+    return kwargs.get("cache", kwargs.get("past_key_values"))
+
+
+def cache_argument(model) -> str:
+    """The keyword under which this release's ``forward``/``generate`` take a Cache."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

@@ -63,16 +63,16 @@ class GenerationOptions:
     """Options forwarded to the model's own ``generate()``; None leaves the model's default."""
 
     max_new_tokens: int | None = 256  # a few paragraphs; books want more, headlines less
-    min_new_tokens: int | None = None
-    num_beams: int | None = None
-    no_repeat_ngram_size: int | None = None
-    length_penalty: float | None = None
-    repetition_penalty: float | None = None
-    do_sample: bool | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None  # sampling top-k (not the retrieval top-k)
-    seed: int | None = None  # same seed, same output
+    min_new_tokens: int | None = None  # None: the model's own (summarization checkpoints often set one)
+    num_beams: int | None = None  # None: the model's own (often 4 for summarization checkpoints)
+    no_repeat_ngram_size: int | None = None  # None: the model's own
+    length_penalty: float | None = None  # None: the model's own; >1 favours longer beams
+    repetition_penalty: float | None = None  # None: the model's own (1.0 = no penalty)
+    do_sample: bool | None = None  # None: the model's own (greedy or beam search for every listed checkpoint)
+    temperature: float | None = None  # sampling only; None: the model's own (1.0)
+    top_p: float | None = None  # sampling only; None: the model's own (1.0 = the whole distribution)
+    top_k: int | None = None  # sampling top-k (not the retrieval top-k); None: the model's own
+    seed: int | None = None  # same seed, same output; None: torch's current random state
     # Anything else generate() accepts, passed through untouched.
     extra: dict = field(default_factory=dict)
 

@@ -35,6 +35,7 @@ class Document:
 
     @property
     def char_count(self) -> int:
+        """Characters over all chapters."""
         return sum(len(chapter.text) for chapter in self.chapters)
 
     @classmethod

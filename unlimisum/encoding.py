@@ -28,9 +28,11 @@ class WindowPlan:
 
     @property
     def n_windows(self) -> int:
+        """How many windows the plan has."""
         return len(self.starts)
 
     def length(self, index: int) -> int:
+        """Tokens in window ``index`` (all windows are full unless the input is shorter than one)."""
         return min(self.window, self.n_tokens - self.starts[index])
 
     def kept(self, index: int) -> tuple[int, int]:

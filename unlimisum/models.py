@@ -26,14 +26,17 @@ class LoadedModel:
 
     @property
     def device(self) -> torch.device:
+        """Where the weights are."""
         return next(self.model.parameters()).device
 
     @property
     def dtype(self) -> torch.dtype:
+        """The weights' dtype."""
         return next(self.model.parameters()).dtype
 
     @property
     def max_source_length(self) -> int:
+        """The encoder's window in tokens: the length of one encoded window."""
         return self.architecture.max_source_length(self.model.config, self.tokenizer)
 
     @property

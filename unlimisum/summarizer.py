@@ -71,6 +71,7 @@ class Summary:
     token_ids: tuple[int, ...] = ()  # the generated ids, special tokens included
 
     def to_dict(self) -> dict:
+        """Plain data (for JSON): every field, chapters and stats included."""
         return asdict(self)
 
 

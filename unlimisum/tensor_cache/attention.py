@@ -22,7 +22,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from unlimisum import wrapping
+from unlimisum import compat, wrapping
 from unlimisum.architectures import Architecture, architecture_named
 from unlimisum.tensor_cache.cache import find_tensor_cache
 from unlimisum.tensor_cache.scan import tensor_cache_attention
@@ -71,7 +71,7 @@ class TensorCacheSelfAttention(nn.Module):
 
     def forward(self, *args, **kwargs):
         hidden_states = args[0] if args else kwargs["hidden_states"]
-        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        cache = compat.cache_from_kwargs(kwargs)
         tensor_cache = find_tensor_cache(cache)
         if tensor_cache is not None:
             mask = kwargs.get("attention_mask", kwargs.get("mask"))

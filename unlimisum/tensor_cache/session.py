@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import EncoderDecoderCache
 
+from unlimisum import compat
 from unlimisum.architectures import Architecture
 from unlimisum.errors import ConfigError
 from unlimisum.tensor_cache.attention import resolve_architecture, wrapped_self_attention
@@ -144,11 +145,4 @@ def tensor_cache(model: nn.Module, architecture: Architecture | str,
     row = resolve_architecture(architecture)
     with wrapped_self_attention(model, row) as wrappers:
         layer_params, window = model_layer_params(model, wrappers, settings)
-        yield TensorCacheSession(layer_params, settings, window, wrappers, cache_argument(model))
-
-
-def cache_argument(model: nn.Module) -> str:
-    """The keyword under which this transformers release takes a Cache (renamed from past_key_values)."""
-    import inspect
-
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        yield TensorCacheSession(layer_params, settings, window, wrappers, compat.cache_argument(model))
