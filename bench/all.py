@@ -10,7 +10,7 @@ import argparse
 import importlib
 import time
 
-BENCHMARKS = ["encoding", "decoding", "index_choice", "memory", "truncation", "needle_eval"]
+BENCHMARKS = ["encoding", "decoding", "index_choice", "memory", "truncation", "profile", "needle_eval"]
 
 
 def main(argv=None) -> None:

@@ -1,0 +1,71 @@
+"""Where a decoding step's time goes: cProfile over generation at N input tokens.
+
+    python -m bench.profile [--tokens 100000] [--kind exact] [--new-tokens 4]
+
+Prints the functions with the most cumulative time and the shares of search, value
+lookup (weighted_sum) and everything else in generate(); writes bench/results/profile.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+
+from bench.common import print_table, random_model, write_result
+from bench.decoding import build_store
+from bench.index_choice import synthetic_states
+from unlimisum.config import GenerationOptions
+from unlimisum.summarizer import Summarizer
+
+# (label, file fragment, function name) of the parts a step is made of
+PARTS = [
+    ("search", "datastore.py", "search"),
+    ("value lookup (weighted_sum)", "datastore.py", "weighted_sum"),
+    ("generate, total", "summarizer.py", "generate"),
+]
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="N = 20k")
+    parser.add_argument("--tokens", type=int, default=None)
+    parser.add_argument("--kind", default="exact")
+    parser.add_argument("--new-tokens", type=int, default=4)
+    parser.add_argument("--size", default="bart-base")
+    args = parser.parse_args(argv)
+    n_tokens = args.tokens or (20_000 if args.quick else 100_000)
+    loaded = random_model(args.size)
+    store, _ = build_store(synthetic_states(n_tokens, loaded.model.config.d_model), args.kind)
+    generation = GenerationOptions(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
+    summarizer = Summarizer(loaded, generation=generation)
+    summarizer.generate([store])  # warm-up
+    profiler = cProfile.Profile()
+    profiler.enable()
+    summarizer.generate([store])
+    profiler.disable()
+    stats = pstats.Stats(profiler)
+    cumulative = {}
+    for (filename, _, function), (_, _, _, total, _) in stats.stats.items():
+        for label, fragment, name in PARTS:
+            if filename.endswith(fragment) and function == name:
+                cumulative[label] = cumulative.get(label, 0.0) + total
+    total = cumulative.get("generate, total", 0.0)
+    rest = total - cumulative.get("search", 0.0) - cumulative.get("value lookup (weighted_sum)", 0.0)
+    shares = {label: seconds / total for label, seconds in cumulative.items() if label != "generate, total"}
+    shares["model (projections, decoder layers, logits)"] = rest / total
+    top = sorted(stats.stats.items(), key=lambda item: item[1][3], reverse=True)[:15]
+    print(f"profile: {args.size}, N={n_tokens:,}, {args.kind} index, {args.new_tokens} tokens, "
+          f"{total / args.new_tokens:.3f} s/token")
+    print_table(["part", "share of generate()"], [[label, f"{share:.0%}"] for label, share in shares.items()])
+    print("\ntop functions by cumulative time:")
+    print_table(["seconds", "function"],
+                [[f"{item[1][3]:.3f}", f"{item[0][0].split('/')[-1]}:{item[0][2]}"] for item in top])
+    result = dict(size=args.size, n_tokens=n_tokens, kind=args.kind, new_tokens=args.new_tokens,
+                  seconds_per_token=total / args.new_tokens, shares=shares)
+    print("wrote", write_result("profile", result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
