@@ -1,8 +1,11 @@
 """Retrieval with learned weights: a tiny trained BART finds a needle in inputs 50-200 windows long.
 
 The model in tests/fixtures/needle (trained by bench/train_needle.py) has a 64-token
-window and was trained only on single windows: filler words with one span
-``<needle> 4 9 1 7 </needle>`` somewhere in them, target ``4 9 1 7``. Here the span is
+window; its encoder only ever saw single windows: filler words with one span
+``<needle> 4 9 1 7 </needle>`` somewhere in them, target ``4 9 1 7``. In the last 40% of
+training its decoder read the encoder states of 8 windows at once (its own, and 7 others'
+with their needles masked out): trained on single windows alone it copies the span within
+a window but finds none at 50x. Here the span is
 placed near the start, in the middle and at the end of inputs 50x and 200x the window
 (3,200 and 12,800 tokens). unlimisum must copy it out exactly; the unmodified model
 reading the first window (the truncated baseline) must fail whenever the span is beyond
