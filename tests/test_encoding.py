@@ -58,9 +58,11 @@ def test_plan_rejects_bad_arguments(bad):
 
 
 def test_auto_batch_size_is_bounded_by_windows():
-    assert auto_batch_size(1024, 3, torch.device("cpu")) == 3
-    assert auto_batch_size(1024, 100, torch.device("cpu")) == 8
+    assert auto_batch_size(1024, 1, torch.device("cpu")) == 1
+    assert auto_batch_size(1024, 100, torch.device("cpu")) == 2
+    assert auto_batch_size(64, 100, torch.device("cpu")) == 32
     assert auto_batch_size(16384, 100, torch.device("cpu")) == 1
+    assert auto_batch_size(1024, 100, torch.device("cuda")) == 32
 
 
 @pytest.mark.parametrize("model_type", ["bart", "led", "t5"])
