@@ -170,7 +170,9 @@ class Summarizer:
         documents = [item if isinstance(item, Document) else Document.from_text(item) for item in items]
         if not documents:
             return []
-        peak_gpu = self._reset_gpu_peak()
+        on_cuda = self.loaded.device.type == "cuda"
+        if on_cuda:
+            torch.cuda.reset_peak_memory_stats(self.loaded.device)
         encoded = [self._encode(document) for document in documents]
         name = encoded[0].name if len(encoded) == 1 else f"{len(encoded)} documents"
         run = self.generate([enc.store for enc in encoded], name=name)
@@ -179,7 +181,7 @@ class Summarizer:
         texts = [text.strip() for text in tokenizer.batch_decode(output, skip_special_tokens=True)]
         special = torch.tensor(sorted(set(tokenizer.all_special_ids)), device=output.device)
         counts = (~torch.isin(output, special)).sum(dim=1).tolist()
-        peak_gpu = torch.cuda.max_memory_allocated() if peak_gpu is not None else None
+        peak_gpu = torch.cuda.max_memory_allocated(self.loaded.device) if on_cuda else None
         summaries = []
         for document, enc, text, n_generated, ids in zip(documents, encoded, texts, counts, output.tolist()):
             timings = dict(enc.seconds, generate=run.seconds, search=run.search_seconds)
@@ -212,12 +214,6 @@ class Summarizer:
             return self.index
         dtype = storage_dtype(self.index, self.loaded.dtype)
         return replace(self.index, storage_dtype=str(dtype).removeprefix("torch."))
-
-    def _reset_gpu_peak(self) -> int | None:
-        if self.loaded.device.type != "cuda":
-            return None
-        torch.cuda.reset_peak_memory_stats()
-        return 0
 
     def tokenize(self, document: Document) -> torch.Tensor:
         """All of the document's tokens, special tokens included, no truncation: [N] int64."""
