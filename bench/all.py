@@ -10,7 +10,9 @@ import argparse
 import importlib
 import time
 
-BENCHMARKS = ["encoding", "decoding", "index_choice", "memory", "truncation", "profile", "needle_eval"]
+BENCHMARKS = [
+    "encoding", "decoding", "index_choice", "memory", "truncation", "profile", "needle_eval", "tc_recall",
+]
 
 
 def main(argv=None) -> None:

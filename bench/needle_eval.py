@@ -116,14 +116,14 @@ def report(result: dict) -> None:
     print(f"\n{result['seconds']:.0f}s")
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer trials and lengths (under ~2 minutes)")
     parser.add_argument("--trials", type=int, default=None, help="trials per cell (default 20; quick 4)")
     parser.add_argument("--lengths", default=None, help="input lengths in windows (default 1,50,100,200; quick 1,50,200)")
     parser.add_argument("--model", type=Path, default=FIXTURE)
     parser.add_argument("--threads", type=int, default=1)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     trials = args.trials or (4 if args.quick else 20)
     lengths = [int(n) for n in (args.lengths or ("1,50,200" if args.quick else "1,50,100,200")).split(",")]

@@ -245,7 +245,7 @@ def evaluate(model: RecallGPT, task: TaskConfig, sequences: int, seed: int, gaps
     return result
 
 
-def main() -> None:
+def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch", type=int, default=64)
@@ -257,8 +257,13 @@ def main() -> None:
     parser.add_argument("--stream-sequences", type=int, default=128)
     parser.add_argument("--gaps", default="8,24,48,96")
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", default="bench/results/tc_recall.json")
-    args = parser.parse_args()
+    parser.add_argument("--out", default=None, help="default: bench/results/tc_recall.json (tc_recall_quick.json)")
+    parser.add_argument("--quick", action="store_true", help="a one-minute smoke run (400 steps: too few for the memory to learn; BENCHMARKS.md has the full run)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.eval_sequences, args.stream_sequences = 400, 256, 32
+    if args.out is None:
+        args.out = "bench/results/tc_recall_quick.json" if args.quick else "bench/results/tc_recall.json"
     torch.set_num_threads(args.threads)
     task = TaskConfig(gap=args.gap)
     gaps = [int(g) for g in args.gaps.split(",")]
