@@ -283,11 +283,11 @@ def tensor_cache_settings(file: str | None, window: int | None):
     """TensorCacheSettings for `--tensor-cache [FILE]` (None without the option); a bad FILE is a ConfigError."""
     if file is None:
         return None
-    from unlimisum.tensor_cache import TensorCacheSettings, load_params
+    from unlimisum.tensor_cache import TensorCacheSettings
 
-    if file:
-        load_params(file)  # read now: a missing or invalid file is a usage error, before the model loads
-    return TensorCacheSettings(window=window, params=file or None)
+    settings = TensorCacheSettings(window=window, params=file or None)
+    settings.loaded_params  # read now (once): a missing or invalid file is a usage error, before the model loads
+    return settings
 
 
 def check_index_settings(index: IndexConfig) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Iterator
 
@@ -51,17 +52,19 @@ class TensorCacheSettings:
         """True when no fitted parameters are given: the memory gate is closed (sliding window)."""
         return self.params is None
 
+    @cached_property
     def loaded_params(self) -> TensorCacheParams | None:
+        """The fitted parameters, read from the file on first use only (every generate() call needs them)."""
         if self.params is None or isinstance(self.params, TensorCacheParams):
             return self.params
         return load_params(self.params)
 
 
-def effective_window(settings: TensorCacheSettings, params: TensorCacheParams | None = None) -> int:
+def effective_window(settings: TensorCacheSettings) -> int:
     """W under ``settings``: the explicit window, else the one the parameter file was fitted with, else the default."""
     if settings.window is not None:
         return settings.window
-    params = params if params is not None else settings.loaded_params()
+    params = settings.loaded_params
     return params.window if params is not None and params.window > 0 else DEFAULT_WINDOW
 
 
@@ -108,8 +111,8 @@ class TensorCacheSession:
 
 def model_layer_params(model: nn.Module, wrappers: list[nn.Module], settings: TensorCacheSettings) -> tuple[list[MemoryParams], int]:
     """Per-layer MemoryParams for ``model`` under ``settings``, and the window used."""
-    params = settings.loaded_params()
-    window = effective_window(settings, params)
+    params = settings.loaded_params
+    window = effective_window(settings)
     heads, head_dim = wrappers[0].num_heads, wrappers[0].head_dim
     kv_heads = wrappers[0]._projection("key").out_features // head_dim
     dtype = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
