@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from unlimisum.cli import output
 from unlimisum.cli.jobs import JSON_EXTENSION, plan_jobs
+from unlimisum import files
 from unlimisum.cli.output import atomic_write_text, render_markdown
 from unlimisum.cli.progress import ProgressDisplay, format_bytes, format_seconds
 from unlimisum.document import Chapter, Document
@@ -102,7 +102,7 @@ def test_interrupted_write_leaves_the_old_file_and_no_temporary(tmp_path, monkey
     def broken_replace(source, destination):
         raise failure()
 
-    monkeypatch.setattr(output.os, "replace", broken_replace)
+    monkeypatch.setattr(files.os, "replace", broken_replace)  # atomic_write_text writes through unlimisum.files
     with pytest.raises(failure):
         atomic_write_text(target, "new")
     assert os.listdir(tmp_path) == ["x.summary.md"] and target.read_text() == "old"

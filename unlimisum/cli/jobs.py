@@ -21,12 +21,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from unlimisum.errors import ConfigError, UnlimisumError
-from unlimisum.ingest import expand_paths
+from unlimisum.ingest import STDIN, expand_paths
 
-STDIN = "-"
 MARKDOWN_EXTENSION = ".summary.md"
 JSON_EXTENSION = ".summary.json"
-OUTPUT_EXTENSIONS = (MARKDOWN_EXTENSION, JSON_EXTENSION)
 
 
 class OutputConflictError(UnlimisumError):

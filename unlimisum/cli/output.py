@@ -30,10 +30,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from unlimisum.files import atomic_write_bytes
 
 if TYPE_CHECKING:  # the summarizer imports torch; keep `unlimisum --help` and completion fast
     from unlimisum.document import Document
@@ -100,31 +100,5 @@ def render_markdown(summary: Summary, document: Document, *, heading: bool) -> s
 
 
 def atomic_write_text(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` all at once: a temporary file in the same folder, then os.replace.
-
-    An interrupted or failed write removes the temporary file, so ``path`` is either the old
-    file, or absent, or complete. The temporary file is hidden (leading dot) so that a later
-    run over the folder does not read it. Missing parent folders are created.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".partial")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8", newline="\n") as file:
-            file.write(text)
-            file.flush()
-            os.fsync(file.fileno())
-        os.chmod(temporary, 0o666 & ~_current_umask())  # mkstemp makes 0600; give it a normal file's mode
-        os.replace(temporary, path)
-    except BaseException:
-        try:
-            os.unlink(temporary)
-        except FileNotFoundError:
-            pass
-        raise
-
-
-def _current_umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
+    """Write UTF-8 ``text`` to ``path`` all at once (see ``unlimisum.files.atomic_write_bytes``)."""
+    atomic_write_bytes(path, text.encode("utf-8"))

@@ -31,6 +31,7 @@ from unlimisum.ingest.text import parse_text
 
 __all__ = [
     "IngestLimits",
+    "STDIN",
     "SUPPORTED_SUFFIXES",
     "expand_paths",
     "read_bytes",

@@ -11,7 +11,6 @@ lag, model_type, model_name, and ``report`` (the fit's JSON numbers).
 from __future__ import annotations
 
 import json
-import os
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,6 +18,7 @@ from pathlib import Path
 import torch
 
 from unlimisum.errors import ConfigError
+from unlimisum.files import atomic_write_bytes
 from unlimisum.tensor_cache.streaming import MemoryParams
 
 FORMAT = "unlimisum-tensor-cache/1"
@@ -94,12 +94,9 @@ def closed_layer_params(num_layers: int, kv_heads: int, window: int, dtype: torc
 
 
 def save_params(params: TensorCacheParams, path: str | Path) -> Path:
-    """Write ``params`` to a safetensors file; returns the path."""
-    from safetensors.torch import save_file
+    """Write ``params`` to a safetensors file, atomically (an interrupted fit leaves no truncated file)."""
+    from safetensors.torch import save
 
-    path = Path(path)
-    if path.parent and not path.parent.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {
         "decay_logit": params.decay_logit.detach().float().contiguous().cpu(),
         "write_logit": params.write_logit.detach().float().contiguous().cpu(),
@@ -115,14 +112,7 @@ def save_params(params: TensorCacheParams, path: str | Path) -> Path:
         "model_name": params.model_name,
         "report": json.dumps(params.report),
     }
-    # written beside the target and renamed, so an interrupted fit never leaves a truncated file
-    partial = path.with_name(f".{path.name}.partial")
-    try:
-        save_file(tensors, str(partial), metadata=metadata)
-        os.replace(partial, path)
-    finally:
-        partial.unlink(missing_ok=True)
-    return path
+    return atomic_write_bytes(path, save(tensors, metadata=metadata))
 
 
 def load_params(path: str | Path) -> TensorCacheParams:
