@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import os
 import time
-from typing import TYPE_CHECKING, Callable, Iterable
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
 from rich.console import Console, RenderableType
 from rich.markup import escape
@@ -155,6 +156,19 @@ class ProgressDisplay:
 
     def __exit__(self, *exc_info) -> None:
         self._progress.stop()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Within the block the live display is off the screen, so that what is written to stdout
+        (which may be the same terminal) is not drawn over by the next redraw; it comes back after."""
+        if not self.live or not self._progress.live.is_started:
+            yield
+            return
+        self._progress.stop()  # transient: the display is erased and the cursor left where it was
+        try:
+            yield
+        finally:
+            self._progress.start()
 
     def refresh(self) -> None:
         """Redraw now (the display also redraws by itself when ``auto_refresh``)."""

@@ -395,21 +395,26 @@ class BatchRunner:
             if job.output is not None:
                 atomic_write_text(job.output, to_json_file(record))
             else:
-                self.write_stdout(to_json_line(record) + "\n")
+                self._print(to_json_line(record) + "\n")
             return
         if job.output is not None:
             atomic_write_text(job.output, render_markdown(summary, document, heading=True))
             return
         several = self.result.total > 1
         text = render_markdown(summary, document, heading=several)
-        self.write_stdout(("\n" if self._printed else "") + text)
+        self._print(("\n" if self._printed else "") + text)
         self._printed += 1
+
+    def _print(self, text: str) -> None:
+        """Write to stdout with the live display off the screen (they may share a terminal)."""
+        with self.display.paused():
+            self.write_stdout(text)
 
     def _failed(self, job: Job, problem: str, error_type: str) -> None:
         self.result.failures.append((job.source, problem))
         self.display.document_failed(job.source, problem)
         if self.settings.as_json and job.output is None:
-            self.write_stdout(to_json_line(error_record(job.source, problem, error_type)) + "\n")
+            self._print(to_json_line(error_record(job.source, problem, error_type)) + "\n")
 
 
 def _unexpected(error: Exception) -> str:
