@@ -222,7 +222,7 @@ def test_missing_model_is_one_line_and_exit_1(summarize, books):
     assert result.exit_code == 1
     lines = result.stderr.strip().splitlines()
     assert lines[-1].startswith("unlimisum: error: model 'no-such-org/no-such-model' is not available")
-    assert "huggingface-cli download" in lines[-1]
+    assert "`hf download no-such-org/no-such-model`" in lines[-1] and "huggingface-cli" not in lines[-1]
 
 
 def test_model_from_environment(summarize, books, tiny_model_dir, monkeypatch):

@@ -76,5 +76,9 @@ class ModelNotFoundError(ModelError):
     """The model name is neither a local folder nor available from the hub or its cache."""
 
 
+class TokenizerError(ModelError):
+    """The tokenizer is missing, or cannot encode text sensibly (not the model's own)."""
+
+
 class UnsupportedModelError(ModelError):
     """The model's architecture has no row in unlimisum's architecture table."""

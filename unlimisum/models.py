@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from unlimisum import checkpoint
 from unlimisum.architectures import Architecture, architecture_for
 from unlimisum.config import ModelConfig
-from unlimisum.errors import ConfigError, ModelError, ModelNotFoundError
+from unlimisum.errors import ConfigError, ModelError, TokenizerError
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -23,6 +22,7 @@ class LoadedModel:
     tokenizer: object
     architecture: Architecture
     name: str
+    tokenizer_name: str | None = None  # where the tokenizer came from, when not the model's own name
 
     @property
     def device(self) -> torch.device:
@@ -77,23 +77,13 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         raise ConfigError(f"unknown dtype '{name}'; use auto, float32, float16 or bfloat16") from None
 
 
-def _not_found(name: str, error: Exception) -> ModelNotFoundError:
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes"}
-    how = (
-        "HF_HUB_OFFLINE is set, so only the local cache is searched"
-        if offline
-        else "it is not a local folder and could not be fetched from the Hugging Face hub"
-    )
-    return ModelNotFoundError(
-        f"model '{name}' is not available: {how}; fetch it on a connected machine with "
-        f"`huggingface-cli download {name}` (cache: HF_HOME) or pass a local folder with --model "
-        f"({type(error).__name__})"
-    )
-
-
 def load_model(config: ModelConfig) -> LoadedModel:
-    """Load model and tokenizer with ``from_pretrained``; safetensors preferred, pickles only weights_only."""
-    from transformers import AutoConfig, AutoModelForSeq2SeqLM, AutoTokenizer
+    """Load model and tokenizer with ``from_pretrained``; safetensors preferred, pickles only weights_only.
+
+    Everything that can be checked without the weights is checked first (the folder, its config,
+    the architecture, the tokenizer), and every expected failure is a one-line ModelError.
+    """
+    from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
     from unlimisum.compat import quiet_transformers
 
@@ -101,19 +91,65 @@ def load_model(config: ModelConfig) -> LoadedModel:
     device = resolve_device(config.device)
     dtype = resolve_dtype(config.dtype, device)
     remote = config.trust_remote_code
-    local = Path(config.name).expanduser()
-    name = str(local) if local.is_dir() else config.name
+    location = checkpoint.locate(config.name)
+    if location.is_local:
+        checkpoint.diagnose_folder(location.folder)
+    name = str(location.folder) if location.is_local else config.name
     try:
         model_config = AutoConfig.from_pretrained(name, trust_remote_code=remote)
     except (OSError, ValueError) as error:
-        raise _not_found(config.name, error) from None
+        if location.is_local:
+            raise ModelError(f"model folder '{config.name}': its config cannot be read ({_first_line(error)})") from None
+        raise checkpoint.not_available(config.name) from None
     architecture = architecture_for(model_config)  # before any weights are read
+    tokenizer, tokenizer_name = _load_tokenizer(config, location, remote)
+    checkpoint.check_tokenizer(tokenizer, getattr(model_config, "vocab_size", None), tokenizer_name)
     try:
         model = AutoModelForSeq2SeqLM.from_pretrained(name, dtype=dtype, trust_remote_code=remote, weights_only=True)
-        tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or name, trust_remote_code=remote)
         model.to(device).eval()
     except OSError as error:
-        raise _not_found(config.tokenizer or config.name, error) from None
-    except (ImportError, ValueError, RuntimeError) as error:  # a missing extra package, bad files, out of memory
-        raise ModelError(f"model '{config.name}' could not be loaded: {error}") from None
-    return LoadedModel(model=model, tokenizer=tokenizer, architecture=architecture, name=config.name)
+        if location.is_local:
+            raise ModelError(f"model folder '{config.name}': its weights cannot be read ({_first_line(error)})") from None
+        raise checkpoint.not_available(config.name) from None
+    except Exception as error:  # noqa: BLE001  (damaged weights, a missing extra package, out of memory)
+        raise ModelError(f"model '{config.name}' could not be loaded: {_first_line(error)}") from None
+    return LoadedModel(model=model, tokenizer=tokenizer, architecture=architecture, name=config.name,
+                       tokenizer_name=tokenizer_name)
+
+
+def _load_tokenizer(config: ModelConfig, location: checkpoint.Location, remote: bool):
+    """(tokenizer, where it came from): --tokenizer, else the model's own files, else its known base model's."""
+    from transformers import AutoTokenizer
+
+    if config.tokenizer is not None:
+        wanted = checkpoint.locate_tokenizer(config.tokenizer)
+        try:
+            return AutoTokenizer.from_pretrained(wanted, trust_remote_code=remote), config.tokenizer
+        except (OSError, ValueError) as error:
+            raise TokenizerError(
+                f"tokenizer '{config.tokenizer}' (--tokenizer) cannot be loaded: {_first_line(error)}"
+            ) from None
+    name = str(location.folder) if location.is_local else config.name
+    if checkpoint.has_tokenizer_files(location):
+        try:
+            return AutoTokenizer.from_pretrained(name, trust_remote_code=remote), config.name
+        except (OSError, ValueError) as error:
+            raise TokenizerError(
+                f"the tokenizer of model '{config.name}' cannot be loaded ({_first_line(error)}); "
+                "pass one with --tokenizer"
+            ) from None
+    base = checkpoint.base_tokenizer(location)
+    if base is None:
+        raise TokenizerError(f"model folder '{config.name}' has no tokenizer files; pass the tokenizer it was "
+                             "trained with with --tokenizer (a hub name or a folder)")
+    try:
+        return AutoTokenizer.from_pretrained(base, trust_remote_code=remote), base
+    except (OSError, ValueError):
+        raise TokenizerError(
+            f"model '{config.name}' has no tokenizer files and its base model's tokenizer '{base}' is not "
+            f"available here; fetch it (`hf download {base}`) or pass a folder with --tokenizer"
+        ) from None
+
+
+def _first_line(error: Exception) -> str:
+    return checkpoint.first_line(error)

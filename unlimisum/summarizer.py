@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from unlimisum import compat
+from unlimisum import checkpoint, compat
 from unlimisum.attention import RetrievalSession, retrieval
 from unlimisum.config import EncodingConfig, GenerationOptions, IndexConfig, ModelConfig, RetrievalConfig
 from unlimisum.datastore import Datastore, DatastoreBuilder, plan_index
@@ -220,7 +220,13 @@ class Summarizer:
         text = document.text
         if not text.strip():
             raise EmptyDocumentError("there is no text to summarize", source=document.source)
-        ids = self.loaded.tokenizer(text, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
+        tokenizer = self.loaded.tokenizer
+        ids = tokenizer(text, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
+        unknown = tokenizer.unk_token_id
+        special = set(tokenizer.all_special_ids) - {unknown}
+        checkpoint.check_encoding(len(ids), sum(i in special for i in ids),
+                                  sum(i == unknown for i in ids) if unknown is not None else 0, text,
+                                  source=document.source)
         return torch.tensor(ids, dtype=torch.long)
 
     def _encode(self, document: Document) -> _Encoded:
