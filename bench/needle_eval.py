@@ -59,7 +59,7 @@ def run(model: Path, lengths: list[int], trials: int, ablation_k: list[int], ext
     index = IndexConfig(kind="exact", device="cpu")
 
     def summarizer(top_k=None):
-        return Summarizer(loaded, generation=GENERATION, retrieval=RetrievalConfig(top_k=top_k), index=index)
+        return Summarizer(loaded, generation=GENERATION, retrieval=RetrievalConfig(retrieval_k=top_k), index=index)
 
     systems = {f"unlimisum k={top_k or window}": summarizer(top_k) for top_k in (None, *extra_k)}
     cells = []

@@ -20,7 +20,7 @@ from unlimisum.summarizer import ProgressEvent, Summary, SummaryStats
 
 def make_summary(text="A short summary.", chapters=()):
     stats = SummaryStats(
-        model="tiny", input_tokens=1234, windows=5, window=64, index_kind="exact", index_device="cpu", top_k=64,
+        model="tiny", input_tokens=1234, windows=5, window=64, index_kind="exact", index_device="cpu", retrieval_k=64,
         datastore_bytes=3 * 2**20, generated_tokens=40, timings={"generate": 2.0}, peak_rss_bytes=2**30,
         peak_gpu_bytes=None,
     )

@@ -20,7 +20,7 @@ from unlimisum.cli import app
 
 FAST = ["--device", "cpu", "--max-new-tokens", "6", "--min-new-tokens", "3"]
 STATS_KEYS = {
-    "model", "input_tokens", "windows", "window", "index_kind", "index_device", "top_k", "datastore_bytes",
+    "model", "input_tokens", "windows", "window", "index_kind", "index_device", "retrieval_k", "datastore_bytes",
     "generated_tokens", "timings", "peak_rss_bytes", "peak_gpu_bytes", "tensor_cache_bytes",
 }
 _LOADER: CachedLoader | None = None
@@ -70,7 +70,7 @@ def test_text_epub_and_pdf_give_one_json_record_each_with_one_model_load(summari
     assert [record["format"] for record in records] == ["text", "epub", "pdf"]
     assert [record["path"] for record in records] == [str(books[kind]) for kind in ("text", "epub", "pdf")]
     for record in records:
-        assert record["schema_version"] == 1
+        assert record["schema_version"] == 2
         assert isinstance(record["summary"], str) and isinstance(record["title"], str)
         assert record["chapters"] == []
         assert set(record["stats"]) == STATS_KEYS

@@ -67,7 +67,7 @@ def make_input(filler, n_tokens: int, position: float, seed: int) -> tuple[str, 
 
 
 def unlimisum(loaded, text: str, top_k: int | None = None) -> str:
-    summarizer = Summarizer(loaded, generation=GENERATION, retrieval=RetrievalConfig(top_k=top_k), index=INDEX)
+    summarizer = Summarizer(loaded, generation=GENERATION, retrieval=RetrievalConfig(retrieval_k=top_k), index=INDEX)
     return summarizer.summarize(text).text
 
 
@@ -111,7 +111,7 @@ def test_needle_in_the_first_window_of_a_long_input_is_found_by_both(loaded, fil
     assert offset < 64
     assert truncated(loaded, text) == content
     summary = Summarizer(loaded, generation=GENERATION, index=INDEX).summarize(text)
-    assert summary.stats.input_tokens == windows * 64 and summary.stats.top_k == 64
+    assert summary.stats.input_tokens == windows * 64 and summary.stats.retrieval_k == 64
     assert summary.text == content
 
 

@@ -12,7 +12,7 @@ from unlimisum.summarizer import Summarizer, summarize
 
 SHORT = "The lighthouse keeper counted the ships that passed in the night."
 EXACT = IndexConfig(kind="exact", device="cpu", storage_dtype="float32")
-ALL_TOKENS = RetrievalConfig(top_k=100_000)
+ALL_TOKENS = RetrievalConfig(retrieval_k=100_000)
 
 
 def _reference_ids(loaded, text, generation, encoder_dtype=None):
@@ -97,7 +97,7 @@ def test_stats_and_progress_events(tiny_loaded):
     stats = summary.stats
     assert summary.title == "Story"
     assert stats.input_tokens == len(loaded.tokenizer(SAMPLE_TEXT * 4)["input_ids"])
-    assert stats.windows > 1 and stats.window == 64 and stats.top_k == 64
+    assert stats.windows > 1 and stats.window == 64 and stats.retrieval_k == 64
     assert stats.index_kind == "exact" and stats.index_device == "cpu"
     assert stats.datastore_bytes <= 2.2 * stats.input_tokens * loaded.model.config.d_model
     assert set(stats.timings) >= {"tokenize", "encode", "index", "generate", "search"}
@@ -120,10 +120,10 @@ def test_per_chapter_summaries(tiny_loaded):
 def test_summarize_function_takes_flat_options(tiny_model_dir):
     folder = str(tiny_model_dir("bart"))
     summary = summarize(
-        SAMPLE_TEXT * 3, model=folder, device="cpu", index="exact", top_k=16, overlap=0.25, encode_batch=2,
+        SAMPLE_TEXT * 3, model=folder, device="cpu", index="exact", retrieval_k=16, overlap=0.25, encode_batch=2,
         max_new_tokens=6, min_new_tokens=6, num_beams=2,
     )
-    assert summary.stats.top_k == 16 and summary.stats.generated_tokens <= 6
+    assert summary.stats.retrieval_k == 16 and summary.stats.generated_tokens <= 6
     assert isinstance(summary.text, str)
 
 
@@ -219,3 +219,12 @@ def test_per_chapter_on_a_one_chapter_document_adds_no_parts(tiny_loaded):
 def test_several_return_sequences_are_refused(tiny_loaded):
     with pytest.raises(ConfigError, match="num_return_sequences"):
         Summarizer(tiny_loaded("bart"), generation=GenerationOptions(max_new_tokens=4, extra={"num_return_sequences": 2}))
+
+
+def test_top_k_means_sampling_top_k_and_retrieval_k_has_its_own_name():
+    from unlimisum.summarizer import configs_from_options
+
+    configs = configs_from_options("m", {"do_sample": True, "top_k": 50, "retrieval_k": 128})
+    assert configs["generation"].top_k == 50 and configs["generation"].to_generate_kwargs()["top_k"] == 50
+    assert configs["retrieval"].retrieval_k == 128
+    assert configs_from_options("m", {"top_k": 5})["retrieval"].retrieval_k is None

@@ -54,8 +54,9 @@ class IndexConfig:
 class RetrievalConfig:
     """How many input tokens each cross-attention head attends to at every step."""
 
-    # Retrieved tokens per head and step; None means the model's own context size, capped by N.
-    top_k: int | None = None
+    # Retrieved input tokens per head and step (not sampling's top_k); None means the model's own
+    # context size, capped by N.
+    retrieval_k: int | None = None
 
 
 @dataclass(frozen=True)

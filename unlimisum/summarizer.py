@@ -50,7 +50,7 @@ class SummaryStats:
     window: int
     index_kind: str
     index_device: str
-    top_k: int
+    retrieval_k: int  # input tokens each cross-attention head attended to per step
     datastore_bytes: int
     generated_tokens: int
     timings: dict  # stage -> seconds: tokenize, encode (includes index building), generate, search
@@ -188,7 +188,7 @@ class Summarizer:
             stats = SummaryStats(
                 model=self.loaded.name, input_tokens=enc.n_tokens, windows=enc.windows,
                 window=self._window(), index_kind=enc.store.kind, index_device=enc.store.device,
-                top_k=min(self._top_k(), enc.n_tokens), datastore_bytes=enc.store.nbytes,
+                retrieval_k=min(self._retrieval_k(), enc.n_tokens), datastore_bytes=enc.store.nbytes,
                 generated_tokens=n_generated, timings=timings, peak_rss_bytes=_peak_rss_bytes(),
                 peak_gpu_bytes=peak_gpu, tensor_cache_bytes=run.tensor_cache_bytes,
             )
@@ -202,11 +202,11 @@ class Summarizer:
     def _window(self) -> int:
         return self.encoding.window or self.loaded.max_source_length
 
-    def _top_k(self) -> int:
-        top_k = self.retrieval.top_k or self.loaded.max_source_length
-        if top_k < 1:
-            raise ConfigError(f"top-k must be at least 1, got {top_k}")
-        return top_k
+    def _retrieval_k(self) -> int:
+        k = self.retrieval.retrieval_k or self.loaded.max_source_length
+        if k < 1:
+            raise ConfigError(f"retrieval k must be at least 1, got {k}")
+        return k
 
     def _index_config(self) -> IndexConfig:
         """The index options with an automatic storage dtype resolved for this model."""
@@ -275,7 +275,7 @@ class Summarizer:
         attention_mask = torch.ones(batch, 1, dtype=torch.long, device=self.loaded.device)
         total = kwargs.get("max_new_tokens")
         progress = _GenerationProgress(lambda steps: self.progress(ProgressEvent("generate", steps, total, name)))
-        session = RetrievalSession(stores=list(stores), top_k=self._top_k())
+        session = RetrievalSession(stores=list(stores), top_k=self._retrieval_k())
         started = time.perf_counter()
         self.progress(ProgressEvent("generate", 0, total, name))
         with ExitStack() as stack:
@@ -306,8 +306,9 @@ def summarize(
 
     Keyword options: ``tokenizer, device, dtype`` (model); ``overlap, encode_batch, window``
     (encoding); ``index, index_device, exact_max_tokens, storage_dtype`` (datastore);
-    ``top_k`` (retrieval); and any ``generate()`` option such as ``max_new_tokens``,
-    ``num_beams``, ``no_repeat_ngram_size``, ``do_sample``, ``temperature``, ``seed``.
+    ``retrieval_k`` (input tokens each cross-attention head retrieves per step); and any
+    ``generate()`` option, meaning what it means there: ``max_new_tokens``, ``num_beams``,
+    ``no_repeat_ngram_size``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``.
     """
     configs = configs_from_options(model, options)
     summarizer = Summarizer(configs.pop("model_config", model), progress=progress, **configs)
@@ -324,11 +325,9 @@ def configs_from_options(model, options: dict) -> dict:
     index = {name: options.pop(key) for key, name in
              {"index": "kind", "index_device": "device", "exact_max_tokens": "exact_max_tokens",
               "storage_dtype": "storage_dtype"}.items() if key in options}
-    retrieval_config = RetrievalConfig(top_k=options.pop("top_k", None))
-    generation_names = set(GenerationOptions.__dataclass_fields__) - {"extra", "top_k"}
+    retrieval_config = RetrievalConfig(retrieval_k=options.pop("retrieval_k", None))
+    generation_names = set(GenerationOptions.__dataclass_fields__) - {"extra"}
     generation = {name: options.pop(name) for name in list(options) if name in generation_names}
-    if "sampling_top_k" in options:
-        generation["top_k"] = options.pop("sampling_top_k")
     generation = GenerationOptions(**generation, extra=options)  # the rest goes to generate() as is
     configs = dict(encoding=EncodingConfig(**encoding), index=IndexConfig(**index),
                    retrieval=retrieval_config, generation=generation)

@@ -3,7 +3,7 @@
 JSON schema (one object per document; JSON Lines on stdout, one file per input with -o)::
 
     {
-      "schema_version": 1,
+      "schema_version": 2,
       "path": "books/moby.epub",          # the input as given ("-" for standard input)
       "title": "Moby-Dick",               # the document's title ("" when it has none)
       "format": "epub",                   # "text" | "epub" | "pdf"
@@ -13,7 +13,7 @@ JSON schema (one object per document; JSON Lines on stdout, one file per input w
       ],
       "stats": {
         "model": "...", "input_tokens": 0, "windows": 0, "window": 0,
-        "index_kind": "exact", "index_device": "cpu", "top_k": 0,
+        "index_kind": "exact", "index_device": "cpu", "retrieval_k": 0,
         "datastore_bytes": 0, "generated_tokens": 0,
         "timings": {"read": 0.0, "tokenize": 0.0, "encode": 0.0, "index": 0.0,
                     "generate": 0.0, "search": 0.0},       # seconds per stage
@@ -22,7 +22,7 @@ JSON schema (one object per document; JSON Lines on stdout, one file per input w
       }
     }
 
-A document that failed is, on stdout only, ``{"schema_version": 1, "path": ..., "error": ...,
+A document that failed is, on stdout only, ``{"schema_version": 2, "path": ..., "error": ...,
 "error_type": ...}`` so that a JSON Lines consumer sees every input once.
 """
 
@@ -39,7 +39,7 @@ if TYPE_CHECKING:  # the summarizer imports torch; keep `unlimisum --help` and c
     from unlimisum.document import Document
     from unlimisum.summarizer import Summary
 
-JSON_SCHEMA_VERSION = 1  # bump when a field changes meaning or disappears (adding fields keeps it)
+JSON_SCHEMA_VERSION = 2  # 2: stats.top_k became retrieval_k. Bump when a field changes meaning or disappears (adding fields keeps it)
 
 
 def stats_record(summary: Summary, read_seconds: float | None = None) -> dict:

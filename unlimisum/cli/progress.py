@@ -248,7 +248,7 @@ class ProgressDisplay:
         rate = f" ({stats.generated_tokens / generate_seconds:,.1f} tokens/s)" if generate_seconds > 0 else ""
         parts = [
             f"{stats.input_tokens:,} tokens in {stats.windows:,} window{'s' if stats.windows != 1 else ''}",
-            f"{stats.index_kind} index on {stats.index_device} ({format_bytes(stats.datastore_bytes)}), k={stats.top_k}",
+            f"{stats.index_kind} index on {stats.index_device} ({format_bytes(stats.datastore_bytes)}), k={stats.retrieval_k}",
             f"{stats.generated_tokens:,} tokens generated{rate}",
         ]
         if stats.tensor_cache_bytes is not None:

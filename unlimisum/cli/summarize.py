@@ -128,8 +128,8 @@ def summarize(
         help="How the encoded input is stored (auto: bfloat16 for bfloat16 models, else float16; float32 doubles memory).",
         rich_help_panel=INDEX_PANEL,
     ),
-    topk: Optional[int] = typer.Option(
-        None, "--topk", min=1, metavar="K",
+    retrieval_k: Optional[int] = typer.Option(
+        None, "--retrieval-k", "--topk", min=1, metavar="K",
         help="Input tokens each cross-attention head retrieves per step (default: the model's window).",
         rich_help_panel=INDEX_PANEL,
     ),
@@ -240,7 +240,7 @@ def summarize(
         model=ModelConfig(name=model, tokenizer=tokenizer, device=device, dtype=dtype, trust_remote_code=trust_remote_code),
         encoding=EncodingConfig(overlap=overlap, batch_size=encode_batch),
         index=IndexConfig(kind=index, device=index_device, storage_dtype=storage_dtype),
-        retrieval=RetrievalConfig(top_k=topk),
+        retrieval=RetrievalConfig(retrieval_k=retrieval_k),
         generation=GenerationOptions(
             max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, num_beams=num_beams,
             no_repeat_ngram_size=no_repeat_ngram_size, length_penalty=length_penalty,
