@@ -30,11 +30,11 @@ class RecordingStore:
     def __init__(self, store, keep_every: int = 1):
         self.store, self.keep_every, self.queries, self._calls = store, keep_every, [], 0
 
-    def search(self, queries, k):
+    def attend(self, queries, k):
         if self._calls % self.keep_every == 0:
             self.queries.append(queries.detach().clone())
         self._calls += 1
-        return self.store.search(queries, k)
+        return self.store.attend(queries, k)
 
     def __getattr__(self, name):
         return getattr(self.store, name)
@@ -57,8 +57,7 @@ HNSW_MAX_TOKENS = 200_000
 
 def run(n_values: list[int], kinds: list[str], new_tokens: int, size: str = "bart-base") -> dict:
     loaded = random_model(size)
-    d, heads = loaded.model.config.d_model, loaded.model.config.decoder_attention_heads
-    scaling = (d // heads) ** -0.5
+    d = loaded.model.config.d_model
     k = loaded.max_source_length
     generation = GenerationOptions(max_new_tokens=new_tokens, min_new_tokens=new_tokens)
     summarizer = Summarizer(loaded, generation=generation)
@@ -81,7 +80,7 @@ def run(n_values: list[int], kinds: list[str], new_tokens: int, size: str = "bar
                 exact, queries = store, torch.cat(target.queries)
                 row["recall"] = 1.0
             elif exact is not None:
-                row["recall"] = attention_mass_recall(exact, store, queries, k, scaling)
+                row["recall"] = attention_mass_recall(exact, store, queries, k)  # queries carry the scaling
             rows.append(row)
             print(f"  N={n:,} {kind}: {row['seconds_per_token']:.3f} s/token", flush=True)
             del store, target

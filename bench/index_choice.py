@@ -56,10 +56,10 @@ def synthetic_queries(states: torch.Tensor, nq: int, seed: int = 1, strength: fl
     return queries + noise
 
 
-def build(states: torch.Tensor, kind: str, backend: str = "auto"):
+def build(states: torch.Tensor, kind: str):
     n, d = states.shape
     start = time.perf_counter()
-    builder = DatastoreBuilder(n, d, IndexPlan(kind, "cpu", "bench"), IndexConfig(), exact_backend=backend)
+    builder = DatastoreBuilder(n, d, IndexPlan(kind, "cpu", "bench"), IndexConfig())
     for chunk in states.split(8192):  # the encoder hands over a few windows at a time
         builder.add(chunk)
     store = builder.finish()
@@ -96,9 +96,7 @@ def main(argv=None) -> None:
         exact, exact_build = build(states, "exact")
         exact_scores = exact.search(queries, args.k)[0]
         top1_mass = float(torch.softmax(exact_scores * SCALING, 1)[:, 0].mean())
-        variants = [("exact (faiss)", exact, exact_build, {})]
-        torch_exact, torch_build = build(states, "exact", backend="torch")
-        variants.append(("exact (torch)", torch_exact, torch_build, {}))
+        variants = [("exact", exact, exact_build, {})]
         ivf, ivf_build = build(states, "ivf")
         for factor in (16.0, 32.0, 64.0):
             variants.append((f"ivf scan={factor:g}", ivf, ivf_build, {"scan_factor": factor}))
@@ -119,7 +117,7 @@ def main(argv=None) -> None:
             rows.append(row)
             print(f"{n:>8} {name:<18} {build_s:>8.2f} {search_s:>9.4f} {row['bytes_per_token']:>8.0f} "
                   f"{row['bytes_per_number']:>9.3f} {recall:>11.4f}", flush=True)
-        del variants, exact, torch_exact, ivf, hnsw, states
+        del variants, exact, ivf, hnsw, states
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
     meta = {"dim": args.dim, "nq": args.nq, "k": args.k, "quick": args.quick, "torch_threads": torch.get_num_threads(),
             "machine": platform.processor() or platform.machine()}

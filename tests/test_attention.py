@@ -32,7 +32,10 @@ def _encode(loaded, texts):
 
 @pytest.mark.parametrize("model_type", ALL_FAMILIES)
 @pytest.mark.parametrize("storage_dtype", ["float32", "float16"])
-def test_each_layer_equals_full_cross_attention(tiny_loaded, model_type, storage_dtype):
+def test_each_layer_equals_full_cross_attention(tiny_loaded, model_type, storage_dtype, monkeypatch):
+    # the wrapper's algebra, to float32 rounding: exact fp32 scores (the 16-bit score kernel's own
+    # precision is tested in test_datastore.py)
+    monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", "float32")
     loaded = tiny_loaded(model_type)
     states, _ = _encode(loaded, [TEXT])
     store = _store(states[0], storage_dtype)

@@ -27,7 +27,7 @@ from unlimisum.architectures import Architecture
 class RetrievalStats:
     """What retrieval cost during one generate() call."""
 
-    search_seconds: float = 0.0
+    search_seconds: float = 0.0  # retrieval attention: search and value lookup
 
 
 @dataclass
@@ -84,13 +84,11 @@ class RetrievalCrossAttention(nn.Module):
         mixed = torch.empty_like(q_hidden)  # [R, T, H, d]: softmax-weighted sums of retrieved states
         for doc, store in enumerate(session.stores):
             block = slice(doc * rows_per_doc, (doc + 1) * rows_per_doc)
-            queries = q_hidden[block].reshape(-1, d_model)  # [rows_per_doc * T * H, d]
+            queries = q_hidden[block].reshape(-1, d_model) * self.scaling  # [rows_per_doc * T * H, d]
             started = time.perf_counter()
-            scores, ids = store.search(queries, min(session.top_k, store.n_tokens))  # [nq, k]
+            # one call per layer and document: every head, beam and step of it in one pass over the store
+            mixed[block] = store.attend(queries, session.top_k).view(rows_per_doc, steps, heads, d_model)
             session.stats.search_seconds += time.perf_counter() - started
-            # an approximate index that found nothing for a query gives all -inf: attend to nothing
-            weights = torch.softmax(scores * self.scaling, dim=-1).nan_to_num(0.0)
-            mixed[block] = store.weighted_sum(ids, weights).view(rows_per_doc, steps, heads, d_model)
 
         w_v = value_proj.weight.view(heads, head_dim, d_model)  # [H, dh, d]
         values = torch.einsum("rthd,hed->rthe", mixed.to(w_v.dtype), w_v)  # [R, T, H, dh]

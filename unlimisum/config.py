@@ -29,14 +29,15 @@ class IndexConfig:
     kind: str = "auto"
     # "auto" | "cpu" | "gpu"; auto uses the GPU when CUDA is present and the store fits in free memory.
     device: str = "auto"
-    # Above this many input tokens `auto` switches to an approximate index on the CPU (the GPU stays exact:
-    # brute force there takes milliseconds). bench/index_choice.py, d=768, 48 queries, k=1024, 2 CPU cores:
-    # exact search costs 0.09 s/call at 50k, 0.15-0.3 at 100k, 0.55 at 200k, 2.0 at 500k, linear in N. IVF
-    # (scan factor 64) keeps 95-99% of the attention mass but at 200k is only ~1.5x faster, at 500k ~7x:
-    # below ~200k (most books) exactness is worth its cost, above it the exact search dominates decoding.
-    exact_max_tokens: int = 200_000
-    # Storage of the encoded states: "auto" is float16 (one copy serves search and values, 2 bytes per
-    # number); "bfloat16" for models whose states overflow fp16; "float32" exists for exactness checks.
+    # Above this many input tokens `auto` may switch to an approximate index on the CPU (the GPU stays exact),
+    # and only when IVF would scan fewer states per step than one exact pass (see placement.plan_index).
+    # An exact step streams the store once per decoder layer for all heads and beams (bench/decoding.py:
+    # see BENCHMARKS.md), while IVF at the default scan factor keeps only 95-97% of the attention mass
+    # at 200k-500k tokens: below a million tokens exactness is worth its cost.
+    exact_max_tokens: int = 1_000_000
+    # Storage of the encoded states: "auto" is bfloat16 (2 bytes per number, never overflows, read natively by
+    # CPUs with AVX512-BF16/AMX and by GPUs; one copy serves search and values); "float16" has 3 more mantissa
+    # bits but overflows beyond +-65504; "float32" doubles memory and exists for exactness checks.
     storage_dtype: str = "auto"
     # Fraction of free GPU memory the store may take when placement is automatic.
     gpu_memory_fraction: float = 0.5

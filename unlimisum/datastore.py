@@ -1,21 +1,19 @@
 """The datastore: every encoded input state h_e [N, d], stored once, searched by inner product.
 
 One copy of the states in 16 bits serves both the search (which tokens each head attends
-to) and the value lookup (``weighted_sum``, the attention output in hidden space). How:
+to) and the value lookup (the attention output in hidden space). How:
 
-- exact on CPU: a ``faiss.IndexScalarQuantizer`` (fp16/bf16; ``IndexFlatIP`` for float32)
-  whose ``codes`` buffer is sized once to N*d*2 bytes; ``add`` writes each chunk straight
-  into a zero-copy torch view of that buffer, ``finish`` sets ``ntotal``. ~2.0 bytes per
-  number, no growth reallocation, no fp32 copy.
-- exact on GPU (and on CPU when asked, for tests): a 16-bit torch tensor, searched by
-  chunked matmul with fp32 upcast and a running top-k merge (no faiss-gpu needed).
-- ivf: the exact buffer above plus an ``IndexIVFScalarQuantizer`` trained at ``finish`` on a
-  strided sample of it. Inverted lists keep their own codes and int64 ids, so IVF holds
-  the states twice (~4 bytes per number + 8 per token); lists are sized exactly, once.
+- exact (CPU and GPU): a 16-bit torch tensor; ``attend`` reads it once per call for every
+  query of a decoder step (unlimisum/kernels.py: one scores matmul, then a gather of the
+  top-k or a dense pass), with the kernel measured on the machine that runs.
+- ivf: the exact buffer (a faiss code buffer) plus an ``IndexIVFScalarQuantizer`` trained at
+  ``finish`` on a strided sample of it. Inverted lists keep their own codes and int64 ids, so
+  IVF holds the states twice (~4 bytes per number + 8 per token); lists are sized exactly.
 - hnsw: ``IndexHNSWSQ``; its storage is reserved once and is the only copy (values are a
   zero-copy view of it); the graph adds ~0.3 bytes per number at d=768 (M=32).
 
-Scores are always the inner products of the fp32 query with the stored (decoded) state.
+Approximate kinds score with faiss, which may round the query to bf16 on CPUs with
+AVX512-BF16; the exact kind's precision is documented in unlimisum/kernels.py.
 """
 
 from __future__ import annotations
@@ -26,6 +24,7 @@ import faiss
 import numpy as np
 import torch
 
+from . import kernels
 from .config import IndexConfig
 from .errors import ConfigError
 from .placement import APPROXIMATE_KINDS, IndexPlan, plan_index, storage_dtype, validate_index_config
@@ -88,6 +87,16 @@ class Datastore:
     def _search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def attend(self, queries: torch.Tensor, k: int) -> torch.Tensor:
+        """Retrieval attention in hidden space: per query, softmax over its top-k scores times those states.
+
+        queries [nq, d] (the model's scaling folded in) -> [nq, d] float32 on the queries' device.
+        """
+        scores, ids = self.search(queries, k)  # [nq, k]
+        # an approximate index that found nothing for a query gives all -inf: attend to nothing
+        weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        return self.weighted_sum(ids, weights)
+
     def weighted_sum(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_j weights[i, j] * state[ids[i, j]]: ids [nq, k] int64, weights [nq, k] -> [nq, d] float32.
 
@@ -117,22 +126,23 @@ class Datastore:
 
 
 class TorchExactDatastore(Datastore):
-    """Exact search by chunked matmul over a torch tensor on any device (the GPU backend)."""
+    """Exact search and attention by one streaming pass over a torch tensor (CPU or GPU)."""
+
+    def kernel(self) -> kernels.KernelChoice:
+        """The measured kernel choice for this store's device, dtype and width."""
+        return kernels.kernel_for(self._states.device, self.storage_dtype, self.dim)
+
+    def attend(self, queries, k):
+        out = kernels.attend(self._states, queries.detach(), min(k, self.n_tokens), self.kernel())
+        return out.to(queries.device)
 
     def _search(self, queries, k):
+        """Top-k by the kernel's scores; the scores returned are recomputed in fp32 for the ids found."""
         queries = queries.to(self._states.device)  # [nq, d] fp32
-        rows = max(1, self._chunk_bytes // (self.dim * 4))  # states per step, upcast to fp32
-        best_scores = best_ids = None  # [nq, <=k]
-        for start in range(0, self.n_tokens, rows):
-            block = self._states[start:start + rows].float()  # [rows, d] fp32 temporary
-            scores, ids = (queries @ block.T).topk(min(k, block.shape[0]), dim=1)  # [nq, <=k]
-            ids += start
-            if best_scores is not None:
-                scores, ids = torch.cat([best_scores, scores], 1), torch.cat([best_ids, ids], 1)
-                scores, order = scores.topk(min(k, scores.shape[1]), dim=1)
-                ids = ids.gather(1, order)
-            best_scores, best_ids = scores, ids
-        return best_scores, best_ids
+        _, ids = kernels.select(self._states, queries, k, self.kernel())  # [nq, k]
+        exact = torch.einsum("qkd,qd->qk", self._states[ids].float(), queries)  # [nq, k]
+        exact, order = exact.sort(dim=1, descending=True)
+        return exact, ids.gather(1, order)
 
 
 class FaissDatastore(Datastore):
@@ -148,13 +158,16 @@ class FaissDatastore(Datastore):
 
     def _search(self, queries, k):
         x = np.ascontiguousarray(queries.cpu().numpy())  # [nq, d] fp32
-        scores, ids = self._index.search(x, k, params=self._search_params(k))  # [nq, k], id -1: not found
-        scores, ids = torch.from_numpy(scores), torch.from_numpy(ids)
+        _, ids = self._index.search(x, k, params=self._search_params(k))  # [nq, k], id -1: not found
+        ids = torch.from_numpy(ids)
         missing = ids < 0
-        if missing.any():
-            ids = ids.masked_fill(missing, 0)
-            scores = scores.masked_fill(missing, float("-inf"))
-        return scores, ids
+        ids = ids.masked_fill(missing, 0)
+        # faiss may round the query to bf16 on CPUs with AVX512-BF16: score the ids found in fp32 here,
+        # so that scores (and attention weights) do not depend on the CPU
+        scores = torch.einsum("qkd,qd->qk", self._states[ids].float(), queries)  # [nq, k]
+        scores = scores.masked_fill(missing, float("-inf"))
+        scores, order = scores.sort(dim=1, descending=True)
+        return scores, ids.gather(1, order)
 
 
 class IVFDatastore(FaissDatastore):
@@ -188,28 +201,22 @@ class HNSWDatastore(FaissDatastore):
 class DatastoreBuilder:
     """Collect the encoded states chunk by chunk, in input order, then ``finish()`` into a Datastore.
 
-    ``exact_backend`` ("auto" | "faiss" | "torch") picks how an exact CPU store searches; auto is faiss
-    on the CPU (faster there) and torch on the GPU. Tests use "torch" to check the GPU code on the CPU.
+    An exact store is a torch tensor on the plan's device; IVF and HNSW are faiss indexes on the CPU.
     """
 
-    def __init__(self, n_tokens: int, dim: int, plan: IndexPlan, config: IndexConfig = IndexConfig(),
-                 *, exact_backend: str = "auto"):
+    def __init__(self, n_tokens: int, dim: int, plan: IndexPlan, config: IndexConfig = IndexConfig()):
         validate_index_config(config)
         if n_tokens <= 0 or dim <= 0:
             raise ValueError(f"a datastore needs at least one token and one dimension, got {n_tokens} x {dim}")
         if plan.kind not in ("exact", *APPROXIMATE_KINDS):
             raise ValueError(f"unknown index kind {plan.kind!r}")
-        if exact_backend not in ("auto", "faiss", "torch"):
-            raise ValueError(f"exact_backend must be auto, faiss or torch, not {exact_backend!r}")
         on_cpu = torch.device(plan.device).type == "cpu"
         if plan.kind != "exact" and not on_cpu:
             raise ValueError(f"index kind {plan.kind!r} runs on the CPU only, not on {plan.device}")
-        if exact_backend == "faiss" and not on_cpu:
-            raise ValueError("the faiss exact backend runs on the CPU only")
         self.n_tokens, self.dim, self.plan, self.config = n_tokens, dim, plan, config
         self.dtype = storage_dtype(config)
         self._filled = 0
-        self._use_torch = plan.kind == "exact" and (exact_backend == "torch" or not on_cpu)
+        self._use_torch = plan.kind == "exact"
         nbytes = n_tokens * dim * self.dtype.itemsize
         if self._use_torch:
             self._index = None
@@ -218,7 +225,7 @@ class DatastoreBuilder:
             self._index = _new_hnsw_index(dim, self.dtype)
             self._codes_owner = faiss.downcast_index(self._index.storage)
             _reserve(self._codes_owner.codes, nbytes)  # storage.add appends without ever reallocating
-        else:  # exact or ivf: a flat buffer filled in place
+        else:  # ivf: a flat faiss buffer filled in place, the states the lists are built from
             self._index = _new_flat_index(dim, self.dtype)
             self._codes_owner = self._index
             self._index.codes.resize(nbytes)
@@ -267,8 +274,6 @@ class DatastoreBuilder:
             graph_bytes = hnsw.neighbors.size() * 4 + hnsw.levels.size() * 4 + hnsw.offsets.size() * 8
             return HNSWDatastore(states, states_bytes + graph_bytes, self._index, (self._codes_owner,))
         self._index.ntotal = n
-        if self.plan.kind == "exact":
-            return FaissDatastore(self._states, "exact", states_bytes, self._index)
         return self._finish_ivf()
 
     def _finish_ivf(self) -> Datastore:

@@ -41,11 +41,14 @@ class IndexPlan:
 def storage_dtype(config: IndexConfig, model_dtype: torch.dtype | None = None) -> torch.dtype:
     """The dtype the states are stored in.
 
-    "auto" is bfloat16 for a bfloat16 model (its states may exceed the float16 range) and
-    float16 otherwise (the 16-bit type every backend reads).
+    "auto" is bfloat16 whatever the model: 2 bytes per number like float16, but the float32
+    range (encoder states beyond +-65504 are stored, not turned into inf), and the dtype the
+    fast 16-bit matmul units of CPUs (AVX512-BF16, AMX) and GPUs read. Its 8-bit mantissa is
+    the documented precision of scores (unlimisum/kernels.py). The choice never depends on the
+    machine, so neither do results beyond that precision.
     """
     if config.storage_dtype == "auto":
-        return torch.bfloat16 if model_dtype == torch.bfloat16 else torch.float16
+        return torch.bfloat16
     if config.storage_dtype not in STORAGE_DTYPES:
         choices = ", ".join(["auto", *STORAGE_DTYPES])
         raise ConfigError(f"index storage_dtype must be one of {choices}, not {config.storage_dtype!r}")
@@ -69,9 +72,14 @@ def validate_index_config(config: IndexConfig) -> None:
     storage_dtype(config)
 
 
-def plan_index(n_tokens: int, dim: int, config: IndexConfig, *, cuda_free_bytes: int | None = None,
+def plan_index(n_tokens: int, dim: int, config: IndexConfig, *, top_k: int | None = None,
+               queries_per_step: int | None = None, cuda_free_bytes: int | None = None,
                model_device: torch.device | str | None = None) -> IndexPlan:
     """Choose kind and device for a store of ``n_tokens`` states of size ``dim``.
+
+    ``top_k`` and ``queries_per_step`` (heads x beams x documents of one decoder step): an exact
+    step reads the store once for all those queries, while IVF scans about ``ivf_scan_factor * k``
+    states for each query on its own; auto never picks IVF when that is more than N.
 
     ``model_device``: where the model runs; automatic placement uses the GPU only for a model on
     CUDA, and that model's GPU (None: any CUDA device counts, as for ``unlimisum info``).
@@ -107,8 +115,12 @@ def plan_index(n_tokens: int, dim: int, config: IndexConfig, *, cuda_free_bytes:
     if config.kind != "auto":
         why = "as requested" if too_big is None else f"as requested; {too_big}"
         return IndexPlan(config.kind, "cpu", f"{config.kind} on CPU {why}, {size}")
+    ivf_scan = (queries_per_step or 0) * config.ivf_scan_factor * (top_k or 0)
     if n_tokens <= config.exact_max_tokens:
         kind, why = "exact", f"{n_tokens:,} <= exact_max_tokens {config.exact_max_tokens:,}"
+    elif config.approximate_kind == "ivf" and ivf_scan >= n_tokens:
+        kind, why = "exact", (f"IVF would scan {ivf_scan:,.0f} states per step for k={top_k:,}, more than one "
+                              f"exact pass over {n_tokens:,}")
     else:
         kind, why = config.approximate_kind, f"{n_tokens:,} > exact_max_tokens {config.exact_max_tokens:,}"
     where = "" if too_big is None else f"; {too_big}"

@@ -208,6 +208,14 @@ class Summarizer:
             raise ConfigError(f"retrieval k must be at least 1, got {k}")
         return k
 
+    def _queries_per_step(self) -> int:
+        """Retrieval queries of one document in one decoder step and layer: heads x beams."""
+        config = self.loaded.model.config
+        heads = next((getattr(config, name) for name in ("decoder_attention_heads", "num_heads", "num_attention_heads")
+                      if isinstance(getattr(config, name, None), int)), 1)
+        beams = self.generation.num_beams or getattr(self.loaded.model.generation_config, "num_beams", 1) or 1
+        return heads * beams
+
     def _index_config(self) -> IndexConfig:
         """The index options with an automatic storage dtype resolved for this model."""
         if self.index.storage_dtype != "auto":
@@ -242,7 +250,8 @@ class Summarizer:
         plan = plan_windows(n_tokens, self._window(), self.encoding.overlap)
         d_model = model.config.d_model
         index_config = self._index_config()
-        index_plan = plan_index(n_tokens, d_model, index_config, model_device=self.loaded.device)
+        index_plan = plan_index(n_tokens, d_model, index_config, top_k=self._retrieval_k(),
+                                queries_per_step=self._queries_per_step(), model_device=self.loaded.device)
         builder = DatastoreBuilder(n_tokens, d_model, index_plan, index_config)
         batch_size = self.encoding.batch_size or auto_batch_size(plan.window, plan.n_windows, self.loaded.device)
         if batch_size < 1:

@@ -1,0 +1,166 @@
+"""Decode speed against the truncated baseline and the memory-bandwidth floor, in one run.
+
+    python -m bench.decode_speed [--quick] [--tokens 16384,100000,300000] [--new-tokens 16]
+
+A bart-base-sized model with random weights (weights do not change cost) generates greedily
+from synthetic encoder states of N tokens (bench/index_choice.py), exact index, at k=1,024
+and k=N. In the same process and run:
+
+- the truncated baseline: the model's own generate() over the first 1,024 encoded states
+  (plain cross-attention, no unlimisum), decode only;
+- the floor of an exact step: L decoder layers x one scores matmul of the 12 head queries
+  against the whole store (the kernel unlimisum chose), plus the baseline's own step;
+- 4 beams at the first N, per-step time against greedy;
+- the default model's shape (LED-base: d=768, 6+6 layers, 16,384-token window) at 100k
+  tokens with its default k (the window), unless --quick.
+
+Prints a table and writes bench/results/decode_speed.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench.common import print_table, random_model, write_result
+from bench.index_choice import synthetic_states
+from unlimisum import compat, kernels
+from unlimisum.config import GenerationOptions, IndexConfig, RetrievalConfig
+from unlimisum.datastore import DatastoreBuilder, IndexPlan
+from unlimisum.summarizer import Summarizer
+
+BASELINE_WINDOW = 1024
+
+
+def exact_store(states: torch.Tensor):
+    n, d = states.shape
+    builder = DatastoreBuilder(n, d, IndexPlan("exact", "cpu", "benchmark"), IndexConfig())
+    for chunk in states.split(16_384):
+        builder.add(chunk)
+    return builder.finish()
+
+
+def truncated_seconds_per_token(loaded, states: torch.Tensor, new_tokens: int, beams: int = 1) -> float:
+    """generate() with ordinary cross-attention over the first BASELINE_WINDOW states: seconds per token."""
+    model = loaded.model
+    window = states[:BASELINE_WINDOW].float().unsqueeze(0)  # [1, W, d]
+    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, num_beams=beams, do_sample=False)
+    with torch.inference_mode():
+        model.generate(encoder_outputs=compat.encoder_outputs(window), **dict(kwargs, max_new_tokens=2,
+                                                                             min_new_tokens=2))
+        started = time.perf_counter()
+        model.generate(encoder_outputs=compat.encoder_outputs(window), **kwargs)
+    return (time.perf_counter() - started) / new_tokens
+
+
+def unlimisum_seconds_per_token(loaded, store, k: int, new_tokens: int, beams: int = 1) -> tuple[float, float]:
+    """(seconds per token, share of it in retrieval) for generate() with retrieval over ``store``."""
+    generation = GenerationOptions(max_new_tokens=new_tokens, min_new_tokens=new_tokens, num_beams=beams,
+                                   do_sample=False)
+    summarizer = Summarizer(loaded, generation=generation, retrieval=RetrievalConfig(retrieval_k=k))
+    Summarizer(loaded, generation=GenerationOptions(max_new_tokens=2, min_new_tokens=2),
+               retrieval=RetrievalConfig(retrieval_k=k)).generate([store])  # warm up (and calibrate)
+    run = summarizer.generate([store])
+    return run.seconds / new_tokens, run.search_seconds / run.seconds
+
+
+def scores_matmul_seconds(store, n_queries: int) -> float:
+    """Best of 3: one scores pass of ``n_queries`` queries over the whole store by the chosen kernel."""
+    queries = torch.randn(n_queries, store.dim)
+    choice = store.kernel()
+    kernels.scores(store.states(), queries, choice)
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        kernels.scores(store.states(), queries, choice)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+def run(n_values: list[int], new_tokens: int, led_tokens: int | None) -> dict:
+    loaded = random_model("bart-base")
+    config = loaded.model.config
+    layers, heads, d = config.decoder_layers, config.decoder_attention_heads, config.d_model
+    rows = []
+    baseline = None
+    for index, n in enumerate(n_values):
+        states = synthetic_states(n, d)
+        store = exact_store(states)
+        if baseline is None:
+            baseline = truncated_seconds_per_token(loaded, states, new_tokens)
+            baseline_beams = truncated_seconds_per_token(loaded, states, new_tokens, beams=4)
+        floor = layers * scores_matmul_seconds(store, heads) + baseline
+        for k in (1024, n):
+            seconds, share = unlimisum_seconds_per_token(loaded, store, k, new_tokens)
+            rows.append(dict(model="bart-base", n_tokens=n, k=k, beams=1, seconds_per_token=seconds,
+                             retrieval_share=share, floor_seconds=floor, vs_floor=seconds / floor,
+                             vs_baseline_rate=baseline / seconds, kernel=store.kernel().scores))
+            print(f"  N={n:,} k={k:,}: {seconds:.4f} s/token ({1 / seconds:.1f} tokens/s), floor {floor:.4f}",
+                  flush=True)
+        if index == 0:
+            seconds, share = unlimisum_seconds_per_token(loaded, store, 1024, new_tokens, beams=4)
+            greedy = next(r for r in rows if r["n_tokens"] == n and r["k"] == 1024)["seconds_per_token"]
+            rows.append(dict(model="bart-base", n_tokens=n, k=1024, beams=4, seconds_per_token=seconds,
+                             retrieval_share=share, floor_seconds=None, vs_floor=None,
+                             vs_baseline_rate=baseline_beams / seconds, vs_greedy=seconds / greedy,
+                             kernel=store.kernel().scores))
+            print(f"  N={n:,} k=1,024 4 beams: {seconds:.4f} s/token = {seconds / greedy:.2f}x greedy", flush=True)
+        del store, states
+    if led_tokens:
+        rows.append(led_row(led_tokens, new_tokens))
+    choice = kernels.kernel_for(torch.device("cpu"), torch.bfloat16, d)
+    return dict(new_tokens=new_tokens, baseline_seconds_per_token=baseline, baseline_tokens_per_second=1 / baseline,
+                baseline_4_beams_seconds_per_token=baseline_beams, kernel=choice.scores,
+                kernel_reason=choice.reason, runs=rows)
+
+
+def led_row(n: int, new_tokens: int) -> dict:
+    """LED-base's shape (random weights) decoding from N synthetic states with its default k (the window)."""
+    from transformers import LEDConfig, LEDForConditionalGeneration
+
+    from bench.common import VOCAB, word_tokenizer
+    from unlimisum.architectures import architecture_for
+    from unlimisum.models import LoadedModel
+
+    window = 16_384
+    config = LEDConfig(vocab_size=VOCAB, d_model=768, encoder_layers=6, decoder_layers=6,
+                       encoder_attention_heads=12, decoder_attention_heads=12, encoder_ffn_dim=3072,
+                       decoder_ffn_dim=3072, max_encoder_position_embeddings=window,
+                       max_decoder_position_embeddings=1024, attention_window=1024)
+    torch.manual_seed(0)
+    loaded = LoadedModel(model=LEDForConditionalGeneration(config).eval(), tokenizer=word_tokenizer(max_length=window),
+                         architecture=architecture_for(config), name="random led-base")
+    store = exact_store(synthetic_states(n, 768))
+    seconds, share = unlimisum_seconds_per_token(loaded, store, window, new_tokens)
+    print(f"  LED-base shape, N={n:,} k={window:,}: {seconds:.4f} s/token", flush=True)
+    return dict(model="led-base", n_tokens=n, k=window, beams=1, seconds_per_token=seconds, retrieval_share=share,
+                floor_seconds=None, vs_floor=None, vs_baseline_rate=None, kernel=store.kernel().scores)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="N = 16k only, 6 tokens, no LED row")
+    parser.add_argument("--tokens", default=None, help="comma-separated input lengths")
+    parser.add_argument("--new-tokens", type=int, default=None)
+    args = parser.parse_args(argv)
+    n_values = [int(n) for n in args.tokens.split(",")] if args.tokens else (
+        [16_384] if args.quick else [16_384, 100_000, 300_000])
+    new_tokens = args.new_tokens or (6 if args.quick else 16)
+    result = run(n_values, new_tokens, None if args.quick else 100_000)
+    print(f"\ntruncated baseline (first {BASELINE_WINDOW:,} states): {result['baseline_tokens_per_second']:.1f} tokens/s"
+          f"; kernel: {result['kernel_reason']}")
+    print_table(
+        ["model", "N", "k", "beams", "s/token", "tokens/s", "retrieval", "floor s", "x floor", "x baseline rate"],
+        [[r["model"], f"{r['n_tokens']:,}", f"{r['k']:,}", r["beams"], f"{r['seconds_per_token']:.4f}",
+          f"{1 / r['seconds_per_token']:.1f}", f"{r['retrieval_share']:.0%}",
+          f"{r['floor_seconds']:.4f}" if r["floor_seconds"] else "-", f"{r['vs_floor']:.2f}" if r["vs_floor"] else "-",
+          f"{r['vs_baseline_rate']:.2f}" if r["vs_baseline_rate"] else "-"] for r in result["runs"]],
+    )
+    print("wrote", write_result("decode_speed", result))
+    return result
+
+
+if __name__ == "__main__":
+    main()

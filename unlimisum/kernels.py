@@ -1,0 +1,212 @@
+"""Exact retrieval attention over a 16-bit store: one streaming read of the store per call.
+
+One decoder layer's step is one call for every query of that step (every head, beam and row
+of one document): ``attend(states [N, d], queries [nq, d], k)`` returns, per query, the softmax-
+weighted sum of its top-k stored states. The store is read once to score all queries at
+once; then either the k winners are gathered (k small next to N), or a second dense pass
+sums the masked softmax over every state (k a large share of N), or, with k >= N, there is no
+top-k at all: plain dense attention.
+
+Two score kernels, the same result within the documented precision:
+
+- ``native``: the query is rounded to the storage dtype (on every machine alike) and the
+  matmul runs in that dtype with fp32 accumulation; the scores come out rounded to the
+  storage dtype (bf16: 2^-9 relative, fp16: 2^-11). Fast where the CPU or GPU has 16-bit
+  units (AVX512-BF16/AMX, tensor cores).
+- ``float32``: blocks of the store are widened to fp32 and multiplied with the fp32 query:
+  exact fp32 scores; faster on CPUs without 16-bit units.
+
+Which one runs, the block size, and when a dense pass beats gathering are measured on the
+machine that runs (``calibrate``, once per process, device, dtype and width), never assumed.
+In the gather path the selected tokens' scores are recomputed in fp32 from the gathered
+states, so its weights are exact whichever kernel selected them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+SCORE_KERNELS = ("native", "float32")
+# Calibration store: large enough to leave the caches (as real stores do), small enough to time in ~0.1 s.
+CALIBRATION_ROWS = 32_768
+CALIBRATION_QUERIES = 12  # one greedy step of a 12-head layer, the common case
+CALIBRATION_GATHER_ROWS = 8_192
+FLOAT32_BLOCK_CHOICES = (2_048, 8_192)  # rows widened to fp32 at a time (the temporary stays in cache)
+# Bound on the fp32 scores buffer [nq, N]; beyond it the store is scored in slices with a running top-k.
+MAX_SCORE_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class KernelChoice:
+    """How exact retrieval runs on one device for one storage dtype and width (see ``calibrate``)."""
+
+    scores: str  # "native" | "float32"
+    block_rows: int  # float32 kernel: rows widened per step
+    gather_row_cost: float  # seconds per gathered state (gather + fp32 widen + two small matmuls)
+    dense_row_cost: float  # seconds per stored state for one dense pass over the store
+    reason: str = ""  # what was measured, for `unlimisum info` and the benchmarks
+
+    def dense_is_cheaper(self, n_queries: int, k: int, n_tokens: int) -> bool:
+        """Gathering nq*k states costs more than a second dense pass over all N states."""
+        return n_queries * k * self.gather_row_cost > n_tokens * self.dense_row_cost
+
+
+_CALIBRATED: dict[tuple, KernelChoice] = {}
+
+
+def forced_kernel() -> str | None:
+    """UNLIMISUM_SCORE_KERNEL=native|float32 forces a kernel (tests, benchmarks); unset: measured."""
+    value = os.environ.get("UNLIMISUM_SCORE_KERNEL", "").strip().lower()
+    if value and value not in SCORE_KERNELS:
+        raise ValueError(f"UNLIMISUM_SCORE_KERNEL must be native or float32, not {value!r}")
+    return value or None
+
+
+def kernel_for(device: torch.device, dtype: torch.dtype, dim: int) -> KernelChoice:
+    """The calibrated choice for this device, dtype and width (measured on first use, then reused)."""
+    key = (str(device), dtype, dim, forced_kernel())
+    if key not in _CALIBRATED:
+        _CALIBRATED[key] = calibrate(device, dtype, dim, force=forced_kernel())
+    return _CALIBRATED[key]
+
+
+def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str | None = None,
+              rows: int = CALIBRATION_ROWS) -> KernelChoice:
+    """Time both score kernels, the float32 block sizes, a gather and a dense pass on a synthetic store."""
+    device = torch.device(device)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    states = torch.randn(rows, dim, generator=generator).to(device, dtype)  # [rows, d]
+    queries = torch.randn(CALIBRATION_QUERIES, dim, generator=generator).to(device)  # [nq, d] fp32
+    timings = {}
+    if dtype != torch.float32:
+        timings["native"] = _best_time(lambda: native_scores(states, queries), device)
+    for block in FLOAT32_BLOCK_CHOICES:
+        timings[f"float32/{block}"] = _best_time(lambda: float32_scores(states, queries, block), device)
+    block = min(FLOAT32_BLOCK_CHOICES, key=lambda b: timings[f"float32/{b}"])
+    if force is not None:
+        kernel = "native" if force == "native" and dtype != torch.float32 else "float32"
+    else:
+        kernel = "native" if timings.get("native", float("inf")) < timings[f"float32/{block}"] else "float32"
+    ids = torch.randint(0, rows, (CALIBRATION_QUERIES, CALIBRATION_GATHER_ROWS // CALIBRATION_QUERIES),
+                        generator=generator).to(device)
+    weights = torch.rand(ids.shape, generator=generator).to(device)
+    gather_seconds = _best_time(lambda: gathered_attention(states, queries, ids), device)
+    dense_seconds = _best_time(lambda: dense_values(states, weights.new_zeros(CALIBRATION_QUERIES, rows), kernel,
+                                                    block), device)
+    del weights
+    measured = ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in timings.items())
+    reason = (f"{kernel} scores{' (forced)' if force else ''}; measured on {rows:,} x {dim} {str(dtype)[6:]} "
+              f"for {CALIBRATION_QUERIES} queries: {measured}")
+    return KernelChoice(
+        scores=kernel, block_rows=block,
+        gather_row_cost=gather_seconds / ids.numel(), dense_row_cost=dense_seconds / rows,
+        reason=reason,
+    )
+
+
+def _best_time(run, device: torch.device, repeats: int = 3) -> float:
+    run()  # warm up: first calls allocate and pick kernels
+    best = float("inf")
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+# --- the kernels ------------------------------------------------------------------------------
+
+
+def native_scores(states: torch.Tensor, queries: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[nq, N] fp32 scores from a matmul in the storage dtype (query rounded to it, scores too)."""
+    scores = queries.to(states.dtype) @ states.T  # [nq, N] storage dtype, fp32 accumulation inside
+    if out is None:
+        return scores.float()
+    return out.copy_(scores)
+
+
+def float32_scores(states: torch.Tensor, queries: torch.Tensor, block_rows: int,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """[nq, N] exact fp32 scores: blocks of the store widened to fp32, each multiplied once."""
+    n = states.shape[0]
+    if out is None:
+        out = queries.new_empty(queries.shape[0], n)  # [nq, N]
+    for start in range(0, n, block_rows):
+        block = states[start:start + block_rows].float()  # [b, d] fp32, stays in cache
+        torch.mm(queries, block.T, out=out[:, start:start + block.shape[0]])
+    return out
+
+
+def scores(states: torch.Tensor, queries: torch.Tensor, choice: KernelChoice) -> torch.Tensor:
+    """[nq, N] fp32 scores by the chosen kernel (float32 stores are always scored in fp32)."""
+    if choice.scores == "native" and states.dtype != torch.float32:
+        return native_scores(states, queries)
+    return float32_scores(states, queries, choice.block_rows)
+
+
+def gathered_attention(states: torch.Tensor, queries: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """softmax over each query's ids of its fp32 scores, times those states: ids [nq, k] -> [nq, d] fp32."""
+    nq, k = ids.shape
+    rows = states.index_select(0, ids.reshape(-1)).float().view(nq, k, -1)  # [nq, k, d]
+    logits = torch.bmm(rows, queries.unsqueeze(2))  # [nq, k, 1] exact fp32
+    weights = torch.softmax(logits, dim=1)
+    return torch.bmm(weights.transpose(1, 2), rows).squeeze(1)  # [nq, d]
+
+
+def dense_values(states: torch.Tensor, weights: torch.Tensor, kernel: str, block_rows: int) -> torch.Tensor:
+    """weights [nq, N] @ states [N, d] -> [nq, d] fp32: the second dense pass."""
+    if kernel == "native" and states.dtype != torch.float32:
+        return (weights.to(states.dtype) @ states).float()
+    out = weights.new_zeros(weights.shape[0], states.shape[1])  # [nq, d]
+    for start in range(0, states.shape[0], block_rows):
+        block = states[start:start + block_rows].float()  # [b, d]
+        out.addmm_(weights[:, start:start + block.shape[0]], block)
+    return out
+
+
+def attend(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelChoice) -> torch.Tensor:
+    """Exact top-k retrieval attention: queries [nq, d] fp32 (scaling folded in) -> [nq, d] fp32.
+
+    Per query: softmax over its k highest scores, times those states. k >= N is dense attention.
+    """
+    n, nq = states.shape[0], queries.shape[0]
+    queries = queries.to(states.device, torch.float32)
+    fits = nq * n * 4 <= MAX_SCORE_BYTES
+    if k >= n and fits:
+        return dense_values(states, torch.softmax(scores(states, queries, choice), dim=1), choice.scores,
+                            choice.block_rows)
+    if k < n and fits and choice.dense_is_cheaper(nq, k, n):
+        logits = scores(states, queries, choice)  # [nq, N] fp32
+        threshold = logits.topk(k, dim=1).values[:, -1:]  # [nq, 1] the k-th score; ties at it may add a few
+        masked = logits.masked_fill_(logits < threshold, float("-inf"))
+        return dense_values(states, torch.softmax(masked, dim=1), choice.scores, choice.block_rows)
+    _, ids = select(states, queries, min(k, n), choice)
+    return gathered_attention(states, queries, ids)
+
+
+def select(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelChoice):
+    """(scores, ids) [nq, k] of each query's top-k by the kernel's scores, sorted descending.
+
+    One pass over the store; beyond MAX_SCORE_BYTES of scores it goes in slices with a running top-k.
+    """
+    n = states.shape[0]
+    step = max(k, MAX_SCORE_BYTES // (queries.shape[0] * 4))
+    best_scores = best_ids = None
+    for start in range(0, n, step):
+        part = scores(states[start:start + step], queries, choice)  # [nq, <=step]
+        top, ids = part.topk(min(k, part.shape[1]), dim=1)
+        ids += start
+        if best_scores is not None:
+            top, ids = torch.cat([best_scores, top], 1), torch.cat([best_ids, ids], 1)
+            top, order = top.topk(min(k, top.shape[1]), dim=1)
+            ids = ids.gather(1, order)
+        best_scores, best_ids = top, ids
+    return best_scores, best_ids
