@@ -341,3 +341,14 @@ def test_cuda_store_matches_cpu_store():
     weights = torch.softmax(scores, 1)
     torch.testing.assert_close(gpu.weighted_sum(ids, weights).cpu(),
                                cpu.weighted_sum(ids.cpu(), weights.cpu()), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("n, k", [(20_000, 64), (20_003, 100), (5_000, 1024)])
+def test_blocked_top_k_equals_torch_topk(n, k):
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, n, generator=g)
+    logits[2, 1000:1500] += 10  # the winners crowded into a few blocks
+    values, ids = kernels.top_k(logits, k)
+    expected_values, _ = logits.topk(k, dim=1)
+    torch.testing.assert_close(values, expected_values)
+    torch.testing.assert_close(logits.gather(1, ids), values)

@@ -18,8 +18,8 @@ Two score kernels, the same result within the documented precision:
 
 Which one runs, the block size, and when a dense pass beats gathering are measured on the
 machine that runs (``calibrate``, once per process, device, dtype and width), never assumed.
-In the gather path the selected tokens' scores are recomputed in fp32 from the gathered
-states, so its weights are exact whichever kernel selected them.
+The attention weights are the softmax of the kernel's scores in every path; the weighted sum
+of states runs in the storage dtype with the native kernel, in fp32 with the float32 kernel.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ CALIBRATION_GATHER_ROWS = 8_192
 FLOAT32_BLOCK_CHOICES = (2_048, 8_192)  # rows widened to fp32 at a time (the temporary stays in cache)
 # Bound on the fp32 scores buffer [nq, N]; beyond it the store is scored in slices with a running top-k.
 MAX_SCORE_BYTES = 256 * 2**20
+# top_k: columns per block of the block-maxima pre-selection (rows shorter than 4 k blocks use torch.topk).
+TOPK_BLOCK = 16
 
 
 @dataclass(frozen=True)
@@ -94,7 +96,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
     ids = torch.randint(0, rows, (CALIBRATION_QUERIES, CALIBRATION_GATHER_ROWS // CALIBRATION_QUERIES),
                         generator=generator).to(device)
     weights = torch.rand(ids.shape, generator=generator).to(device)
-    gather_seconds = _best_time(lambda: gathered_attention(states, queries, ids), device)
+    gather_seconds = _best_time(lambda: gathered_attention(states, ids, weights, kernel), device)
     dense_seconds = _best_time(lambda: dense_values(states, weights.new_zeros(CALIBRATION_QUERIES, rows), kernel,
                                                     block), device)
     del weights
@@ -125,12 +127,9 @@ def _best_time(run, device: torch.device, repeats: int = 3) -> float:
 # --- the kernels ------------------------------------------------------------------------------
 
 
-def native_scores(states: torch.Tensor, queries: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """[nq, N] fp32 scores from a matmul in the storage dtype (query rounded to it, scores too)."""
-    scores = queries.to(states.dtype) @ states.T  # [nq, N] storage dtype, fp32 accumulation inside
-    if out is None:
-        return scores.float()
-    return out.copy_(scores)
+def native_scores(states: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """[nq, N] scores in the storage dtype from one matmul in it (query rounded to it; fp32 accumulation)."""
+    return queries.to(states.dtype) @ states.T
 
 
 def float32_scores(states: torch.Tensor, queries: torch.Tensor, block_rows: int,
@@ -146,19 +145,44 @@ def float32_scores(states: torch.Tensor, queries: torch.Tensor, block_rows: int,
 
 
 def scores(states: torch.Tensor, queries: torch.Tensor, choice: KernelChoice) -> torch.Tensor:
-    """[nq, N] fp32 scores by the chosen kernel (float32 stores are always scored in fp32)."""
+    """[nq, N] scores by the chosen kernel: in the storage dtype (native) or fp32 (float32 kernel and stores)."""
     if choice.scores == "native" and states.dtype != torch.float32:
         return native_scores(states, queries)
     return float32_scores(states, queries, choice.block_rows)
 
 
-def gathered_attention(states: torch.Tensor, queries: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """softmax over each query's ids of its fp32 scores, times those states: ids [nq, k] -> [nq, d] fp32."""
+def gathered_attention(states: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor, kernel: str) -> torch.Tensor:
+    """Softmax of each query's ``logits`` [nq, k] over its ``ids`` [nq, k], times those states -> [nq, d] fp32.
+
+    The native kernel sums the gathered 16-bit states in their dtype (fp32 accumulation), the
+    float32 kernel widens them first.
+    """
     nq, k = ids.shape
-    rows = states.index_select(0, ids.reshape(-1)).float().view(nq, k, -1)  # [nq, k, d]
-    logits = torch.bmm(rows, queries.unsqueeze(2))  # [nq, k, 1] exact fp32
-    weights = torch.softmax(logits, dim=1)
-    return torch.bmm(weights.transpose(1, 2), rows).squeeze(1)  # [nq, d]
+    rows = states.index_select(0, ids.reshape(-1)).view(nq, k, -1)  # [nq, k, d] storage dtype
+    weights = torch.softmax(logits, dim=1, dtype=torch.float32)  # [nq, k]
+    if kernel == "native" and states.dtype != torch.float32:
+        return torch.bmm(weights.to(states.dtype).unsqueeze(1), rows).squeeze(1).float()  # [nq, d]
+    return torch.bmm(weights.unsqueeze(1), rows.float()).squeeze(1)
+
+
+def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits.topk(k, dim=1)`` (sorted), faster for long rows: the top-k elements lie in the k blocks of
+    TOPK_BLOCK columns with the highest maxima (any other block has k larger elements above its max)."""
+    nq, n = logits.shape
+    block = TOPK_BLOCK
+    if n < 4 * k * block:
+        return logits.topk(k, dim=1)
+    usable = n - n % block
+    maxima = logits[:, :usable].view(nq, -1, block).amax(dim=2)  # [nq, n / block]
+    tail = logits[:, usable:]  # the last, partial block always takes part
+    _, blocks = maxima.topk(k, dim=1)  # [nq, k]
+    columns = (blocks.unsqueeze(2) * block + torch.arange(block, device=logits.device)).view(nq, -1)  # [nq, k*block]
+    candidates = logits.gather(1, columns)
+    if tail.shape[1]:
+        candidates = torch.cat([candidates, tail], 1)
+        columns = torch.cat([columns, torch.arange(usable, n, device=logits.device).expand(nq, -1)], 1)
+    values, order = candidates.topk(k, dim=1)
+    return values, columns.gather(1, order)
 
 
 def dense_values(states: torch.Tensor, weights: torch.Tensor, kernel: str, block_rows: int) -> torch.Tensor:
@@ -181,15 +205,16 @@ def attend(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelCh
     queries = queries.to(states.device, torch.float32)
     fits = nq * n * 4 <= MAX_SCORE_BYTES
     if k >= n and fits:
-        return dense_values(states, torch.softmax(scores(states, queries, choice), dim=1), choice.scores,
-                            choice.block_rows)
+        weights = torch.softmax(scores(states, queries, choice), dim=1, dtype=torch.float32)
+        return dense_values(states, weights, choice.scores, choice.block_rows)
     if k < n and fits and choice.dense_is_cheaper(nq, k, n):
-        logits = scores(states, queries, choice)  # [nq, N] fp32
-        threshold = logits.topk(k, dim=1).values[:, -1:]  # [nq, 1] the k-th score; ties at it may add a few
-        masked = logits.masked_fill_(logits < threshold, float("-inf"))
-        return dense_values(states, torch.softmax(masked, dim=1), choice.scores, choice.block_rows)
-    _, ids = select(states, queries, min(k, n), choice)
-    return gathered_attention(states, queries, ids)
+        logits = scores(states, queries, choice)  # [nq, N]
+        threshold = top_k(logits, k)[0][:, -1:]  # [nq, 1] the k-th score; ties at it may add a few
+        masked = logits.masked_fill(logits < threshold, float("-inf"))
+        return dense_values(states, torch.softmax(masked, dim=1, dtype=torch.float32), choice.scores,
+                            choice.block_rows)
+    logits, ids = select(states, queries, min(k, n), choice)
+    return gathered_attention(states, ids, logits, choice.scores)
 
 
 def select(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelChoice):
@@ -202,7 +227,7 @@ def select(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelCh
     best_scores = best_ids = None
     for start in range(0, n, step):
         part = scores(states[start:start + step], queries, choice)  # [nq, <=step]
-        top, ids = part.topk(min(k, part.shape[1]), dim=1)
+        top, ids = top_k(part, min(k, part.shape[1]))
         ids += start
         if best_scores is not None:
             top, ids = torch.cat([best_scores, top], 1), torch.cat([best_ids, ids], 1)
