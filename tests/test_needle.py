@@ -84,12 +84,6 @@ def test_fixture_is_tiny_and_has_a_64_token_window(loaded):
     assert (FIXTURE / "model.safetensors").is_file()
 
 
-def test_fixture_is_tiny_and_has_a_64_token_window(loaded):
-    assert loaded.max_source_length == 64
-    assert sum(path.stat().st_size for path in FIXTURE.iterdir()) < 2_000_000
-    assert (FIXTURE / "model.safetensors").is_file()
-
-
 @pytest.mark.parametrize("position", [0.0, 0.3, 0.6, 1.0])
 def test_within_one_window_both_find_the_needle(loaded, filler, position):
     for seed in range(3):

@@ -233,8 +233,14 @@ def test_retrieval_and_tensor_cache_together(tiny_loaded):
             params = _random_params(loaded, window=4)
             with tensor_cache(loaded.model, loaded.architecture, TensorCacheSettings(window=4, params=params)) as session:
                 bounded = _generate(loaded.model, stand_in, ones, steps, num_beams=beams, **session.generate_kwargs())
+        # the same open-gate Tensor Cache over ordinary cross-attention to every encoded state
+        with tensor_cache(loaded.model, loaded.architecture, TensorCacheSettings(window=4, params=params)) as session:
+            reference = _generate(loaded.model, states, mask, steps, num_beams=beams, **session.generate_kwargs())
         assert torch.equal(alone.sequences, both.sequences)
-        assert bounded.sequences.shape == alone.sequences.shape
+        assert torch.equal(bounded.sequences, reference.sequences)
+        for got, expected in zip(bounded.scores, reference.scores):
+            finite = expected.isfinite()
+            torch.testing.assert_close(got[finite], expected[finite], rtol=1e-4, atol=1e-4)
 
 
 # --- parameter file -------------------------------------------------------------------------------
