@@ -3,7 +3,7 @@
 The package is the API; the CLI is a thin layer over it::
 
     import unlimisum
-    summary = unlimisum.summarize(text, model="pszemraj/led-base-book-summary", num_beams=4)
+    summary = unlimisum.summarize(text, model="abertsch/unlimiformer-bart-booksum-alternating", num_beams=4)
 
 Heavy modules (torch, transformers, faiss) load on first use of what needs them.
 """
