@@ -352,3 +352,39 @@ def test_blocked_top_k_equals_torch_topk(n, k):
     expected_values, _ = logits.topk(k, dim=1)
     torch.testing.assert_close(values, expected_values)
     torch.testing.assert_close(logits.gather(1, ids), values)
+
+
+@pytest.mark.parametrize("kind", ["exact", "ivf", "hnsw"])
+def test_a_view_searches_only_its_range_exactly(kind):
+    states = clustered_states(3000, 32)
+    store = build(states, IndexPlan(kind, "cpu", "test"))
+    view = store.view(1000, 1800)
+    assert view.kind == "exact" and view.n_tokens == 800
+    assert view.states().data_ptr() == store.states()[1000].data_ptr()  # no copy
+    queries = queries_near(states, 5)
+    scores, ids = view.search(queries, 20)
+    inside = store.states()[1000:1800].float()
+    reference, reference_ids = (queries @ inside.T).topk(20, dim=1)
+    torch.testing.assert_close(scores, reference, rtol=1e-5, atol=1e-4)
+    assert (ids >= 0).all() and (ids < 800).all()
+    with pytest.raises(ValueError):
+        store.view(10, 5000)
+
+
+@pytest.mark.parametrize("kind", ["exact", "ivf"])
+@pytest.mark.parametrize("path", ["gather", "dense"])
+def test_coverage_adds_every_querys_weights(kind, path, monkeypatch):
+    states = clustered_states(2000, 32)
+    store = build(states, IndexPlan(kind, "cpu", "test"))
+    if kind == "exact":
+        cheaper = path == "dense"
+        monkeypatch.setattr(type(store.kernel()), "dense_is_cheaper", lambda self, nq, k, n: cheaper)
+    queries = queries_near(states, 6) * 0.05
+    coverage = torch.zeros(2000)
+    store.attend(queries, 50, coverage)
+    assert coverage.sum().item() == pytest.approx(6.0, rel=1e-4)  # each query's weights sum to one
+    assert (coverage > 0).sum() <= 6 * 50 + 6  # only retrieved tokens (ties aside)
+    if kind == "exact":  # k >= N: dense attention reaches every token
+        all_tokens = torch.zeros(2000)
+        store.attend(queries, 5000, all_tokens)
+        assert all_tokens.sum().item() == pytest.approx(6.0, rel=1e-4) and (all_tokens > 0).all()

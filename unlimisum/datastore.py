@@ -12,8 +12,10 @@ to) and the value lookup (the attention output in hidden space). How:
 - hnsw: ``IndexHNSWSQ``; its storage is reserved once and is the only copy (values are a
   zero-copy view of it); the graph adds ~0.3 bytes per number at d=768 (M=32).
 
-Approximate kinds score with faiss, which may round the query to bf16 on CPUs with
-AVX512-BF16; the exact kind's precision is documented in unlimisum/kernels.py.
+Approximate kinds find their candidates with faiss (which may round the query to bf16 on
+CPUs with AVX512-BF16) and score the ids found in fp32, so scores do not depend on the CPU;
+the exact kind's precision is documented in unlimisum/kernels.py. ``view(start, end)`` of
+any store is a zero-copy exact store over that token range (a chapter of the book).
 """
 
 from __future__ import annotations
@@ -87,15 +89,26 @@ class Datastore:
     def _search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def attend(self, queries: torch.Tensor, k: int) -> torch.Tensor:
+    def attend(self, queries: torch.Tensor, k: int, coverage: torch.Tensor | None = None) -> torch.Tensor:
         """Retrieval attention in hidden space: per query, softmax over its top-k scores times those states.
 
         queries [nq, d] (the model's scaling folded in) -> [nq, d] float32 on the queries' device.
+        ``coverage`` [N] float32 (on the store's device), when given, gets every query's weights added.
         """
         scores, ids = self.search(queries, k)  # [nq, k]
         # an approximate index that found nothing for a query gives all -inf: attend to nothing
         weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        if coverage is not None:
+            coverage.index_add_(0, ids.reshape(-1).to(coverage.device), weights.reshape(-1).to(coverage.device))
         return self.weighted_sum(ids, weights)
+
+    def view(self, start: int, end: int) -> "Datastore":
+        """The tokens [start, end) as a datastore of their own (ids 0..end-start), sharing this one's memory."""
+        raise NotImplementedError
+
+    def _check_range(self, start: int, end: int) -> None:
+        if not 0 <= start < end <= self.n_tokens:
+            raise ValueError(f"a view needs 0 <= start < end <= {self.n_tokens}, got [{start}, {end})")
 
     def weighted_sum(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_j weights[i, j] * state[ids[i, j]]: ids [nq, k] int64, weights [nq, k] -> [nq, d] float32.
@@ -132,9 +145,14 @@ class TorchExactDatastore(Datastore):
         """The measured kernel choice for this store's device, dtype and width."""
         return kernels.kernel_for(self._states.device, self.storage_dtype, self.dim)
 
-    def attend(self, queries, k):
-        out = kernels.attend(self._states, queries.detach(), min(k, self.n_tokens), self.kernel())
+    def attend(self, queries, k, coverage=None):
+        out = kernels.attend(self._states, queries.detach(), min(k, self.n_tokens), self.kernel(), coverage)
         return out.to(queries.device)
+
+    def view(self, start, end):
+        self._check_range(start, end)
+        states = self._states[start:end]  # zero-copy
+        return TorchExactDatastore(states, self.kind, self.device, states.numel() * states.element_size())
 
     def _search(self, queries, k):
         """Top-k by the kernel's scores; the scores returned are recomputed in fp32 for the ids found."""
@@ -155,6 +173,12 @@ class FaissDatastore(Datastore):
 
     def _search_params(self, k: int):
         return None
+
+    def view(self, start, end):
+        """A range is searched exactly: a chapter is a small share of a book, and its states are right here."""
+        self._check_range(start, end)
+        states = self._states[start:end]  # zero-copy
+        return TorchExactDatastore(states, "exact", "cpu", states.numel() * states.element_size())
 
     def _search(self, queries, k):
         x = np.ascontiguousarray(queries.cpu().numpy())  # [nq, d] fp32

@@ -151,18 +151,17 @@ def scores(states: torch.Tensor, queries: torch.Tensor, choice: KernelChoice) ->
     return float32_scores(states, queries, choice.block_rows)
 
 
-def gathered_attention(states: torch.Tensor, ids: torch.Tensor, logits: torch.Tensor, kernel: str) -> torch.Tensor:
-    """Softmax of each query's ``logits`` [nq, k] over its ``ids`` [nq, k], times those states -> [nq, d] fp32.
+def gathered_attention(states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, kernel: str) -> torch.Tensor:
+    """sum_j weights[i, j] * states[ids[i, j]]: ids, weights [nq, k] -> [nq, d] fp32.
 
     The native kernel sums the gathered 16-bit states in their dtype (fp32 accumulation), the
     float32 kernel widens them first.
     """
     nq, k = ids.shape
     rows = states.index_select(0, ids.reshape(-1)).view(nq, k, -1)  # [nq, k, d] storage dtype
-    weights = torch.softmax(logits, dim=1, dtype=torch.float32)  # [nq, k]
     if kernel == "native" and states.dtype != torch.float32:
         return torch.bmm(weights.to(states.dtype).unsqueeze(1), rows).squeeze(1).float()  # [nq, d]
-    return torch.bmm(weights.unsqueeze(1), rows.float()).squeeze(1)
+    return torch.bmm(weights.float().unsqueeze(1), rows.float()).squeeze(1)
 
 
 def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -196,25 +195,31 @@ def dense_values(states: torch.Tensor, weights: torch.Tensor, kernel: str, block
     return out
 
 
-def attend(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelChoice) -> torch.Tensor:
+def attend(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelChoice,
+           coverage: torch.Tensor | None = None) -> torch.Tensor:
     """Exact top-k retrieval attention: queries [nq, d] fp32 (scaling folded in) -> [nq, d] fp32.
 
     Per query: softmax over its k highest scores, times those states. k >= N is dense attention.
+    ``coverage`` [N] fp32, when given, gets every query's attention weights added to it.
     """
     n, nq = states.shape[0], queries.shape[0]
     queries = queries.to(states.device, torch.float32)
     fits = nq * n * 4 <= MAX_SCORE_BYTES
     if k >= n and fits:
-        weights = torch.softmax(scores(states, queries, choice), dim=1, dtype=torch.float32)
-        return dense_values(states, weights, choice.scores, choice.block_rows)
-    if k < n and fits and choice.dense_is_cheaper(nq, k, n):
+        weights = torch.softmax(scores(states, queries, choice), dim=1, dtype=torch.float32)  # [nq, N]
+    elif k < n and fits and choice.dense_is_cheaper(nq, k, n):
         logits = scores(states, queries, choice)  # [nq, N]
         threshold = top_k(logits, k)[0][:, -1:]  # [nq, 1] the k-th score; ties at it may add a few
-        masked = logits.masked_fill(logits < threshold, float("-inf"))
-        return dense_values(states, torch.softmax(masked, dim=1, dtype=torch.float32), choice.scores,
-                            choice.block_rows)
-    logits, ids = select(states, queries, min(k, n), choice)
-    return gathered_attention(states, ids, logits, choice.scores)
+        weights = torch.softmax(logits.masked_fill(logits < threshold, float("-inf")), dim=1, dtype=torch.float32)
+    else:
+        logits, ids = select(states, queries, min(k, n), choice)
+        weights = torch.softmax(logits, dim=1, dtype=torch.float32)  # [nq, k]
+        if coverage is not None:
+            coverage.index_add_(0, ids.reshape(-1), weights.reshape(-1))
+        return gathered_attention(states, ids, weights, choice.scores)
+    if coverage is not None:
+        coverage += weights.sum(dim=0)
+    return dense_values(states, weights, choice.scores, choice.block_rows)
 
 
 def select(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelChoice):
