@@ -13,6 +13,7 @@ import pytest
 
 from unlimisum import errors
 from unlimisum.ingest import expand_paths, read_document
+from unlimisum.ingest.chapters import OPENING_PAGES
 
 CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "corpus"
 pytestmark = pytest.mark.skipif(not CORPUS.is_dir(), reason=f"corpus not found at {CORPUS}")
@@ -68,6 +69,8 @@ def test_readable_corpus_file(name):
     assert phrase in document.text
     assert "\r" not in document.text and "\ufeff" not in document.text
     assert all(chapter.text.strip() for chapter in document.chapters)
+    if len(document.chapters) > 1:  # every part has a name; none is numbered by whoever lists them
+        assert all(chapter.title for chapter in document.chapters)
 
 
 @pytest.mark.parametrize("name", sorted(FAILING))
@@ -91,6 +94,7 @@ def test_text_structure_of_gutenberg_books():
     assert titles[1] == "CHAPTER 1. Loomings." and titles[-1] == "Epilogue" and len(titles) == 137
     assert "START OF THE PROJECT GUTENBERG" not in moby.text and "Project Gutenberg License" not in moby.text
     sources = read("SOURCES.md")  # Markdown "##" headings are chapters
+    assert sources.chapters[0].title == OPENING_PAGES
     assert [chapter.title for chapter in sources.chapters][1:3] == ["Sources and licenses", "What each file tests, and what ebooklib 0.20 / pypdf 7.1.1 did with it"]
     pride = read("txt_pride-and-prejudice_pg1342_utf8.txt")
     assert pride.chapters[1].title == "Chapter I." and pride.chapters[-1].title == "CHAPTER LXI."
@@ -100,6 +104,12 @@ def test_epub_structure():
     moby = read("epub3_moby-dick_idpf.epub")
     assert moby.chapters[0].title == "Chapter 1. Loomings." and moby.chapters[-1].title == "Epilogue"
     assert "Original Transcriber" not in moby.text  # marked frontmatter
+    assert moby.metadata["left_out"][:2] == ["non-linear item (cover.xhtml)", "table of contents (toc.xhtml)"]
+    assert "copyright page in copyright.xhtml" in moby.metadata["left_out"]
+    kept = read_document(CORPUS / "epub3_moby-dick_idpf.epub", keep_all=True)
+    assert kept.metadata["left_out"] == ["table of contents (toc.xhtml)"]
+    kept_titles = [chapter.title for chapter in kept.chapters]
+    assert kept_titles[0].startswith("Original Transcriber") and kept_titles[-1] == "Copyright Page"
     frankenstein = read("epub2_frankenstein_pg84_ncx-only.epub")
     assert "Letter 1" in [chapter.title for chapter in frankenstein.chapters]
     assert "PROJECT GUTENBERG LICENSE" not in frankenstein.text.upper()
@@ -111,7 +121,9 @@ def test_epub_structure():
 def test_pdf_structure():
     geotopo = read("pdf_geotopo_de_117pages.pdf")
     assert geotopo.metadata["pages"] == 117
-    assert "1 Topologische Grundbegriffe" in [chapter.title for chapter in geotopo.chapters]
+    titles = [chapter.title for chapter in geotopo.chapters]
+    assert "1 Topologische Grundbegriffe" in titles
+    assert titles[0] == OPENING_PAGES and "Vorwort" in geotopo.chapters[0].text  # pages before the first bookmark
     assert "\ufb00" not in geotopo.text  # ligatures unfolded
     vicksburg = read("pdf_scanned_with-ocr-layer_vicksburg.pdf")
     assert "dangerous" in vicksburg.text  # "dan-" + "gerous" rejoined

@@ -138,25 +138,73 @@ def test_single_file_book_is_split_at_toc_anchors(tmp_path):
     assert chapters[1].text == f"{PARAGRAPH} 2"  # heading that repeats the title is dropped
 
 
-def test_front_and_back_matter_and_non_linear_items_are_skipped(tmp_path):
+def matter_book(tmp_path):
+    """Cover (non-linear), nav, copyright page, two chapters with a footnote, endnotes, a picture."""
     manifest = (
         item("nav", "nav.xhtml", properties="nav") + item("cover", "cover.xhtml") + item("front", "front.xhtml")
         + item("c1", "c1.xhtml") + item("c2", "c2.xhtml") + item("back", "back.xhtml")
+        + item("notes", "notes.xhtml") + item("plate", "plate.jpg", "image/jpeg")
     )
     spine = (
-        '<itemref idref="cover" linear="no"/><itemref idref="front"/><itemref idref="c1"/>'
-        '<itemref idref="c2"/><itemref idref="back"/>'
+        '<itemref idref="cover" linear="no"/><itemref idref="nav"/><itemref idref="front"/><itemref idref="c1"/>'
+        '<itemref idref="c2"/><itemref idref="plate"/><itemref idref="back"/><itemref idref="notes"/>'
     )
-    path = epub_with(
+    footnote = '<aside epub:type="footnote" id="n1"><p>FOOTNOTE TEXT</p></aside>'
+    return epub_with(
         tmp_path,
         OEBPS__content_dot_opf=opf(manifest, spine),
         OEBPS__cover_dot_xhtml=xhtml("<p>COVER TEXT</p>"),
-        OEBPS__front_dot_xhtml=xhtml("<p>COPYRIGHT TEXT</p>", 'epub:type="frontmatter"'),
+        OEBPS__front_dot_xhtml=xhtml("<p>COPYRIGHT TEXT</p>", 'epub:type="frontmatter copyright-page"'),
+        OEBPS__c1_dot_xhtml=xhtml(f"<h1>Chapter 1</h1><p>{PARAGRAPH} (1)</p>{footnote}"),
         OEBPS__back_dot_xhtml=xhtml('<section epub:type="backmatter"><p>INDEX TEXT</p></section>'),
+        OEBPS__notes_dot_xhtml=xhtml("<h1>Notes</h1><p>ENDNOTE TEXT</p>", 'epub:type="endnotes"'),
+        OEBPS__plate_dot_jpg=b"\xff\xd8\xff",
     )
-    text = read_document(path).text
-    assert "COVER" not in text and "COPYRIGHT" not in text and "INDEX" not in text
+
+
+def test_front_and_back_matter_and_non_linear_items_are_left_out_and_listed(tmp_path):
+    document = read_document(matter_book(tmp_path))
+    text = document.text
+    for marked in ("COVER", "COPYRIGHT", "INDEX", "FOOTNOTE", "ENDNOTE"):
+        assert marked not in text
     assert PARAGRAPH in text
+    assert [chapter.title for chapter in document.chapters] == ["The First", "The Second"]
+    expected = [
+        "non-linear item (cover.xhtml)",
+        "table of contents (nav.xhtml)",
+        "copyright page (front.xhtml)",
+        "image/jpeg item, not text (plate.jpg)",
+        "notes (notes.xhtml)",
+        "notes in c1.xhtml",  # parts cut from inside documents that were read come last
+        "back matter in back.xhtml",
+    ]
+    assert document.metadata["left_out"] == expected and document.left_out == tuple(expected)
+
+
+def test_keep_all_keeps_matter_and_notes_but_not_navigation(tmp_path):
+    path = matter_book(tmp_path)
+    document = read_document(path, keep_all=True)
+    for marked in ("COVER", "COPYRIGHT", "INDEX", "FOOTNOTE", "ENDNOTE"):
+        assert marked in document.text
+    assert "Start" not in document.text  # the landmarks of the nav document are never text
+    assert document.metadata["left_out"] == ["table of contents (nav.xhtml)", "image/jpeg item, not text (plate.jpg)"]
+    titles = [chapter.title for chapter in document.chapters]
+    assert titles[-1] == "Notes" and "The First" in titles and "" not in titles
+    assert read_bytes(path.read_bytes(), "-", keep_all=True).chapters == document.chapters  # threaded through
+
+
+def test_untitled_opening_document_is_opening_pages_or_joins_the_first_chapter(tmp_path):
+    manifest = item("a", "a.xhtml") + item("c1", "c1.xhtml") + item("c2", "c2.xhtml")
+    spine = '<itemref idref="a"/><itemref idref="c1"/><itemref idref="c2"/>'
+    long_preface = f"<p>{PARAGRAPH}</p>" * 4
+    for opening, expected in [(long_preface, ["Opening pages", "Chapter 1", "Chapter 2"]), ("<p>For M.</p>", ["Chapter 1", "Chapter 2"])]:
+        path = epub_with(
+            tmp_path, name=f"{len(expected)}.epub", OEBPS__content_dot_opf=opf(manifest, spine),
+            OEBPS__nav_dot_xhtml=None, OEBPS__a_dot_xhtml=xhtml(opening),
+        )
+        document = read_document(path)
+        assert [chapter.title for chapter in document.chapters] == expected
+        assert document.chapters[0].text.startswith(PARAGRAPH if len(expected) == 3 else "For M.")
 
 
 def test_xhtml_cleaning(tmp_path):

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import os
+import socket
+import tempfile
+import threading
 from pathlib import Path
 
 import pytest
 
-from unlimisum.errors import InputNotFoundError, UnsupportedFormatError
-from unlimisum.ingest import SUPPORTED_SUFFIXES, expand_paths, read_document
+from unlimisum.errors import EmptyDocumentError, InputNotFoundError, InputTooLargeError, UnsupportedFormatError
+from unlimisum.ingest import SUPPORTED_SUFFIXES, IngestLimits, expand_paths, read_document
 
 SAMPLES = Path(__file__).resolve().parents[1] / "samples"
 
@@ -17,6 +20,21 @@ def touch(path: Path, text: str = "Some text.\n") -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     return path
+
+
+def feed(pipe: Path | int, data: bytes) -> threading.Thread:
+    """Write ``data`` into a named pipe (or a pipe's write end) from another thread, then close it."""
+
+    def write() -> None:
+        try:
+            with open(pipe, "wb") as stream:  # blocks until the reader opens a named pipe
+                stream.write(data)
+        except BrokenPipeError:  # the reader stopped at its size limit
+            pass
+
+    thread = threading.Thread(target=write, daemon=True)
+    thread.start()
+    return thread
 
 
 def test_supported_suffixes():
@@ -65,14 +83,68 @@ def test_symlinked_file_is_read(tmp_path):
     assert expand_paths([tmp_path / "links"]) == [tmp_path / "links" / "alias.txt"]
 
 
-@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
-def test_special_files_are_skipped_in_folders_and_refused_when_named(tmp_path):
+needs_fifo = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
+
+
+@needs_fifo
+def test_pipes_are_skipped_in_folders(tmp_path):
     touch(tmp_path / "book.txt")
-    fifo = tmp_path / "pipe.txt"
+    os.mkfifo(tmp_path / "pipe.txt")
+    assert expand_paths([tmp_path]) == [tmp_path / "book.txt"]  # must not block on opening the pipe
+
+
+@needs_fifo
+@pytest.mark.parametrize("sample, expected_format", [("story.txt", "text"), ("story.pdf", "pdf"), ("story.epub", "epub")])
+def test_named_pipe_is_read_and_its_format_detected_from_the_bytes(tmp_path, sample, expected_format):
+    fifo = tmp_path / "pipe"
     os.mkfifo(fifo)
-    assert expand_paths([tmp_path]) == [tmp_path / "book.txt"]
-    with pytest.raises(UnsupportedFormatError, match="not a regular file"):
-        read_document(fifo)  # must not block on opening the pipe
+    writer = feed(fifo, (SAMPLES / sample).read_bytes())
+    document = read_document(fifo)
+    writer.join(timeout=10)
+    assert document.format == expected_format and document.source == str(fifo)
+    assert document.title == "The Cartographer of Low Tide"
+    assert [chapter.title for chapter in document.chapters][-1] == "Chapter 4: What the Sea Keeps"
+
+
+@pytest.mark.skipif(not Path("/dev/fd").is_dir(), reason="needs /dev/fd (what <(command) expands to)")
+def test_process_substitution_path_is_read():
+    read_end, write_end = os.pipe()
+    try:
+        writer = feed(write_end, (SAMPLES / "story.txt").read_bytes())
+        document = read_document(f"/dev/fd/{read_end}")
+        writer.join(timeout=10)
+    finally:
+        os.close(read_end)
+    assert document.source == f"/dev/fd/{read_end}" and len(document.chapters) == 4
+
+
+@needs_fifo
+def test_pipe_longer_than_the_limit_fails_clearly(tmp_path):
+    fifo = tmp_path / "big.txt"
+    os.mkfifo(fifo)
+    writer = feed(fifo, b"All work and no play makes Jack a dull boy.\n" * 1000)
+    with pytest.raises(InputTooLargeError) as caught:
+        read_document(fifo, limits=IngestLimits(max_text_bytes=10_000))
+    writer.join(timeout=10)
+    assert str(caught.value).startswith(f"{fifo}: input exceeds the ") and str(caught.value).endswith(" limit")
+
+
+@pytest.mark.skipif(not Path("/dev/null").exists(), reason="needs /dev/null")
+def test_character_device_is_read_like_a_pipe():
+    with pytest.raises(EmptyDocumentError, match="^/dev/null: empty file$"):
+        read_document("/dev/null")
+
+
+@pytest.mark.skipif(not hasattr(socket, "AF_UNIX"), reason="needs Unix sockets")
+def test_sockets_and_directories_are_refused_clearly(tmp_path):
+    with tempfile.TemporaryDirectory() as folder, socket.socket(socket.AF_UNIX) as server:
+        path = Path(folder) / "s"  # socket paths are limited to about 100 characters
+        server.bind(str(path))
+        with pytest.raises(UnsupportedFormatError) as caught:
+            read_document(path)
+        assert str(caught.value) == f"{path}: a socket, not a file or pipe that can be read"
+    with pytest.raises(UnsupportedFormatError, match="directory holds no supported files"):
+        read_document(tmp_path)
 
 
 @pytest.mark.parametrize(

@@ -8,6 +8,7 @@ import pytest
 
 from unlimisum.errors import CorruptFileError, NoTextError, PasswordRequiredError
 from unlimisum.ingest import read_bytes, read_document
+from unlimisum.ingest.chapters import OPENING_PAGES
 from unlimisum.ingest.pdf import join_pages, remove_running_lines
 
 fpdf = pytest.importorskip("fpdf")
@@ -16,8 +17,11 @@ pypdf = pytest.importorskip("pypdf")
 LINE = "The harbour lights came on one by one along the curve of the bay."
 
 
-def make_pdf(chapters: list[tuple[str, list[str]]], header: str | None = "Running Header", outline: bool = True) -> bytes:
-    """A PDF with one or more pages per chapter, a running header and page numbers."""
+def make_pdf(
+    chapters: list[tuple[str, list[str]]], header: str | None = "Running Header", outline: bool = True, front: tuple[str, ...] = ()
+) -> bytes:
+    """A PDF with one or more pages per chapter, a running header and page numbers; ``front``
+    pages come first, outside the outline."""
 
     class PDF(fpdf.FPDF):
         def header(self) -> None:
@@ -33,6 +37,11 @@ def make_pdf(chapters: list[tuple[str, list[str]]], header: str | None = "Runnin
     pdf = PDF()
     pdf.set_title("A Generated Book")
     pdf.set_author("Test Author")
+    for lines in front:
+        pdf.add_page()
+        pdf.set_font("Helvetica", "", 10)
+        for line in lines.split("\n"):
+            pdf.cell(0, 5, line, new_x="LMARGIN", new_y="NEXT")
     for title, pages in chapters:
         for number, lines in enumerate(pages):
             pdf.add_page()
@@ -59,6 +68,17 @@ def test_outline_chapters_metadata_and_clean_pages(tmp_path):
     assert [chapter.title for chapter in document.chapters] == ["Chapter 1", "Chapter 2", "Chapter 3"]
     assert document.chapters[1].text == f"{LINE} (2.0)\n{LINE} (2.1)"  # no header, page number, title line
     assert document.metadata["pages"] == 6
+
+
+def test_pages_before_the_first_bookmark_are_opening_pages_or_join_chapter_1():
+    chapters = [(f"Chapter {n}", [f"{LINE} ({n})"]) for n in (1, 2, 3)]
+    title_page = read_bytes(make_pdf(chapters, front=("A Generated Book\nby Test Author",)), "t.pdf")
+    assert [chapter.title for chapter in title_page.chapters] == ["Chapter 1", "Chapter 2", "Chapter 3"]
+    assert title_page.chapters[0].text.startswith("A Generated Book\nby Test Author")
+    preface = "\n".join([LINE] * 6)
+    with_preface = read_bytes(make_pdf(chapters, front=(preface, preface)), "p.pdf")
+    assert [chapter.title for chapter in with_preface.chapters] == [OPENING_PAGES, "Chapter 1", "Chapter 2", "Chapter 3"]
+    assert with_preface.chapters[0].text.count(LINE) == 12 and with_preface.chapters[1].text == f"{LINE} (1)"
 
 
 def test_without_outline_the_text_is_one_chapter_and_headers_still_go():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import codecs
 import io
+import random
 
 import pytest
 from hypothesis import given, settings
@@ -11,6 +12,7 @@ from hypothesis import strategies as st
 
 from unlimisum.errors import EmptyDocumentError, UnlimisumError, UnsupportedFormatError
 from unlimisum.ingest import read_bytes, read_document, read_stdin
+from unlimisum.ingest.chapters import MAX_MERGED_OPENING_CHARS, OPENING_PAGES
 from unlimisum.ingest.decode import decode_text
 from unlimisum.ingest.text import parse_text, split_chapters
 
@@ -51,13 +53,70 @@ def write(tmp_path, name: str, data: bytes):
         (codecs.BOM_UTF16_BE + "Grüße, café\n".encode("utf-16-be"), "utf-16-be-bom"),
         ("Grüße, café and plenty of ASCII text\n".encode("utf-16-le"), "utf-16-le"),
         ("Grüße, café — “quoted”\n".encode("cp1252"), "cp1252"),
-        (b"caf\xe9 \x81 undefined in cp1252\n", "latin-1"),
+        # 0x81 is undefined in cp1252: a Western paragraph with a stray one is Latin-1
+        (("Der Bär läuft über die Straße, während die Vögel im Gebüsch zwitschern. " * 4).encode("cp1252") + b"caf\xe9 \x81\n", "latin-1"),
     ],
 )
 def test_decodes_every_supported_encoding(data, expected_encoding):
     text, encoding = decode_text(data)
     assert encoding == expected_encoding
     assert "caf" in text and "\ufeff" not in text and "\ufffd" not in text
+
+
+# Openings of public-domain books (Tolstoy, Natsume Soseki, Lu Xun), a paragraph or more each.
+RUSSIAN = (
+    "Все счастливые семьи похожи друг на друга, каждая несчастливая семья несчастлива по-своему.\n\n"
+    "Всё смешалось в доме Облонских. Жена узнала, что муж был в связи с бывшею в их доме "
+    "француженкою-гувернанткой, и объявила мужу, что не может жить с ним в одном доме. Положение "
+    "это продолжалось уже третий день и мучительно чувствовалось и самими супругами, и всеми "
+    "членами семьи, и домочадцами.\n"
+)
+JAPANESE = (
+    "吾輩は猫である。名前はまだ無い。\n\n"
+    "どこで生れたかとんと見当がつかぬ。何でも薄暗いじめじめした所でニャーニャー泣いていた事だけは"
+    "記憶している。吾輩はここで始めて人間というものを見た。しかもあとで聞くとそれは書生という"
+    "人間中で一番獰悪な種族であったそうだ。この書生というのは時々我々を捕えて煮て食うという話である。\n"
+)
+CHINESE = (
+    "我冒了严寒，回到相隔二千余里，别了二十余年的故乡去。\n\n"
+    "时候既然是深冬；渐近故乡时，天气又阴晦了，冷风吹进船舱中，呜呜的响，从篷隙向外一望，"
+    "苍黄的天底下，远近横着几个萧索的荒村，没有一些活气。我的心禁不住悲凉起来了。"
+    "阿！这不是我二十年来时时记得的故乡？\n"
+)
+FRENCH = (
+    "À la fin de l'été, où êtes-vous allés ? Là-bas, près de la rivière, la forêt était très "
+    "belle et l'eau très fraîche. Ce n'était qu'un rêve, déjà oublié.\n"
+)  # charset-normalizer alone reads this as Baltic cp1257: "Ą la fin de l'été, oł źtes-vous"
+
+
+@pytest.mark.parametrize(
+    "text, encoding, names",
+    [
+        (RUSSIAN, "cp1251", {"cp1251"}),
+        (JAPANESE, "shift_jis", {"shift_jis", "cp932"}),
+        (CHINESE, "gbk", {"gbk", "gb2312", "gb18030"}),
+        (FRENCH, "cp1252", {"cp1252"}),
+        (FRENCH * 3, "cp1252", {"cp1252"}),
+        ("Der Bär läuft über die Straße. „Schön“, sagt die Kuh … und geht.\n", "cp1252", {"cp1252"}),
+        ("Litwo! Ojczyzno moja! ty jesteś jak zdrowie. Ile cię trzeba cenić, ten tylko się dowie, kto cię stracił.\n", "cp1250", {"cp1250"}),
+    ],
+    ids=["cp1251-russian", "shift_jis-japanese", "gbk-chinese", "cp1252-french", "cp1252-french-long", "cp1252-german", "cp1250-polish"],
+)
+def test_legacy_encodings_are_detected_not_read_as_cp1252(tmp_path, text, encoding, names):
+    path = write(tmp_path, f"{encoding}.txt", text.encode(encoding))
+    document = read_document(path)
+    assert document.text == text.strip()
+    assert document.metadata["encoding"] in names
+
+
+def test_bytes_no_encoding_explains_are_refused(tmp_path):
+    rng = random.Random(7)
+    garbage = bytes(byte for byte in rng.randbytes(6000) if byte >= 0x20)  # no NULs, no control characters
+    path = write(tmp_path, "noise.txt", garbage)
+    with pytest.raises(UnsupportedFormatError) as caught:
+        read_document(path)
+    message = str(caught.value)
+    assert message.startswith(f"{path}: binary data") and "no text encoding" in message and "\n" not in message
 
 
 def test_bom_is_stripped_and_crlf_normalised(tmp_path):
@@ -127,8 +186,25 @@ def test_chapter_headings_title_and_author(tmp_path):
     assert document.title == "My Little Book"
     assert document.author == "Jane Writer"
     titles = [chapter.title for chapter in document.chapters]
-    assert titles == ["", "Chapter 1: Beginnings", "Chapter 2: Middles", "Chapter 3: Endings"]
+    # a lone title and author line is no chapter of its own: it opens the first one
+    assert titles == ["Chapter 1: Beginnings", "Chapter 2: Middles", "Chapter 3: Endings"]
+    assert document.chapters[0].text.startswith("My Little Book\n\nby Jane Writer\n\nThe quick brown fox")
     assert document.chapters[1].text.startswith("The quick brown fox")
+
+
+def test_untitled_front_matter_is_opening_pages_never_a_chapter_number(tmp_path):
+    preface = "A preface without a heading, which says what the book is about at some length. " * 4
+    assert len(preface) > MAX_MERGED_OPENING_CHARS
+    document = read_document(write(tmp_path, "book.txt", BOOK.replace("by Jane Writer", "by Jane Writer\n\n" + preface).encode()))
+    titles = [chapter.title for chapter in document.chapters]
+    assert titles == [OPENING_PAGES, "Chapter 1: Beginnings", "Chapter 2: Middles", "Chapter 3: Endings"]
+    assert document.chapters[0].text.startswith("My Little Book") and preface.strip() in document.chapters[0].text
+    assert document.chapters[1].text.startswith("The quick brown fox")
+
+
+def test_text_without_headings_stays_one_untitled_part():
+    parsed = parse_text("Just a paragraph.\n\nAnd another.\n")
+    assert [(chapter.title, chapter.text) for chapter in parsed.chapters] == [("", "Just a paragraph.\n\nAnd another.")]
 
 
 def test_no_headings_gives_one_chapter_titled_by_file_name(tmp_path):
@@ -157,7 +233,12 @@ def test_markdown_headings(tmp_path):
     text = f"# The Guide\n\n## Install\n\n{body}\n\n## Use\n\n{body}\n"
     document = read_document(write(tmp_path, "guide.md", text.encode()))
     assert document.title == "The Guide"
-    assert [chapter.title for chapter in document.chapters][-2:] == ["Install", "Use"]
+    assert [chapter.title for chapter in document.chapters] == ["Install", "Use"]
+    assert document.chapters[0].text == f"# The Guide\n\n{body}"
+    introduction = "An introduction before the first section, long enough to be a part of its own. " * 3
+    with_intro = text.replace("# The Guide\n", f"# The Guide\n\n{introduction}\n")
+    document = read_document(write(tmp_path, "intro.md", with_intro.encode()))
+    assert [chapter.title for chapter in document.chapters] == [OPENING_PAGES, "Install", "Use"]
 
 
 def test_table_of_contents_entries_are_not_chapters():
@@ -198,6 +279,6 @@ def test_gutenberg_boilerplate_is_stripped_and_header_gives_title_author():
 def test_stdin_bytes_and_text_streams():
     assert read_stdin(io.BytesIO("héllo\r\nworld".encode("cp1252"))).text == "héllo\nworld"
     document = read_stdin(io.StringIO(BOOK))
-    assert document.source == "-" and len(document.chapters) == 4
+    assert document.source == "-" and len(document.chapters) == 3
     with pytest.raises(EmptyDocumentError, match="^-: empty file$"):
         read_stdin(io.BytesIO(b""))

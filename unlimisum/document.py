@@ -18,7 +18,9 @@ class Document:
     """A readable input: text, EPUB, PDF or standard input.
 
     ``source`` is the path as given (``"-"`` for standard input); ``format`` is one of
-    ``"text"``, ``"epub"``, ``"pdf"``.
+    ``"text"``, ``"epub"``, ``"pdf"``. ``metadata`` holds what the reader found besides
+    the text: ``"warnings"`` (always), ``"encoding"`` (text), ``"pages"`` (PDF), and
+    ``"left_out"`` (EPUB: parts left out of the chapters, see ``left_out``).
     """
 
     title: str
@@ -32,6 +34,11 @@ class Document:
     def text(self) -> str:
         """The whole document: chapter texts joined by blank lines."""
         return "\n\n".join(chapter.text for chapter in self.chapters if chapter.text)
+
+    @property
+    def left_out(self) -> tuple[str, ...]:
+        """Short descriptions of what the reader left out, e.g. ``"cover (cover.xhtml)"``."""
+        return tuple(self.metadata.get("left_out", ()))
 
     @property
     def char_count(self) -> int:

@@ -1,8 +1,11 @@
 """`unlimisum ingest PATH...`: show what unlimisum reads from each input.
 
-Per input: title, author, format, chapters and character counts (or, with --text, the
-extracted text; with --json, one JSON object per input). A bad input gets a one-line
-error on stderr and the batch goes on; the exit status is 1 if any input failed.
+Per input: title, author, format, encoding, chapters and character counts, and what was
+left out (EPUB front/back matter, notes...; --keep-all keeps it). With --text, the
+extracted text (under a ``==> path <==`` header each when there are several inputs); with
+--json, one JSON object per input, the input named ``path`` as in `summarize --json`. A bad
+input gets a one-line error on stderr and the batch goes on; the exit status is 1 if any
+input failed.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from rich.cells import cell_len
 from unlimisum.cli.app import EXIT_FAILURE, app, fail
 from unlimisum.document import Document
 from unlimisum.errors import UnlimisumError
-from unlimisum.ingest import expand_paths, read_document
+from unlimisum.ingest import STDIN, expand_paths, read_document
 
 _TITLE_WIDTH = 60  # chapter titles are cut to this many characters in the table
 
@@ -27,28 +30,33 @@ def ingest(
     as_json: bool = typer.Option(False, "--json", help="One JSON object per input (JSON Lines)."),
     text: bool = typer.Option(False, "--text", help="Print the extracted text (in --json: include it)."),
     password: Optional[str] = typer.Option(None, "--password", help="Password for encrypted PDFs."),
+    keep_all: bool = typer.Option(
+        False, "--keep-all", help="Keep what is left out by default: EPUB covers, front and back matter, notes, non-linear items."
+    ),
 ) -> None:
     """Read inputs and report what was found: title, format, chapters, characters."""
     inputs = expand_paths(paths)
-    failures = 0
-    for index, item in enumerate(inputs):
+    failures = printed = 0
+    for item in inputs:
         source = str(item)
         try:
-            document = read_document(item, password=password)
+            document = read_document(item, password=password, keep_all=keep_all)
         except UnlimisumError as error:
             failures += 1
             typer.echo(f"unlimisum: error: {error}", err=True)
             if as_json:
-                typer.echo(json.dumps({"source": source, "error": error.problem, "error_type": type(error).__name__}, ensure_ascii=False))
+                typer.echo(json.dumps({"path": source, "error": error.problem, "error_type": type(error).__name__}, ensure_ascii=False))
             continue
         for warning in document.metadata.get("warnings", []):
             typer.echo(f"unlimisum: warning: {source}: {warning}", err=True)
         if as_json:
             typer.echo(json.dumps(document_record(document, with_text=text), ensure_ascii=False))
         elif text:
-            typer.echo(("\n\n" if index else "") + render_text(document))
+            header = f"==> {'standard input' if source == STDIN else source} <==\n" if len(inputs) > 1 else ""
+            typer.echo(("\n" if printed else "") + header + render_text(document))
         else:
-            typer.echo(("\n" if index else "") + render_summary(document))
+            typer.echo(("\n" if printed else "") + render_summary(document))
+        printed += 1
     if failures:
         if len(inputs) > 1:
             raise fail(f"{failures} of {len(inputs)} inputs could not be read")
@@ -56,21 +64,25 @@ def ingest(
 
 
 def document_record(document: Document, with_text: bool = False) -> dict:
-    """A JSON-ready description of a document (chapter texts only when ``with_text``)."""
+    """A JSON-ready description of a document (chapter texts only when ``with_text``).
+
+    ``left_out`` lists what the reader left out (``[]`` when nothing was, or for text and PDF).
+    """
     chapters = []
     for chapter in document.chapters:
         entry = {"title": chapter.title, "chars": len(chapter.text)}
         if with_text:
             entry["text"] = chapter.text
         chapters.append(entry)
-    metadata = {key: value for key, value in document.metadata.items() if _json_safe(value)}
+    metadata = {key: value for key, value in document.metadata.items() if key != "left_out" and _json_safe(value)}
     return {
-        "source": document.source,
+        "path": document.source,
         "format": document.format,
         "title": document.title,
         "author": document.author,
         "chars": document.char_count,
         "chapters": chapters,
+        "left_out": list(document.left_out),
         "metadata": metadata,
     }
 
@@ -82,6 +94,7 @@ def render_summary(document: Document) -> str:
         f"  title:      {document.title or '(none)'}",
         f"  author:     {document.author or '(unknown)'}",
         f"  format:     {document.format}",
+        *([f"  encoding:   {document.metadata['encoding']}"] if document.metadata.get("encoding") else []),
         f"  chapters:   {len(document.chapters)}",
         f"  characters: {document.char_count:,}",
     ]
@@ -92,6 +105,8 @@ def render_summary(document: Document) -> str:
             title = title[: _TITLE_WIDTH - 1] + "\u2026"
         padding = " " * max(0, _TITLE_WIDTH - cell_len(title))  # CJK characters are two cells wide
         lines.append(f"  {number:>{number_width}}  {title}{padding}  {len(chapter.text):>10,}")
+    for index, description in enumerate(document.left_out):
+        lines.append(f"  {'left out:' if index == 0 else '':<12}{description}")
     return "\n".join(lines)
 
 

@@ -41,25 +41,36 @@ __all__ = [
 
 
 def read_document(
-    path: str | Path, *, password: str | None = None, limits: IngestLimits = DEFAULT_LIMITS
+    path: str | Path,
+    *,
+    password: str | None = None,
+    limits: IngestLimits = DEFAULT_LIMITS,
+    keep_all: bool = False,
 ) -> Document:
     """Read a text, EPUB or PDF file (format detected from its content) into a Document.
 
-    ``password`` opens password-protected PDFs. Raises an UnlimisumError subclass whose
-    message names the file: InputNotFoundError, EmptyDocumentError, UnsupportedFormatError,
+    ``password`` opens password-protected PDFs. ``keep_all`` keeps what is otherwise left
+    out of an EPUB as not part of the running text (cover, front and back matter, notes,
+    non-linear items); either way ``document.metadata["left_out"]`` lists what was left
+    out. Pipes and character devices (``<(cmd)``, ``/dev/stdin``) are read like standard
+    input, up to the same size limit. Raises an UnlimisumError subclass whose message
+    names the file: InputNotFoundError, EmptyDocumentError, UnsupportedFormatError,
     CorruptFileError, UnsafeFileError, NoTextError, PasswordRequiredError, InputTooLargeError.
     """
+    options = dict(password=password, limits=limits, keep_all=keep_all)
     if str(path) == STDIN:
-        return read_stdin(password=password, limits=limits)
+        return read_stdin(**options)
     source = str(path)
     path = Path(path)
-    info = _stat_regular_file(path, source)
+    info = _stat_input(path, source)
+    if not stat.S_ISREG(info.st_mode):
+        return _read_stream_file(path, source, **options)
     with open(path, "rb") as file:
         head = file.read(limits.sniff_bytes)
         kind = _sniff(head, source)
         if kind in (PDF, ZIP):
             file.seek(0)
-            document = _read_container(kind, file, source, password, limits)
+            document = _read_container(kind, file, source, **options)
             return document if document.title else dataclasses.replace(document, title=path.stem)
         if info.st_size > limits.max_text_bytes:
             raise InputTooLargeError(
@@ -76,11 +87,13 @@ def read_stdin(
     name: str = STDIN,
     password: str | None = None,
     limits: IngestLimits = DEFAULT_LIMITS,
+    keep_all: bool = False,
 ) -> Document:
     """Read standard input (or ``stream``) as a document named ``name``.
 
     Bytes are decoded like text files; PDF or EPUB bytes piped in are recognised too.
-    A text stream (``io.StringIO``) is taken as already decoded.
+    A text stream (``io.StringIO``) is taken as already decoded. At most
+    ``limits.max_text_bytes`` are read; more is an InputTooLargeError.
     """
     stream = stream if stream is not None else sys.stdin
     source = name
@@ -90,30 +103,51 @@ def read_stdin(
         data = data.encode("utf-8")
     if len(data) > limits.max_text_bytes:
         raise InputTooLargeError(f"input exceeds the {limits.max_text_bytes / MiB:,.0f} MiB limit", source=source)
-    return read_bytes(data, source, password=password, limits=limits)
+    return read_bytes(data, source, password=password, limits=limits, keep_all=keep_all)
 
 
 def read_bytes(
-    data: bytes, source: str, *, password: str | None = None, limits: IngestLimits = DEFAULT_LIMITS
+    data: bytes,
+    source: str,
+    *,
+    password: str | None = None,
+    limits: IngestLimits = DEFAULT_LIMITS,
+    keep_all: bool = False,
 ) -> Document:
     """Read a whole input already in memory (text, EPUB or PDF bytes)."""
     kind = _sniff(data[: limits.sniff_bytes], source)
     if kind in (PDF, ZIP):
-        return _read_container(kind, io.BytesIO(data), source, password, limits)
+        return _read_container(kind, io.BytesIO(data), source, password=password, limits=limits, keep_all=keep_all)
     return _text_document(data, source, default_title="")
 
 
-def _read_container(kind: str, file: BinaryIO, source: str, password: str | None, limits: IngestLimits) -> Document:
+def _read_container(
+    kind: str, file: BinaryIO, source: str, *, password: str | None, limits: IngestLimits, keep_all: bool
+) -> Document:
     if kind == PDF:
         from unlimisum.ingest.pdf import read_pdf  # pypdf is imported only when needed
 
         return read_pdf(file, source, password=password)
     from unlimisum.ingest.epub import read_epub
 
-    return read_epub(file, source, limits)
+    return read_epub(file, source, limits, keep_all=keep_all)
 
 
-def _stat_regular_file(path: Path, source: str) -> os.stat_result:
+def _read_stream_file(
+    path: Path, source: str, *, password: str | None, limits: IngestLimits, keep_all: bool
+) -> Document:
+    """A pipe or character device: read it once, like standard input (it cannot seek)."""
+    try:
+        with open(path, "rb") as stream:  # a named pipe blocks here until a writer opens it
+            return read_stdin(stream, name=source, password=password, limits=limits, keep_all=keep_all)
+    except PermissionError:
+        raise InputError("permission denied", source=source) from None
+    except OSError as error:
+        raise InputError(f"cannot read ({error.strerror or error})", source=source) from None
+
+
+def _stat_input(path: Path, source: str) -> os.stat_result:
+    """Stat an input: regular files, pipes and character devices pass; the rest is refused."""
     try:
         info = path.stat()
     except FileNotFoundError:
@@ -122,11 +156,13 @@ def _stat_regular_file(path: Path, source: str) -> os.stat_result:
         raise InputError("permission denied", source=source) from None
     except OSError as error:
         raise InputError(f"cannot open ({error.strerror or error})", source=source) from None
-    if stat.S_ISDIR(info.st_mode):
+    mode = info.st_mode
+    if stat.S_ISDIR(mode):
         suffixes = ", ".join(sorted(SUPPORTED_SUFFIXES))
         raise UnsupportedFormatError(f"directory holds no supported files ({suffixes})", source=source)
-    if not stat.S_ISREG(info.st_mode):
-        raise UnsupportedFormatError("not a regular file (device, pipe or socket)", source=source)
+    if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)):
+        kind = "a socket" if stat.S_ISSOCK(mode) else "a block device" if stat.S_ISBLK(mode) else "a special file"
+        raise UnsupportedFormatError(f"{kind}, not a file or pipe that can be read", source=source)
     if not os.access(path, os.R_OK):
         raise InputError("permission denied", source=source)
     return info
@@ -144,8 +180,8 @@ def _text_document(data: bytes, source: str, default_title: str) -> Document:
         raise EmptyDocumentError("empty file" if not data else "file holds only whitespace", source=source)
     try:
         text, encoding = decode_text(data)
-    except NotTextError:
-        raise UnsupportedFormatError("binary data, not text, EPUB or PDF", source=source) from None
+    except NotTextError as problem:
+        raise UnsupportedFormatError(f"{problem}, not text, EPUB or PDF", source=source) from None
     if not text.strip():
         raise EmptyDocumentError("file holds only whitespace", source=source)
     parsed = parse_text(text)

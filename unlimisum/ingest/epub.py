@@ -11,17 +11,20 @@ from __future__ import annotations
 
 import posixpath
 import re
+from collections import Counter
 from dataclasses import dataclass
 from typing import BinaryIO
 from urllib.parse import unquote
 
 from unlimisum.document import Chapter, Document
 from unlimisum.errors import CorruptFileError, NoTextError, UnsafeFileError, UnsupportedFormatError
+from unlimisum.ingest.chapters import name_untitled
 from unlimisum.ingest.limits import DEFAULT_LIMITS, IngestLimits
 from unlimisum.ingest.markup import (
-    DROPPED_EPUB_TYPES,
+    NAVIGATION_EPUB_TYPES,
     MarkupProblem,
     epub_types,
+    left_out_label,
     local_name,
     parse_xml,
     xhtml_segments,
@@ -32,6 +35,7 @@ from unlimisum.ingest.text import strip_gutenberg_chapters
 EPUB_MIMETYPE = b"application/epub+zip"
 _DOCUMENT_TYPES = frozenset({"application/xhtml+xml", "text/html", "application/xml", "text/xml"})
 _MIN_CHARS_PER_FIXED_PAGE = 100  # a fixed-layout book with less text per page is pictures
+_MAX_NAMES_LISTED = 3  # "notes in a.xhtml, b.xhtml, c.xhtml and 9 more"
 
 
 @dataclass(frozen=True)
@@ -43,21 +47,33 @@ class TocEntry:
     title: str
 
 
-def read_epub(file: str | BinaryIO, source: str, limits: IngestLimits = DEFAULT_LIMITS) -> Document:
-    """Read an EPUB file (path or binary file object) into a Document."""
+def read_epub(
+    file: str | BinaryIO, source: str, limits: IngestLimits = DEFAULT_LIMITS, *, keep_all: bool = False
+) -> Document:
+    """Read an EPUB file (path or binary file object) into a Document.
+
+    Covers, title and copyright pages, other marked front and back matter, notes and
+    non-linear spine items are left out of the chapters unless ``keep_all``; navigation
+    (tables of contents) and non-text spine items always are. ``metadata["left_out"]``
+    lists what was left out, in spine order, e.g. ``"cover (cover.xhtml)"``.
+    """
     try:
         with SafeZip(file, limits) as archive:
-            return _Book(archive, source).document()
+            return _Book(archive, source, keep_all).document()
     except ZipProblem as problem:
         error_class = UnsafeFileError if problem.unsafe else CorruptFileError
         raise error_class(f"EPUB: {problem}", source=source) from None
 
 
 class _Book:
-    def __init__(self, archive: SafeZip, source: str):
+    def __init__(self, archive: SafeZip, source: str, keep_all: bool = False):
         self.archive = archive
         self.source = source
+        self.keep_all = keep_all
         self.warnings: list[str] = []
+        self._left_out: list[tuple[int, str]] = []  # (spine position, description)
+        self._spine_positions: dict[str, int] = {}
+        self._marked_inside: dict[str, list[str]] = {}  # label -> documents it was cut from
 
     # --- structure ---------------------------------------------------------------------
 
@@ -73,7 +89,7 @@ class _Book:
             raise CorruptFileError("EPUB package document has no spine", source=self.source)
         toc = self._toc(manifest, spine)
         documents = self._spine_documents(spine, manifest)
-        chapters = strip_gutenberg_chapters(self._chapters(documents, toc))
+        chapters = name_untitled(strip_gutenberg_chapters(self._chapters(documents, toc)))
         self._check_has_text(chapters, metadata, len(documents))
         missing = sorted(path for path, _, _ in manifest.values() if not self._has(path))
         if missing:
@@ -89,6 +105,7 @@ class _Book:
                 "layout": _rendition_layout(metadata),
                 "spine_documents": len(documents),
                 "toc_entries": len(toc),
+                "left_out": self._left_out_descriptions(),
                 "warnings": self.warnings,
             },
         )
@@ -142,23 +159,57 @@ class _Book:
         return items
 
     def _spine_documents(self, spine, manifest) -> list[str]:
-        """Member paths of the linear, non-navigation spine documents, in order."""
+        """Member paths of the spine documents to read, in order; the others are left out.
+
+        Navigation documents and non-text items are always left out, non-linear items
+        unless ``keep_all``; an entry missing from the manifest is a warning.
+        """
         documents = []
-        for itemref in spine:
-            if local_name(itemref) != "itemref":
-                continue
+        itemrefs = [el for el in spine if local_name(el) == "itemref"]
+        for position, itemref in enumerate(itemrefs):
             item = manifest.get(itemref.get("idref"))
-            if item is None or itemref.get("linear", "yes").lower() == "no":
+            if item is None:
+                self.warnings.append(f"spine entry {itemref.get('idref')!r} is not in the manifest (skipped)")
                 continue
             path, media_type, properties = item
-            if "nav" in properties or media_type not in _DOCUMENT_TYPES:
+            self._spine_positions.setdefault(path, position)
+            reason = self._spine_reason(itemref, media_type, properties)
+            if reason is not None:
+                self._leave_out(reason, path)
                 continue
             if not self._has(path):
+                if itemref.get("linear", "yes").lower() == "no":  # kept only by keep_all
+                    self.warnings.append(f"non-linear spine document {path!r} is missing from the zip (skipped)")
+                    continue
                 raise CorruptFileError(f"EPUB spine document {path!r} is missing from the zip", source=self.source)
             documents.append(path)
-        if not documents and not any(local_name(el) == "itemref" for el in spine):
+        if not documents and not itemrefs:
             raise CorruptFileError("EPUB spine lists no documents", source=self.source)
         return documents
+
+    def _spine_reason(self, itemref, media_type: str, properties: set[str]) -> str | None:
+        """Why a spine item is left out, or None when it is read."""
+        if "nav" in properties:
+            return "table of contents"
+        if media_type not in _DOCUMENT_TYPES:
+            return f"{media_type or 'untyped'} item, not text"
+        if itemref.get("linear", "yes").lower() == "no" and not self.keep_all:
+            return "non-linear item"
+        return None
+
+    def _leave_out(self, what: str, path: str) -> None:
+        self._left_out.append((self._spine_positions.get(path, 0), f"{what} ({posixpath.basename(path)})"))
+
+    def _left_out_descriptions(self) -> list[str]:
+        """Spine items left out, in spine order, then marked parts cut from inside documents
+        ("notes in c1.xhtml, c2.xhtml")."""
+        descriptions = [description for _, description in sorted(self._left_out, key=lambda entry: entry[0])]
+        for label, paths in self._marked_inside.items():
+            names = [posixpath.basename(path) for path in paths]
+            more = len(names) - _MAX_NAMES_LISTED
+            listed = ", ".join(names[:_MAX_NAMES_LISTED]) + (f" and {more} more" if more > 0 else "")
+            descriptions.append(f"{label} in {listed}")
+        return descriptions
 
     # --- table of contents ---------------------------------------------------------------
 
@@ -230,8 +281,7 @@ class _Book:
         chapters: list[Chapter] = []
         for path in documents:  # parsed one at a time: only one tree is in memory
             root = self._spine_document(path)
-            body_types = set().union(*(epub_types(el) for el in root.iter() if local_name(el) in ("html", "body")))
-            if body_types & DROPPED_EPUB_TYPES:  # the whole document is marked front/back matter
+            if self._whole_document_left_out(root, path):
                 continue
             entries = by_path.get(path, [])
             anchor_titles: dict[str, str] = {}
@@ -239,7 +289,7 @@ class _Book:
                 if entry.fragment:
                     anchor_titles.setdefault(entry.fragment, entry.title)
             document_title = next((entry.title for entry in entries if not entry.fragment), None)
-            segments = xhtml_segments(root, frozenset(anchor_titles))
+            segments = self._segments(root, path, frozenset(anchor_titles))
             for segment in segments:
                 if not segment.paragraphs:
                     continue
@@ -253,6 +303,26 @@ class _Book:
                 else:
                     chapters.append(_chapter(_heading(root) or "", segment.paragraphs))
         return chapters
+
+    def _whole_document_left_out(self, root, path: str) -> bool:
+        """True (and noted) when the document is marked navigation, or front/back matter or
+        notes that are not kept."""
+        body_types = set().union(*(epub_types(el) for el in root.iter() if local_name(el) in ("html", "body")))
+        if body_types & NAVIGATION_EPUB_TYPES:
+            self._leave_out("table of contents" if "toc" in body_types else "navigation", path)
+            return True
+        label = None if self.keep_all else left_out_label(body_types)
+        if label is not None:
+            self._leave_out(label, path)
+        return label is not None
+
+    def _segments(self, root, path: str, anchors: frozenset[str]) -> list:
+        """The document's segments; marked parts cut from it are noted under the document."""
+        marked: Counter[str] = Counter()
+        segments = xhtml_segments(root, anchors, keep_marked=self.keep_all, left_out=marked)
+        for label in marked:
+            self._marked_inside.setdefault(label, []).append(path)
+        return segments
 
     def _check_has_text(self, chapters: list[Chapter], metadata, page_count: int) -> None:
         chars = sum(len(chapter.text) for chapter in chapters)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html.entities
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 
 from lxml import etree
@@ -95,12 +96,30 @@ _DROPPED_TAGS = frozenset(
     "head title script style noscript template nav svg math rt rp button select textarea "
     "iframe object embed audio video canvas map".split()
 )
-# Marked navigation, notes and front/back matter are not the book's running text.
-DROPPED_EPUB_TYPES = frozenset(
-    "toc landmarks page-list loi lot noteref annoref pagebreak footnote footnotes endnote endnotes "
-    "rearnote rearnotes annotation frontmatter backmatter cover titlepage halftitlepage "
-    "copyright-page colophon imprint index".split()
-)
+# Navigation and reference markers (contents lists, note and page-break markers): never text.
+NAVIGATION_EPUB_TYPES = frozenset("toc landmarks page-list loi lot noteref annoref pagebreak".split())
+# Marked parts outside the running text: left out (and listed) unless everything is kept.
+# Ordered from specific to general: "frontmatter titlepage" is a title page.
+LEFT_OUT_EPUB_TYPES: dict[str, str] = {
+    "cover": "cover",
+    "titlepage": "title page",
+    "halftitlepage": "half-title page",
+    "copyright-page": "copyright page",
+    "colophon": "colophon",
+    "imprint": "imprint",
+    "index": "index",
+    **dict.fromkeys("footnote footnotes endnote endnotes rearnote rearnotes annotation".split(), "notes"),
+    "frontmatter": "front matter",
+    "backmatter": "back matter",
+}
+DROPPED_EPUB_TYPES = NAVIGATION_EPUB_TYPES | frozenset(LEFT_OUT_EPUB_TYPES)
+
+
+def left_out_label(types: set[str]) -> str | None:
+    """What a part marked with these epub:types is ("title page", "notes"...), if left out."""
+    return next((label for name, label in LEFT_OUT_EPUB_TYPES.items() if name in types), None)
+
+
 _BLOCK_TAGS = frozenset(
     "body section article main aside header footer div p h1 h2 h3 h4 h5 h6 ul ol li dl dt dd "
     "blockquote pre table thead tbody tfoot tr td th caption figure figcaption hr address "
@@ -121,11 +140,15 @@ class Segment:
         return "\n\n".join(self.paragraphs)
 
 
-def xhtml_segments(root, anchors: frozenset[str] = frozenset()) -> list[Segment]:
+def xhtml_segments(
+    root, anchors: frozenset[str] = frozenset(), *, keep_marked: bool = False, left_out: Counter | None = None
+) -> list[Segment]:
     """Clean paragraphs of an XHTML document's body, split where an id in ``anchors`` starts.
 
-    Scripts, styles, navigation, ruby annotations, notes, hidden elements and marked
-    front/back matter are dropped; paragraphs are kept, whitespace inside them collapsed.
+    Scripts, styles, navigation, ruby annotations, note markers and hidden elements are
+    dropped; so are marked notes and front/back matter unless ``keep_marked``, each counted
+    in ``left_out`` under its label (see ``left_out_label``). Paragraphs are kept,
+    whitespace inside them collapsed.
     """
     body = next((el for el in root.iter() if local_name(el) == "body"), root)
     segments = [Segment(anchor=None)]
@@ -149,7 +172,7 @@ def xhtml_segments(root, anchors: frozenset[str] = frozenset()) -> list[Segment]
         if event == "start":
             if not name:  # entity reference or other non-element node: only its tail counts
                 continue
-            if name in _DROPPED_TAGS or element.get("hidden") is not None or epub_types(element) & DROPPED_EPUB_TYPES:
+            if _skipped(element, name, keep_marked, left_out):
                 walker.skip_subtree()  # its "end" event still comes, and adds its tail
                 continue
             element_id = element.get("id")
@@ -172,6 +195,16 @@ def xhtml_segments(root, anchors: frozenset[str] = frozenset()) -> list[Segment]
                 _append(buffer, element.tail)
     flush()
     return segments
+
+
+def _skipped(element, name: str, keep_marked: bool, left_out: Counter | None) -> bool:
+    types = epub_types(element)
+    if name in _DROPPED_TAGS or element.get("hidden") is not None or types & NAVIGATION_EPUB_TYPES:
+        return True
+    label = None if keep_marked else left_out_label(types)
+    if label is not None and left_out is not None:
+        left_out[label] += 1
+    return label is not None
 
 
 def _append(buffer: list[str], text: str | None) -> None:

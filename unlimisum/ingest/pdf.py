@@ -10,6 +10,7 @@ from typing import BinaryIO
 
 from unlimisum.document import Chapter, Document
 from unlimisum.errors import CorruptFileError, NoTextError, PasswordRequiredError, UnsupportedFormatError
+from unlimisum.ingest.chapters import name_untitled
 from unlimisum.ingest.text import split_chapters
 
 _EDGE_LINES = 2  # lines at the top and at the bottom of a page that may be a header/footer
@@ -57,7 +58,7 @@ def read_pdf(file: str | BinaryIO, source: str, password: str | None = None) -> 
             f"PDF has no text layer ({len(pages)} page(s) of images, e.g. a scan): run OCR on it first",
             source=source,
         )
-    chapters = _outline_chapters(reader, page_texts) or _heading_chapters(page_texts)
+    chapters = name_untitled(_outline_chapters(reader, page_texts) or _heading_chapters(page_texts))
     info = _metadata(reader)
     warnings = [f"text of {failed} page(s) could not be extracted"] if failed else []
     return Document(

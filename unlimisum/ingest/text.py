@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 
 from unlimisum.document import Chapter
+from unlimisum.ingest.chapters import name_untitled
 
 _NUMBER_WORD = (
     r"(?:one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|fourteen"
@@ -51,7 +52,10 @@ class ParsedText:
 
 
 def parse_text(text: str) -> ParsedText:
-    """Split decoded, newline-normalised text into chapters and find its title and author."""
+    """Split decoded, newline-normalised text into chapters and find its title and author.
+
+    Text before the first heading is named as ``name_untitled`` does (never "Chapter 1").
+    """
     title = author = None
     body, header = strip_gutenberg(text)
     gutenberg = header is not None
@@ -61,7 +65,7 @@ def parse_text(text: str) -> ParsedText:
     chapters, preamble = split_chapters(body)
     if title is None:
         title, author = _title_from_preamble(preamble, has_chapters=len(chapters) > 1)
-    return ParsedText(tuple(chapters), title, author, gutenberg)
+    return ParsedText(tuple(name_untitled(chapters)), title, author, gutenberg)
 
 
 def strip_gutenberg(text: str) -> tuple[str, str | None]:
