@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from unlimisum.cli import app
 from unlimisum.cli.info import ASSUMED_D_MODEL
-from unlimisum.config import DEFAULT_MODEL
+from unlimisum.config import DEFAULT_MODEL, IndexConfig
 
 
 @pytest.fixture
@@ -49,13 +49,14 @@ def test_json_report_with_a_plan_from_a_local_model_config(info, tiny_model_dir)
 
 
 def test_plan_without_a_local_model_assumes_768(info):
-    result = info("--json", "--tokens", 300_000, "-m", "no-such-org/no-such-model", "--index-device", "cpu")
+    tokens = IndexConfig().exact_max_tokens + 1
+    result = info("--json", "--tokens", tokens, "-m", "no-such-org/no-such-model", "--index-device", "cpu")
     assert result.exit_code == 0, result.output
     plan = json.loads(result.stdout)["plan"]
     assert plan["d_model"] == ASSUMED_D_MODEL and plan["d_model_source"].startswith("assumed")
-    assert plan["device"] == "cpu" and plan["kind"] == "ivf"  # above exact_max_tokens on the CPU
-    plain = info("--tokens", 300_000, "-m", "no-such-org/no-such-model", "--index-device", "cpu")
-    assert "index plan for 300,000 tokens" in plain.stdout and "reason:" in plain.stdout
+    assert plan["device"] == "cpu" and plan["kind"] == IndexConfig().approximate_kind  # above exact_max_tokens on the CPU
+    plain = info("--tokens", tokens, "-m", "no-such-org/no-such-model", "--index-device", "cpu")
+    assert f"index plan for {tokens:,} tokens" in plain.stdout and "reason:" in plain.stdout
 
 
 @pytest.mark.parametrize("args", [["--tokens", "0"], ["--index", "kd-tree"], ["--index-device", "tpu"]])

@@ -11,7 +11,7 @@ from rich.console import Console
 
 from unlimisum.cli.jobs import JSON_EXTENSION, plan_jobs
 from unlimisum import files
-from unlimisum.cli.output import atomic_write_text, render_markdown
+from unlimisum.cli.output import MARKDOWN_MARKER, atomic_write_text, render_markdown
 from unlimisum.cli.progress import ProgressDisplay, format_bytes, format_seconds
 from unlimisum.document import Chapter, Document
 from unlimisum.errors import ConfigError
@@ -36,40 +36,53 @@ def touch(path: Path, text: str = "text") -> Path:
     return path
 
 
-def test_outputs_mirror_subfolders_of_each_directory_argument(tmp_path):
+def test_outputs_keep_the_input_name_and_mirror_subfolders_of_each_directory_argument(tmp_path):
     touch(tmp_path / "shelf" / "a.txt")
     touch(tmp_path / "shelf" / "deep" / "er" / "b.epub")
-    touch(tmp_path / "shelf" / "a.summary.md")  # an earlier output next to its book: not an input
+    touch(tmp_path / "shelf" / "a.txt.summary.md", MARKDOWN_MARKER + "\n\nold")  # an earlier output: not an input
     loose = touch(tmp_path / "loose.pdf")
     out = tmp_path / "out"
-    jobs = plan_jobs([str(tmp_path / "shelf"), str(loose), "-"], out)
-    assert [(job.source, job.output) for job in jobs] == [
-        (str(tmp_path / "shelf" / "a.txt"), out / "a.summary.md"),
-        (str(tmp_path / "shelf" / "deep" / "er" / "b.epub"), out / "deep" / "er" / "b.summary.md"),
-        (str(loose), out / "loose.summary.md"),
+    plan = plan_jobs([str(tmp_path / "shelf"), str(loose), "-"], out)
+    assert [(job.source, job.output) for job in plan.jobs] == [
+        (str(tmp_path / "shelf" / "a.txt"), out / "a.txt.summary.md"),
+        (str(tmp_path / "shelf" / "deep" / "er" / "b.epub"), out / "deep" / "er" / "b.epub.summary.md"),
+        (str(loose), out / "loose.pdf.summary.md"),
         ("-", out / "stdin.summary.md"),
     ]
-    assert all(job.problem is None for job in jobs)
+    assert plan.own_outputs == [tmp_path / "shelf" / "a.txt.summary.md"]
+    assert all(job.problem is None for job in plan.jobs)
 
 
-def test_same_stem_keeps_suffixes_and_duplicates_are_dropped(tmp_path):
-    text, pdf = touch(tmp_path / "book.txt"), touch(tmp_path / "book.pdf")
-    jobs = plan_jobs([str(text), str(pdf), str(tmp_path / "." / "book.txt")], tmp_path / "out", JSON_EXTENSION)
-    assert [job.output.name for job in jobs] == ["book.txt.summary.json", "book.pdf.summary.json"]
+def test_an_output_name_does_not_depend_on_the_other_inputs(tmp_path):
+    text, pdf = touch(tmp_path / "book.txt"), touch(tmp_path / "book.pdf", "%PDF-1.4")
+    alone = plan_jobs([str(text)], tmp_path / "out", JSON_EXTENSION).jobs
+    together = plan_jobs([str(text), str(pdf), str(tmp_path / "." / "book.txt")], tmp_path / "out", JSON_EXTENSION).jobs
+    assert [job.output.name for job in alone] == ["book.txt.summary.json"]
+    assert [job.output.name for job in together] == ["book.txt.summary.json", "book.pdf.summary.json"]
 
 
-def test_two_directories_with_the_same_layout_conflict(tmp_path):
+def test_two_directories_with_the_same_layout_are_a_usage_error_naming_both(tmp_path):
     first, second = touch(tmp_path / "a" / "x.txt"), touch(tmp_path / "b" / "x.txt")
-    jobs = plan_jobs([str(first.parent), str(second.parent)], tmp_path / "out")
-    problems = [job.problem for job in jobs]
-    assert problems[0] is None and "also the output of" in str(problems[1])
+    with pytest.raises(ConfigError) as raised:
+        plan_jobs([str(first.parent), str(second.parent)], tmp_path / "out")
+    assert str(first) in str(raised.value) and str(second) in str(raised.value)
 
 
 def test_an_output_that_is_an_input_is_refused(tmp_path):
     book = touch(tmp_path / "book.txt")
-    os.link(book, tmp_path / "book.summary.md")  # a hard link: same file, other name
-    (job,) = plan_jobs([str(book)], tmp_path)
+    os.link(book, tmp_path / "book.txt.summary.md")  # a hard link: same file, other name
+    (job,) = plan_jobs([str(book)], tmp_path).jobs
     assert "that is an input file" in str(job.problem)
+
+
+def test_unusable_inputs_are_found_by_planning(tmp_path):
+    png = tmp_path / "photo.txt"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(100))
+    touch(tmp_path / "blank.txt", "  \n")
+    sources = [str(tmp_path / "missing.txt"), str(png), str(tmp_path / "blank.txt"), str(touch(tmp_path / "ok.md"))]
+    problems = [job.problem for job in plan_jobs(sources, None).jobs]
+    assert "no such file" in str(problems[0]) and "PNG image" in str(problems[1])
+    assert "only whitespace" in str(problems[2]) and problems[3] is None
 
 
 def test_stdin_twice_is_a_usage_error():
@@ -78,7 +91,7 @@ def test_stdin_twice_is_a_usage_error():
 
 
 def test_without_output_dir_jobs_print(tmp_path):
-    (job,) = plan_jobs([str(touch(tmp_path / "a.txt"))], None)
+    (job,) = plan_jobs([str(touch(tmp_path / "a.txt"))], None).jobs
     assert job.output is None and job.problem is None
 
 
@@ -185,7 +198,7 @@ def test_done_line_and_failures_without_a_terminal():
         display.failure_report([("a/very/long/path/that/does/not/fit/in/sixty/columns/bad.pdf", "corrupt file")], 2)
     lines = console.file.getvalue().splitlines()
     assert lines[0] == (
-        "done book.txt: 1,234 tokens in 5 windows · exact index on cpu (3.0 MiB), k=64 · 40 tokens generated "
+        "done book.txt: 1,234 tokens in 5 windows · exact index on cpu (3.0 MiB), k=64 · 40 summary tokens "
         "(20.0 tokens/s) · peak RSS 1.0 GiB · 12.5 s -> out/book.summary.md"
     )
     assert lines[1] == "unlimisum: error: a/very/long/path/that/does/not/fit/in/sixty/columns/bad.pdf: corrupt file"
@@ -213,3 +226,30 @@ def test_verbose_logs_stages():
     clock.now += 1.5
     display(ProgressEvent("tokenize", 1, 1, "Book", {"tokens": 42}))
     assert console.file.getvalue() == "    1.50s tokenized: 42 tokens\n"
+
+
+def test_per_chapter_progress_names_the_chapter_over_a_bar_of_the_book():
+    console, clock = terminal(), FakeClock()
+    display = ProgressDisplay(console, clock=clock, auto_refresh=False)
+    titles = [f"Part {number}" for number in range(1, 11)]
+    with display:
+        display.begin_document(1, 1, "book.epub")
+        display(ProgressEvent("chapter", 0, 10, titles[0], {"titles": titles[:8]}))
+        for title in titles[:2]:
+            display(ProgressEvent("tokenize", 0, 1, title))
+        display.refresh()
+        reading = console.file.getvalue()
+        display(ProgressEvent("generate", 0, 12, "8 documents"))
+        display.refresh()
+        generating = console.file.getvalue()[len(reading):]
+        display(ProgressEvent("chapter", 8, 10, titles[8], {"titles": titles[8:]}))
+        display(ProgressEvent("tokenize", 0, 1, titles[8]))
+        display.refresh()
+        second = console.file.getvalue()[len(reading) + len(generating):]
+        display.document_done(make_summary(), "book.epub", 1.0)
+        display.refresh()
+        after = console.file.getvalue()[len(reading) + len(generating) + len(second):]
+    assert "chapter 2/10: Part 2" in reading and "0/10" in reading
+    assert "chapters 1-8/10: summarizing" in generating
+    assert "chapter 9/10: Part 9" in second and "8/10" in second
+    assert "chapter" not in after.split("done book.epub")[-1]  # the book's bar goes with its document

@@ -36,6 +36,31 @@ def _default_sigint() -> None:  # a shell may start background jobs with SIGINT 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+@pytest.mark.parametrize("documents", [1, 2])
+@pytest.mark.parametrize("mode", ["markdown", "json"])
+def test_a_reader_that_closes_the_pipe_ends_the_run_quietly_with_one_exit_code(tiny_model_dir, tmp_path, mode, documents):
+    """`unlimisum summarize ... | head -c 10`: whatever the output, the same quiet exit."""
+    names = []
+    for number in range(documents):
+        (tmp_path / f"book{number}.txt").write_text(f"Book {number}. " + SAMPLE_TEXT, encoding="utf-8")
+        names.append(f"book{number}.txt")
+    command = [*console_script(), "summarize", "-m", str(tiny_model_dir("bart")), "--device", "cpu",
+               "--max-new-tokens", "6", "--min-new-tokens", "3", *(["--json"] if mode == "json" else []), *names]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=tmp_path, env=process_env())
+    try:
+        assert len(process.stdout.read(10)) == 10  # like `head -c 10`: read ten bytes, then leave
+        process.stdout.close()
+        stderr = process.stderr.read().decode()
+        process.wait(timeout=180)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == 0, stderr
+    for noise in ("Traceback", "Broken pipe", "BrokenPipeError", "Exception ignored", "error"):
+        assert noise not in stderr, stderr
+
+
 def test_pipe_in_quiet_run_prints_only_summaries(tiny_model_dir, tmp_path):
     (tmp_path / "-rf book.txt").write_text(SAMPLE_TEXT, encoding="utf-8")
     command = [
@@ -91,6 +116,6 @@ def test_ctrl_c_mid_batch_leaves_no_partial_file_and_a_rerun_resumes(tiny_model_
     finally:
         torch.set_num_threads(threads)
     assert resumed.exit_code == 0, resumed.output
-    assert sorted(path.name for path in out.iterdir()) == [f"book{number}.summary.md" for number in range(4)]
+    assert sorted(path.name for path in out.iterdir()) == [f"book{number}.txt.summary.md" for number in range(4)]
     assert first.read_text(encoding="utf-8") == first_text and first.stat().st_mtime_ns == first_mtime
     assert resumed.stderr.count("skipped") == len(written)

@@ -95,7 +95,24 @@ def test_several_documents_in_plain_text_get_a_heading_each(summarize, books, tm
     result = summarize(books["text"], other)
     assert result.exit_code == 0, result.output
     headings = [line for line in result.stdout.splitlines() if line.startswith("# ")]
-    assert headings == [f"# The Keeper's Book — {books['text']}", f"# {other}"]
+    assert headings == [f"# The Keeper's Book — {books['text']}", f"# other.txt — {other}"]
+
+
+def test_json_title_is_the_title_of_the_markdown_heading(summarize, books, tmp_path):
+    other = tmp_path / "other.txt"  # no title of its own: both show the file name
+    other.write_text(SAMPLE_TEXT, encoding="utf-8")
+    records = json_lines(summarize("--json", books["text"], other).stdout)
+    headings = [line for line in summarize(books["text"], other).stdout.splitlines() if line.startswith("# ")]
+    assert [record["title"] for record in records] == ["The Keeper's Book", "other.txt"]
+    assert [heading.removeprefix("# ").split(" — ")[0] for heading in headings] == ["The Keeper's Book", "other.txt"]
+
+
+def test_done_line_counts_summary_tokens_as_the_json_stats_do(summarize, books):
+    result = summarize("--json", books["text"])
+    assert result.exit_code == 0, result.output
+    generated = json_lines(result.stdout)[0]["stats"]["generated_tokens"]
+    (done,) = [line for line in result.stderr.splitlines() if line.startswith("done ")]
+    assert f" {generated:,} summary tokens" in done and "tokens generated" not in done
 
 
 def test_per_chapter_adds_a_summary_per_chapter(summarize, books):
@@ -126,9 +143,8 @@ def test_directory_with_a_bad_file_summarizes_the_rest_and_exits_1(summarize, tm
     out = tmp_path / "out"
     result = summarize(folder, "-o", out)
     assert result.exit_code == 1
-    assert (out / "a.summary.md").is_file() and (out / "sub" / "b.summary.md").is_file()  # subfolders mirrored
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == [
-        "a.summary.md", "sub/b.summary.md"
+        "a.txt.summary.md", "sub/b.md.summary.md"  # subfolders mirrored
     ]
     assert result.stdout == ""  # with -o nothing goes to stdout
     assert "2 of 4 inputs failed" in result.stderr
@@ -139,22 +155,143 @@ def test_output_dir_then_skip_existing_resumes_without_loading_the_model(summari
     out = tmp_path / "out"
     first = summarize("--json", "-o", out, books["text"], books["epub"])
     assert first.exit_code == 0, first.output
-    # story.txt and story.epub share a stem: both keep their suffix in the output name
     names = sorted(p.name for p in out.iterdir())
     assert names == ["small.epub.summary.json", "small.txt.summary.json"]
-    record = json.loads((out / "small.txt.summary.json").read_text())
-    assert record["format"] == "text" and set(record["stats"]) == STATS_KEYS
-    (out / "small.txt.summary.json").write_text("kept", encoding="utf-8")
+    kept = out / "small.txt.summary.json"
+    record = json.loads(kept.read_text())
+    assert record["format"] == "text" and set(record["stats"]) == STATS_KEYS and record["written_by"] == "unlimisum"
+    kept_text, kept_mtime = kept.read_text(), kept.stat().st_mtime_ns
     (out / "small.epub.summary.json").unlink()
     calls = loader.calls
     again = summarize("--json", "-o", out, "--skip-existing", books["text"], books["epub"])
     assert again.exit_code == 0, again.output
-    assert (out / "small.txt.summary.json").read_text() == "kept"
+    assert kept.read_text() == kept_text and kept.stat().st_mtime_ns == kept_mtime
     assert json.loads((out / "small.epub.summary.json").read_text())["format"] == "epub"
     assert "skipped" in again.stderr
     assert loader.calls == calls + 1
     done = summarize("--json", "-o", out, "--skip-existing", books["text"], books["epub"])
     assert done.exit_code == 0 and loader.calls == calls + 1  # nothing to do: no model load at all
+
+
+# -- inputs are checked before the model loads -------------------------------------------------
+
+
+def test_a_missing_input_is_reported_without_loading_the_model(summarize, tmp_path, loader, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    calls = loader.calls
+    result = summarize("missing.txt", model_args=("-m", "no-such-org/no-such-model"))
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines() == ["unlimisum: error: missing.txt: no such file or directory"]
+    assert loader.calls == calls
+
+
+def test_bad_inputs_are_reported_before_the_model_loads_and_the_rest_is_summarized(summarize, tmp_path, loader):
+    good = tmp_path / "good.txt"
+    good.write_text(SAMPLE_TEXT, encoding="utf-8")
+    photo = tmp_path / "photo.txt"
+    photo.write_bytes(b"\xff\xd8\xff\xe0" + bytes(200))  # a JPEG with a text suffix
+    blank = tmp_path / "blank.txt"
+    blank.write_text("  \n", encoding="utf-8")
+    missing = tmp_path / "missing.txt"
+    calls = loader.calls
+    result = summarize("-v", "--json", missing, photo, good, blank)
+    assert result.exit_code == 1
+    assert loader.calls == calls + 1
+    lines = result.stderr.splitlines()
+    loading = next(number for number, line in enumerate(lines) if "loading model" in line)
+    for bad, problem in ((missing, "no such file"), (photo, "JPEG image"), (blank, "only whitespace")):
+        (number,) = [n for n, line in enumerate(lines) if line.startswith(f"unlimisum: error: {bad}:")]
+        assert problem in lines[number] and number < loading
+    records = json_lines(result.stdout)
+    assert [record["path"] for record in records if "summary" in record] == [str(good)]
+    assert sorted(record["path"] for record in records if "error" in record) == sorted(map(str, (missing, photo, blank)))
+    assert "3 of 4 inputs failed" in result.stderr
+
+
+def test_a_tensor_cache_file_given_as_a_book_is_refused_before_the_model_loads(summarize, tmp_path, loader):
+    from safetensors.torch import save_file
+
+    params = tmp_path / "tc.params"
+    save_file({"x": torch.zeros(2)}, str(params))
+    calls = loader.calls
+    result = summarize("--tensor-cache", params)
+    assert result.exit_code == 1 and loader.calls == calls
+    assert "safetensors" in result.stderr and "--tc-params" in result.stderr
+
+
+# -- output names: a function of the input path alone ------------------------------------------
+
+
+def test_output_names_do_not_depend_on_the_rest_of_the_batch(summarize, books, tmp_path):
+    collection, out = tmp_path / "coll", tmp_path / "X"
+    collection.mkdir()
+    (collection / "story.txt").write_text(books["text"].read_text(encoding="utf-8"), encoding="utf-8")
+    first = summarize(collection, "-o", out)
+    assert first.exit_code == 0, first.output
+    written = out / "story.txt.summary.md"
+    text, mtime = written.read_text(encoding="utf-8"), written.stat().st_mtime_ns
+    (collection / "story.pdf").write_bytes(books["pdf"].read_bytes())
+    second = summarize(collection, "-o", out, "--skip-existing")
+    assert second.exit_code == 0, second.output
+    assert sorted(path.name for path in out.iterdir()) == ["story.pdf.summary.md", "story.txt.summary.md"]
+    assert written.read_text(encoding="utf-8") == text and written.stat().st_mtime_ns == mtime  # skipped, not redone
+    assert "skipped" in second.stderr and second.stderr.count("done ") == 1
+
+
+def test_two_inputs_with_the_same_output_are_a_usage_error_before_any_work(summarize, tmp_path, loader):
+    for folder in ("a", "b"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "x.txt").write_text(SAMPLE_TEXT, encoding="utf-8")
+    calls = loader.calls
+    result = summarize(tmp_path / "a", tmp_path / "b", "-o", tmp_path / "out")
+    assert result.exit_code == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith("unlimisum: error: ")
+    assert str(tmp_path / "a" / "x.txt") in line and str(tmp_path / "b" / "x.txt") in line
+    assert loader.calls == calls and not (tmp_path / "out").exists()
+
+
+# -- only unlimisum's own files are skipped or overwritten ---------------------------------------
+
+
+def test_folder_scans_skip_only_summaries_unlimisum_wrote(summarize, tmp_path, loader):
+    shelf = tmp_path / "shelf"
+    shelf.mkdir()
+    (shelf / "k.md").write_text(SAMPLE_TEXT, encoding="utf-8")
+    mine = shelf / "k.summary.md"  # the user's own notes, named like an old unlimisum output
+    mine.write_text("# My notes\n\n" + SAMPLE_TEXT, encoding="utf-8")
+    first = summarize(shelf, "-o", shelf)
+    assert first.exit_code == 0, first.output
+    assert mine.read_text(encoding="utf-8").startswith("# My notes")  # never overwritten
+    assert sorted(path.name for path in shelf.iterdir()) == [
+        "k.md", "k.md.summary.md", "k.summary.md", "k.summary.md.summary.md"  # the user's file was an input too
+    ]
+    assert (shelf / "k.md.summary.md").read_text(encoding="utf-8").startswith("<!-- written by unlimisum -->\n")
+    calls = loader.calls
+    again = summarize(shelf, "-o", shelf, "--skip-existing")
+    assert again.exit_code == 0, again.output
+    assert "not reading 2 summaries that unlimisum wrote" in again.stderr
+    assert again.stderr.count("skipped") == 2 and loader.calls == calls
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_a_file_unlimisum_did_not_write_is_never_overwritten(summarize, tmp_path, loader, as_json):
+    book = tmp_path / "book.txt"
+    book.write_text(SAMPLE_TEXT, encoding="utf-8")
+    out = tmp_path / "out"
+    out.mkdir()
+    theirs = out / ("book.txt.summary.json" if as_json else "book.txt.summary.md")
+    theirs.write_text('{"mine": true}\n' if as_json else "mine\n", encoding="utf-8")
+    calls = loader.calls
+    for extra in ([], ["--skip-existing"]):
+        result = summarize(*(["--json"] if as_json else []), *extra, "-o", out, book)
+        assert result.exit_code == 1
+        assert result.stderr.strip().splitlines() == [
+            f"unlimisum: error: {book}: refusing to overwrite {theirs}: unlimisum did not write it "
+            "(move it, or choose another --output-dir)"
+        ]
+    assert theirs.read_text(encoding="utf-8") == ('{"mine": true}\n' if as_json else "mine\n")
+    assert loader.calls == calls
 
 
 def test_same_seed_same_sampled_summary(summarize, books):
@@ -189,7 +326,7 @@ def test_refuses_to_write_over_an_input(summarize, tmp_path):
     book.write_text(SAMPLE_TEXT, encoding="utf-8")
     out = tmp_path / "out"
     out.mkdir()
-    os.symlink(book, out / "book.summary.md")  # the output path resolves to the input
+    os.symlink(book, out / "book.txt.summary.md")  # the output path resolves to the input
     result = summarize("-o", out, book)
     assert result.exit_code == 1
     assert "that is an input file" in result.stderr
@@ -252,6 +389,9 @@ def test_model_from_environment(summarize, books, tiny_model_dir, monkeypatch):
         ["--top-p", "0", "x.txt"],
         ["--storage-dtype", "int8", "x.txt"],
         ["--tc-window", "4", "x.txt"],
+        ["--top-k", "0", "x.txt"],
+        ["--topk", "3", "--retrieval-k", "4", "x.txt"],
+        ["--tc-params", "missing.safetensors", "x.txt"],
     ],
 )
 def test_usage_errors_exit_2_before_loading_the_model(summarize, args, loader):
@@ -259,9 +399,40 @@ def test_usage_errors_exit_2_before_loading_the_model(summarize, args, loader):
     result = summarize(*args)
     assert result.exit_code == 2, result.output
     assert loader.calls == calls
+    (line,) = result.stderr.strip().splitlines()  # one plain line, whoever found the error
+    assert line.startswith("unlimisum: error: ") and "╭" not in line
 
 
 def test_max_new_tokens_beyond_the_decoders_positions_is_a_usage_error(summarize, books):
     result = summarize("--max-new-tokens", "500", books["text"])  # the tiny BART has 64 positions
     assert result.exit_code == 2
     assert "exceeds the 64 positions" in result.stderr
+
+
+# -- sampling's --top-k and retrieval's --retrieval-k ---------------------------------------------
+
+
+def test_top_k_samples_and_retrieval_k_keeps_its_old_alias(summarize, books):
+    greedy = json_lines(summarize("--json", books["text"]).stdout)[0]["summary"]
+    one = summarize("--json", "--top-k", "1", "--seed", "3", books["text"])
+    assert one.exit_code == 0, one.output
+    assert json_lines(one.stdout)[0]["summary"] == greedy  # sampling from the single most likely token
+    implied, explicit = (
+        json_lines(summarize("--json", *extra, "--top-k", "50", "--seed", "3", books["text"]).stdout)[0]["summary"]
+        for extra in ([], ["--sample"])
+    )
+    assert implied == explicit != greedy  # --top-k turns sampling on, as --sample does
+    old, new = (json_lines(summarize("--json", option, "8", books["text"]).stdout)[0] for option in ("--topk", "--retrieval-k"))
+    assert old["stats"]["retrieval_k"] == new["stats"]["retrieval_k"] == 8 and old["summary"] == new["summary"]
+
+
+def test_keep_all_reaches_the_epub_reader_and_v_lists_what_was_left_out(summarize, tmp_path):
+    from tests.test_ingest_epub import matter_book
+
+    book = matter_book(tmp_path)
+    plain = summarize("--json", "-v", book)
+    assert plain.exit_code == 0, plain.output
+    assert "left out of" in plain.stderr and "copyright page (front.xhtml)" in plain.stderr
+    kept = summarize("--json", "--keep-all", book)
+    assert kept.exit_code == 0, kept.output
+    assert json_lines(kept.stdout)[0]["stats"]["input_tokens"] > json_lines(plain.stdout)[0]["stats"]["input_tokens"]

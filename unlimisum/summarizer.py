@@ -28,7 +28,13 @@ CHAPTERS_PER_BATCH = 8
 
 @dataclass(frozen=True)
 class ProgressEvent:
-    """One progress report: ``stage`` is tokenize, encode, index or generate."""
+    """One progress report: ``stage`` is tokenize, encode, index, generate or chapter.
+
+    ``chapter`` (``summarize(per_chapter=True)``, after the whole-document summary): before each
+    batch of chapters, ``completed`` chapters of ``total`` are summarized and ``document`` is the
+    title of the next one (``info["titles"]``: the titles of the batch, in the order their
+    tokenize/encode/index events come); after the last batch, ``completed == total``.
+    """
 
     stage: str
     completed: int
@@ -160,9 +166,13 @@ class Summarizer:
         ]
         if len(chapters) < 2:  # one chapter: its summary is the whole summary
             return whole
-        parts = []
-        for start in range(0, len(chapters), CHAPTERS_PER_BATCH):
-            parts.extend(self.summarize_many(chapters[start : start + CHAPTERS_PER_BATCH]))
+        parts, total = [], len(chapters)
+        for start in range(0, total, CHAPTERS_PER_BATCH):
+            batch = chapters[start : start + CHAPTERS_PER_BATCH]
+            titles = [chapter.title for chapter in batch]
+            self.progress(ProgressEvent("chapter", start, total, titles[0], {"titles": titles}))
+            parts.extend(self.summarize_many(batch))
+        self.progress(ProgressEvent("chapter", total, total, chapters[-1].title, {"titles": []}))
         return Summary(whole.text, whole.title, whole.source, whole.stats, tuple(parts), whole.token_ids)
 
     def summarize_many(self, items: Sequence[str | Document]) -> list[Summary]:

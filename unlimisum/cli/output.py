@@ -4,8 +4,10 @@ JSON schema (one object per document; JSON Lines on stdout, one file per input w
 
     {
       "schema_version": 2,
+      "written_by": "unlimisum",          # only in .summary.json files: marks them as unlimisum's own
       "path": "books/moby.epub",          # the input as given ("-" for standard input)
-      "title": "Moby-Dick",               # the document's title ("" when it has none)
+      "title": "Moby-Dick",               # the title the Markdown heading shows: the document's own,
+                                          # else the file name ("" for standard input without one)
       "format": "epub",                   # "text" | "epub" | "pdf"
       "summary": "...",                   # the whole-document summary
       "chapters": [                       # empty unless --per-chapter
@@ -14,7 +16,9 @@ JSON schema (one object per document; JSON Lines on stdout, one file per input w
       "stats": {
         "model": "...", "input_tokens": 0, "windows": 0, "window": 0,
         "index_kind": "exact", "index_device": "cpu", "retrieval_k": 0,
-        "datastore_bytes": 0, "generated_tokens": 0,
+        "datastore_bytes": 0,
+        "generated_tokens": 0,            # summary tokens: generated tokens other than special tokens
+                                          # (the "N summary tokens" of the done line)
         "timings": {"read": 0.0, "tokenize": 0.0, "encode": 0.0, "index": 0.0,
                     "generate": 0.0, "search": 0.0},       # seconds per stage
         "peak_rss_bytes": 0, "peak_gpu_bytes": null,      # null unless on CUDA
@@ -24,6 +28,10 @@ JSON schema (one object per document; JSON Lines on stdout, one file per input w
 
 A document that failed is, on stdout only, ``{"schema_version": 2, "path": ..., "error": ...,
 "error_type": ...}`` so that a JSON Lines consumer sees every input once.
+
+Files written with -o are marked as unlimisum's own — Markdown with ``MARKDOWN_MARKER`` as its
+first line, JSON with ``"written_by": "unlimisum"`` — so that folder scans skip them and nothing
+else is ever overwritten (``is_unlimisum_output``).
 """
 
 from __future__ import annotations
@@ -38,6 +46,10 @@ from unlimisum.files import atomic_write_bytes
 if TYPE_CHECKING:  # the summarizer imports torch; keep `unlimisum --help` and completion fast
     from unlimisum.document import Document
     from unlimisum.summarizer import Summary
+
+MARKDOWN_MARKER = "<!-- written by unlimisum -->"
+WRITTEN_BY = "unlimisum"  # the value of "written_by" in .summary.json files
+_MARKER_PROBE_BYTES = 256  # how much of a file is read to recognise an unlimisum summary
 
 JSON_SCHEMA_VERSION = 2  # 2: stats.top_k became retrieval_k. Bump when a field changes meaning or disappears (adding fields keeps it)
 
@@ -56,7 +68,7 @@ def summary_record(summary: Summary, document: Document, read_seconds: float | N
     return {
         "schema_version": JSON_SCHEMA_VERSION,
         "path": document.source,
-        "title": document.title,
+        "title": document_title(document),
         "format": document.format,
         "summary": summary.text,
         "chapters": [
@@ -77,26 +89,59 @@ def to_json_line(record: dict) -> str:
 
 
 def to_json_file(record: dict) -> str:
-    """Indented JSON for a ``.summary.json`` file, ending with a newline."""
-    return json.dumps(record, ensure_ascii=False, indent=2) + "\n"
+    """Indented JSON for a ``.summary.json`` file, marked as unlimisum's, ending with a newline."""
+    marked = {"schema_version": record.get("schema_version"), "written_by": WRITTEN_BY, **record}
+    return json.dumps(marked, ensure_ascii=False, indent=2) + "\n"
+
+
+def document_title(document: Document) -> str:
+    """The title shown for a document, in JSON and in the Markdown heading alike.
+
+    The document's own title; when it has none (readers fall back to the file's stem), the
+    file name; "" for standard input without a title.
+    """
+    if document.source == "-":
+        return document.title
+    path = Path(document.source)
+    if not document.title or document.title == path.stem:
+        return path.name
+    return document.title
 
 
 def document_heading(document: Document) -> str:
-    """``The Title — path/to/file``, or just the path when the title is missing or only the file name."""
+    """``Title — path/to/file``, or just the path when the title is the path itself (or there is none)."""
     source = "standard input" if document.source == "-" else document.source
-    if not document.title or document.title == Path(document.source).stem:
+    title = document_title(document)
+    if not title or title == source:
         return source
-    return f"{document.title} — {source}"
+    return f"{title} — {source}"
 
 
-def render_markdown(summary: Summary, document: Document, *, heading: bool) -> str:
-    """The summary as Markdown: ``# heading`` (when asked), the text, then ``## chapter`` sections."""
-    parts = [f"# {document_heading(document)}"] if heading else []
+def render_markdown(summary: Summary, document: Document, *, heading: bool, marker: bool = False) -> str:
+    """The summary as Markdown: the marker line (for files), ``# heading`` (when asked), the text,
+    then ``## chapter`` sections."""
+    parts = [MARKDOWN_MARKER] if marker else []
+    if heading:
+        parts.append(f"# {document_heading(document)}")
     parts.append(summary.text)
     for number, chapter in enumerate(summary.chapters, start=1):
         title = chapter.title or f"Chapter {number}"
         parts.append(f"## {title}\n\n{chapter.text}")
     return "\n\n".join(parts) + "\n"
+
+
+def is_unlimisum_output(path: Path) -> bool:
+    """True when ``path`` is a summary file unlimisum wrote (its marker is there); False otherwise or unreadable."""
+    try:
+        if path.suffix.lower() == ".json":
+            with open(path, "rb") as file:
+                record = json.loads(file.read(64 * 2**20))
+            return isinstance(record, dict) and record.get("written_by") == WRITTEN_BY
+        with open(path, "rb") as file:
+            head = file.read(_MARKER_PROBE_BYTES)
+    except (OSError, ValueError):
+        return False
+    return head.startswith(MARKDOWN_MARKER.encode())
 
 
 def atomic_write_text(path: Path, text: str) -> None:

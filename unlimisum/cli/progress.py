@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # the summarizer imports torch; keep `unlimisum --help` and c
     from unlimisum.summarizer import ProgressEvent, Summary
 
 MEMORY_SAMPLE_SECONDS = 0.25  # how often the live display reads RSS/GPU memory (psutil is cheap, not free)
+CHAPTER_TITLE_CELLS = 40  # chapter titles are cut to this many characters in the live display
 
 
 def make_stderr_console() -> Console:
@@ -146,6 +147,9 @@ class ProgressDisplay:
             redirect_stdout=False,  # stdout carries the summaries; never route it through the display
             disable=not self.live,
         )
+        # --per-chapter: which chapter, and a bar over the book's chapters (above the stage, shown when needed)
+        self._book_task = self._progress.add_task("", total=None, rate="", counted=True, visible=False)
+        self._book = _ChapterProgress()
         self._task = self._progress.add_task("starting", total=None, rate="", counted=False)
 
     # -- context ---------------------------------------------------------------------------
@@ -189,6 +193,7 @@ class ProgressDisplay:
 
     def begin_document(self, number: int, total: int, source: str) -> None:
         """A new input: show its name and the reading stage."""
+        self._end_chapters()
         self._document = "standard input" if source == "-" else source
         self._document_number = f"{number}/{total}" if total > 1 else ""
         self._datastore_bytes = None
@@ -207,6 +212,8 @@ class ProgressDisplay:
     def _on_tokenize(self, event: ProgressEvent) -> None:
         if event.completed == 0:
             self._stage("tokenizing")
+            if self._book.active:
+                self._show_chapter(self._book.next_chapter(event.document))
         else:
             self.log(f"tokenized: {event.info.get('tokens', 0):,} tokens")
 
@@ -229,7 +236,20 @@ class ProgressDisplay:
             self._datastore_bytes = event.info.get("bytes")
             self.log(f"index built: {format_bytes(self._datastore_bytes)}")
 
+    def _on_chapter(self, event: ProgressEvent) -> None:
+        """Per-chapter summaries: a batch of chapters starts (``completed`` done so far), or all are done."""
+        if not self._book.active:  # the book's bar appears, its clock starting now
+            self._progress.reset(self._book_task, total=event.total, completed=event.completed, visible=True)
+        self._book.start_batch(event.completed, event.total, event.info.get("titles") or [event.document])
+        self._progress.update(self._book_task, total=event.total, completed=event.completed)
+        if event.completed >= (event.total or 0):
+            self._progress.update(self._book_task, description=f"{event.total} chapters summarized")
+            self.log(f"{event.total} chapter summaries done")
+
     def _on_generate(self, event: ProgressEvent) -> None:
+        if event.completed == 0 and self._book.active:
+            self._progress.update(self._book_task, description=self._book.generating())
+            self._progress.refresh()
         if event.completed == 0:
             self._stage("generating tokens", total=event.total, units="tokens/s")
             limit = f"up to {event.total:,} tokens" if event.total else "tokens"
@@ -241,6 +261,7 @@ class ProgressDisplay:
 
     def document_done(self, summary: Summary, source: str, seconds: float, output=None) -> None:
         """The one-line summary of a finished document (not in quiet mode)."""
+        self._end_chapters()
         if not self.show:
             return
         stats = summary.stats
@@ -249,7 +270,7 @@ class ProgressDisplay:
         parts = [
             f"{stats.input_tokens:,} tokens in {stats.windows:,} window{'s' if stats.windows != 1 else ''}",
             f"{stats.index_kind} index on {stats.index_device} ({format_bytes(stats.datastore_bytes)}), k={stats.retrieval_k}",
-            f"{stats.generated_tokens:,} tokens generated{rate}",
+            f"{stats.generated_tokens:,} summary tokens{rate}",
         ]
         if stats.tensor_cache_bytes is not None:
             parts.append(f"decoder memory {format_bytes(stats.tensor_cache_bytes)}")
@@ -265,14 +286,31 @@ class ProgressDisplay:
         self.console.print(line, soft_wrap=True)
 
     def document_skipped(self, source: str, output) -> None:
-        """An input whose output exists (--skip-existing)."""
+        """An input whose output exists and was written by unlimisum (--skip-existing)."""
         if self.show:
             self.console.print(
-                f"[yellow]skipped[/] {escape(_display_name(source))}: {escape(str(output))} exists", soft_wrap=True
+                f"[yellow]skipped[/] {escape(_display_name(source))}: its summary {escape(str(output))} exists",
+                soft_wrap=True,
             )
+
+    def own_outputs_skipped(self, paths: list) -> None:
+        """Summaries unlimisum wrote, found in folders and not read as inputs: one line."""
+        if self.show and paths:
+            count = len(paths)
+            example = f" (e.g. {paths[0]})" if count > 1 else f": {paths[0]}"
+            noun = "summary" if count == 1 else "summaries"
+            self.console.print(
+                escape(f"unlimisum: not reading {count} {noun} that unlimisum wrote{example}"), soft_wrap=True
+            )
+
+    def reading_stdin_hint(self) -> None:
+        """Standard input is a terminal: say how to end it, or the run looks frozen."""
+        if self.show:
+            self.console.print("unlimisum: reading standard input; end with Ctrl-D", soft_wrap=True)
 
     def document_failed(self, source: str, problem: str) -> None:
         """An input that failed: always printed, even in quiet mode."""
+        self._end_chapters()
         self.console.print(f"[red]unlimisum: error:[/] {escape(_display_name(source))}: {escape(problem)}", soft_wrap=True)
 
     def failure_report(self, failures: list[tuple[str, str]], total: int) -> None:
@@ -302,6 +340,18 @@ class ProgressDisplay:
             self.console.print(escape(message), soft_wrap=True)
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _show_chapter(self, description: str) -> None:
+        """Name the chapter being read; redrawn at once, since a chapter may take less than a refresh."""
+        self._progress.update(self._book_task, description=description)
+        self.log(description)
+        self._progress.refresh()
+
+    def _end_chapters(self) -> None:
+        """Hide the book's chapter bar (the document is done, failed, or the next one begins)."""
+        if self._book.active:
+            self._progress.reset(self._book_task, total=None, completed=0, description="", visible=False)
+        self._book = _ChapterProgress()
 
     def _stage(self, description: str, *, total: int | None = None, units: str = "") -> None:
         self._stage_started = self.clock()
@@ -337,6 +387,44 @@ class ProgressDisplay:
         if self._datastore_bytes is not None:
             parts.append(f"datastore {format_bytes(self._datastore_bytes)}")
         return Text("  " + " · ".join(parts), style="dim")
+
+
+class _ChapterProgress:
+    """Where a --per-chapter run is: the chapters of the current batch and the next one to be read."""
+
+    def __init__(self):
+        self.active = False  # a "chapter" event came for the current document
+        self.total = 0
+        self.batch_start = 0
+        self.titles: list[str] = []
+        self.next = 0  # index (in the book) of the next chapter to be read
+
+    def start_batch(self, completed: int, total: int | None, titles: list[str]) -> None:
+        self.active = True
+        self.total = total or 0
+        self.batch_start = self.next = completed
+        self.titles = list(titles)
+
+    def next_chapter(self, fallback: str) -> str:
+        """``chapter 12/31: Title`` for the chapter whose reading begins, and move on."""
+        offset = self.next - self.batch_start
+        title = self.titles[offset] if offset < len(self.titles) else fallback
+        self.next += 1
+        return _chapter_label(self.next, self.total, title)
+
+    def generating(self) -> str:
+        """``chapters 9-16/31: summarizing`` while a batch of chapters is generated together."""
+        last = self.batch_start + max(1, len(self.titles))
+        if last - self.batch_start == 1:
+            return _chapter_label(last, self.total, self.titles[0] if self.titles else "")
+        return f"chapters {self.batch_start + 1}-{last}/{self.total}: summarizing"
+
+
+def _chapter_label(number: int, total: int, title: str) -> str:
+    title = " ".join(title.split())
+    if len(title) > CHAPTER_TITLE_CELLS:
+        title = title[: CHAPTER_TITLE_CELLS - 1] + "\u2026"
+    return f"chapter {number}/{total}: {title}" if title else f"chapter {number}/{total}"
 
 
 def _display_name(source: str) -> str:

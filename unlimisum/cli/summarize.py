@@ -1,13 +1,14 @@
 """`unlimisum summarize PATH... | -`: summarize files, folders or standard input.
 
-Thin on purpose: parse the options into the library's configs, load the model once, then
-for each input read -> summarize -> write, reporting progress on stderr. A bad input is
-reported and skipped; Ctrl-C stops at once and leaves no partial output file.
+Thin on purpose: parse the options into the library's configs, check every input (and read
+standard input) before the model loads, load the model once, then for each input read ->
+summarize -> write, reporting progress on stderr. A bad input is reported (before the model
+loads when it can be told from the file) and skipped; Ctrl-C stops at once and leaves no
+partial output file; a reader that closes stdout (`| head`) ends the run quietly.
 """
 
 from __future__ import annotations
 
-import io
 import os
 import re
 import sys
@@ -20,11 +21,12 @@ from typing import Callable, List, Literal, Optional
 
 import typer
 
-from unlimisum.cli.app import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, app, fail
-from unlimisum.cli.jobs import JSON_EXTENSION, MARKDOWN_EXTENSION, Job, plan_jobs
+from unlimisum.cli.app import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, app, fail, silence_stdout
+from unlimisum.cli.jobs import JSON_EXTENSION, MARKDOWN_EXTENSION, Job, OutputConflictError, plan_jobs
 from unlimisum.cli.output import (
     atomic_write_text,
     error_record,
+    is_unlimisum_output,
     render_markdown,
     summary_record,
     to_json_file,
@@ -59,6 +61,7 @@ class SummarizeSettings:
     output_dir: Path | None = None
     skip_existing: bool = False
     password: str | None = None
+    keep_all: bool = False  # EPUB: keep front/back matter and notes (read_document's keep_all)
     tensor_cache: object | None = None  # unlimisum.tensor_cache.TensorCacheSettings, or None for the ordinary cache
 
 
@@ -70,6 +73,7 @@ class BatchResult:
     done: int = 0
     skipped: int = 0
     failures: list[tuple[str, str]] = field(default_factory=list)
+    pipe_closed: bool = False  # the reader of stdout left; the run stopped there
 
 
 def _check_overlap(value: float) -> float:
@@ -93,15 +97,16 @@ def summarize(
     ),
     # -- model
     model: str = typer.Option(
-        DEFAULT_MODEL, "-m", "--model", envvar="UNLIMISUM_MODEL", show_envvar=True,
+        DEFAULT_MODEL, "-m", "--model", envvar="UNLIMISUM_MODEL", show_envvar=True, metavar="NAME_OR_DIR",
         help="Hub name or local folder of an encoder-decoder summarization model.", rich_help_panel=MODEL_PANEL,
     ),
     tokenizer: Optional[str] = typer.Option(
-        None, "--tokenizer", help="Tokenizer hub name or folder (default: the model's own).", rich_help_panel=MODEL_PANEL
+        None, "--tokenizer", metavar="NAME_OR_DIR", help="Tokenizer hub name or folder (default: the model's own).",
+        rich_help_panel=MODEL_PANEL,
     ),
     device: str = typer.Option(
-        "auto", "--device", callback=_check_device, help="auto, cpu, cuda, cuda:N or mps (auto: CUDA when available).",
-        rich_help_panel=MODEL_PANEL,
+        "auto", "--device", callback=_check_device, metavar="DEVICE",
+        help="auto, cpu, cuda, cuda:N or mps (auto: CUDA when available).", rich_help_panel=MODEL_PANEL,
     ),
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = typer.Option(
         "auto", "--dtype", help="Model weights dtype (auto: float32 on CPU, bfloat16/float16 on GPU).",
@@ -113,7 +118,11 @@ def summarize(
     ),
     # -- reading, index and retrieval
     password: Optional[str] = typer.Option(
-        None, "--password", help="Password for encrypted PDFs.", rich_help_panel=INDEX_PANEL
+        None, "--password", metavar="TEXT", help="Password for encrypted PDFs.", rich_help_panel=INDEX_PANEL
+    ),
+    keep_all: bool = typer.Option(
+        False, "--keep-all", help="EPUB: keep the front and back matter, notes and covers a book marks as such.",
+        rich_help_panel=INDEX_PANEL,
     ),
     index: Literal["auto", "exact", "ivf", "hnsw"] = typer.Option(
         "auto", "--index", help="Nearest-neighbour index (auto: exact for short inputs, approximate for long ones on CPU).",
@@ -129,13 +138,17 @@ def summarize(
         rich_help_panel=INDEX_PANEL,
     ),
     retrieval_k: Optional[int] = typer.Option(
-        None, "--retrieval-k", "--topk", min=1, metavar="K",
-        help="Input tokens each cross-attention head retrieves per step (default: the model's window).",
+        None, "--retrieval-k", min=1, metavar="K",
+        help="Input tokens each cross-attention head retrieves per step (default: the model's window); "
+        "not sampling's --top-k.",
         rich_help_panel=INDEX_PANEL,
+    ),
+    retrieval_k_alias: Optional[int] = typer.Option(
+        None, "--topk", min=1, metavar="K", hidden=True, help="Old name of --retrieval-k.", rich_help_panel=INDEX_PANEL,
     ),
     overlap: float = typer.Option(
         EncodingConfig().overlap, "--overlap", callback=_check_overlap, metavar="F",
-        help="Fraction of each encoder window shared with its neighbours.", rich_help_panel=INDEX_PANEL,
+        help="Fraction of each encoder window shared with its neighbours (0 <= F < 1).", rich_help_panel=INDEX_PANEL,
     ),
     encode_batch: Optional[int] = typer.Option(
         None, "--encode-batch", min=1, metavar="N", help="Windows per encoder pass (default: chosen by device).",
@@ -143,51 +156,65 @@ def summarize(
     ),
     # -- generation
     max_new_tokens: int = typer.Option(
-        _DEFAULT_GENERATION.max_new_tokens, "--max-new-tokens", min=1, help="Longest summary, in tokens.",
+        _DEFAULT_GENERATION.max_new_tokens, "--max-new-tokens", min=1, metavar="N", help="Longest summary, in tokens.",
         rich_help_panel=GENERATION_PANEL,
     ),
     min_new_tokens: Optional[int] = typer.Option(
-        None, "--min-new-tokens", min=0, help="Shortest summary, in tokens.", rich_help_panel=GENERATION_PANEL
+        None, "--min-new-tokens", min=0, metavar="N", help="Shortest summary, in tokens.",
+        rich_help_panel=GENERATION_PANEL,
     ),
     num_beams: Optional[int] = typer.Option(
-        None, "--num-beams", min=1, help="Beam search width (default: the model's).", rich_help_panel=GENERATION_PANEL
+        None, "--num-beams", min=1, metavar="N", help="Beam search width (default: the model's).",
+        rich_help_panel=GENERATION_PANEL,
     ),
     no_repeat_ngram_size: Optional[int] = typer.Option(
-        None, "--no-repeat-ngram-size", min=0, help="Never repeat an n-gram of this size.",
+        None, "--no-repeat-ngram-size", min=0, metavar="N", help="Never repeat an n-gram of this size.",
         rich_help_panel=GENERATION_PANEL,
     ),
     length_penalty: Optional[float] = typer.Option(
-        None, "--length-penalty", help="Beam search: >1 favours longer summaries, <1 shorter.",
+        None, "--length-penalty", metavar="F", help="Beam search: >1 favours longer summaries, <1 shorter.",
         rich_help_panel=GENERATION_PANEL,
     ),
     repetition_penalty: Optional[float] = typer.Option(
-        None, "--repetition-penalty", help="Penalty for tokens already generated (1 = none).",
+        None, "--repetition-penalty", metavar="F", help="Penalty for tokens already generated (1 = none).",
         rich_help_panel=GENERATION_PANEL,
     ),
     sample: bool = typer.Option(
         False, "--sample", help="Sample instead of greedy/beam search.", rich_help_panel=GENERATION_PANEL
     ),
     temperature: Optional[float] = typer.Option(
-        None, "--temperature", help="Sampling temperature (turns on --sample).",
+        None, "--temperature", metavar="F", help="Sampling temperature (turns on --sample).",
+        rich_help_panel=GENERATION_PANEL,
+    ),
+    top_k: Optional[int] = typer.Option(
+        None, "--top-k", min=1, metavar="K",
+        help="Sampling: draw each token from the K most likely ones (turns on --sample); not the retrieval k.",
         rich_help_panel=GENERATION_PANEL,
     ),
     top_p: Optional[float] = typer.Option(
-        None, "--top-p", max=1.0, help="Nucleus sampling probability mass (turns on --sample).",
+        None, "--top-p", max=1.0, metavar="P", help="Nucleus sampling probability mass (turns on --sample).",
         rich_help_panel=GENERATION_PANEL,
     ),
     seed: Optional[int] = typer.Option(
-        None, "--seed", help="Random seed: the same seed gives the same summary.", rich_help_panel=GENERATION_PANEL
+        None, "--seed", metavar="N", help="Random seed: the same seed gives the same summary.",
+        rich_help_panel=GENERATION_PANEL,
     ),
     # -- tensor cache
-    tensor_cache: Optional[str] = typer.Option(
-        None, "--tensor-cache", metavar="[FILE]",
-        help="Bound the decoder's self-attention memory: the last --tc-window tokens exactly, older ones in a "
-        "fitted memory (FILE: a .safetensors from `unlimisum tc fit`; without FILE: a plain sliding window).",
+    tensor_cache: bool = typer.Option(
+        False, "--tensor-cache",
+        help="Bound the decoder's self-attention memory: the last --tc-window tokens exactly, older ones in the "
+        "fitted memory of --tc-params (without it: a plain sliding window).",
+        rich_help_panel=TENSOR_CACHE_PANEL,
+    ),
+    tc_params: Optional[Path] = typer.Option(
+        None, "--tc-params", metavar="FILE",
+        help="Fitted Tensor Cache parameters, a file written by `unlimisum tc fit` (implies --tensor-cache).",
         rich_help_panel=TENSOR_CACHE_PANEL,
     ),
     tc_window: Optional[int] = typer.Option(
         None, "--tc-window", min=1, metavar="W",
-        help="Tokens the decoder attends to exactly with --tensor-cache (default: the FILE's, else 256).",
+        help="Tokens the decoder attends to exactly with --tensor-cache (default: the one --tc-params was fitted "
+        "with, else 256).",
         rich_help_panel=TENSOR_CACHE_PANEL,
     ),
     # -- output
@@ -201,11 +228,13 @@ def summarize(
     ),
     output_dir: Optional[Path] = typer.Option(
         None, "-o", "--output-dir", metavar="DIR", file_okay=False,
-        help="Write <name>.summary.md (or .summary.json) per input here, mirroring subfolders, instead of stdout.",
+        help="Write <input name>.summary.md (or .summary.json) per input here, e.g. story.txt.summary.md, "
+        "mirroring subfolders, instead of printing on stdout.",
         rich_help_panel=OUTPUT_PANEL,
     ),
     skip_existing: bool = typer.Option(
-        False, "--skip-existing", help="With -o: skip inputs whose summary file exists (resume a batch).",
+        False, "--skip-existing",
+        help="With -o: skip inputs whose summary file unlimisum already wrote (resume a batch).",
         rich_help_panel=OUTPUT_PANEL,
     ),
     # -- display
@@ -214,7 +243,8 @@ def summarize(
         rich_help_panel=DISPLAY_PANEL,
     ),
     verbose: int = typer.Option(
-        0, "-v", "--verbose", count=True, help="Log each stage on stderr (-vv: tracebacks of unexpected errors).",
+        0, "-v", "--verbose", count=True,
+        help="Log each stage on stderr; -vv also prints tracebacks of unexpected errors.",
         rich_help_panel=DISPLAY_PANEL,
     ),
 ) -> None:
@@ -229,42 +259,46 @@ def summarize(
                           ("--top-p", top_p)):
         if value is not None and value <= 0:
             raise fail(f"{option} must be greater than 0, got {value}", EXIT_USAGE)
-    if tc_window is not None and tensor_cache is None:
-        raise fail("--tc-window needs --tensor-cache", EXIT_USAGE)
+    if retrieval_k is not None and retrieval_k_alias is not None and retrieval_k != retrieval_k_alias:
+        raise fail(f"--retrieval-k {retrieval_k} and --topk {retrieval_k_alias} disagree (--topk is its old name)",
+                   EXIT_USAGE)
+    if tc_window is not None and not (tensor_cache or tc_params is not None):
+        raise fail("--tc-window needs --tensor-cache or --tc-params", EXIT_USAGE)
     try:
-        memory = tensor_cache_settings(tensor_cache, tc_window)
+        memory = tensor_cache_settings(tensor_cache or tc_params is not None, tc_params, tc_window)
     except ConfigError as error:
         raise fail(error, EXIT_USAGE)
-    do_sample = sample or temperature is not None or top_p is not None
+    do_sample = sample or temperature is not None or top_p is not None or top_k is not None
     settings = SummarizeSettings(
         model=ModelConfig(name=model, tokenizer=tokenizer, device=device, dtype=dtype, trust_remote_code=trust_remote_code),
         encoding=EncodingConfig(overlap=overlap, batch_size=encode_batch),
         index=IndexConfig(kind=index, device=index_device, storage_dtype=storage_dtype),
-        retrieval=RetrievalConfig(retrieval_k=retrieval_k),
+        retrieval=RetrievalConfig(retrieval_k=retrieval_k if retrieval_k is not None else retrieval_k_alias),
         generation=GenerationOptions(
             max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, num_beams=num_beams,
             no_repeat_ngram_size=no_repeat_ngram_size, length_penalty=length_penalty,
             repetition_penalty=repetition_penalty, do_sample=True if do_sample else None, temperature=temperature,
-            top_p=top_p, seed=seed,
+            top_k=top_k, top_p=top_p, seed=seed,
         ),
         per_chapter=per_chapter, as_json=as_json, output_dir=output_dir, skip_existing=skip_existing,
-        password=password, tensor_cache=memory,
+        password=password, keep_all=keep_all, tensor_cache=memory,
     )
     display = ProgressDisplay(make_stderr_console(), show=not quiet, verbose=verbose)
     try:
         check_index_settings(settings.index)
-        jobs = plan_jobs(paths, output_dir, JSON_EXTENSION if as_json else MARKDOWN_EXTENSION)
+        plan = plan_jobs(paths, output_dir, JSON_EXTENSION if as_json else MARKDOWN_EXTENSION,
+                         skip_existing=skip_existing)
     except ConfigError as error:
         raise fail(error, EXIT_USAGE)
+    display.own_outputs_skipped(plan.own_outputs)
     runner = BatchRunner(settings, display)
+    jobs = plan.jobs
     try:
+        runner.read_stdin_ahead(jobs)  # before the live display: the terminal may be where it is typed
         with display, warnings.catch_warnings():
             if quiet:  # library warnings would break the promise of an empty stderr
                 warnings.simplefilter("ignore")
             result = runner.run(jobs)
-    except BrokenPipeError:  # `unlimisum summarize ... | head`: the reader left; stop quietly
-        _silence_stdout()
-        raise typer.Exit(EXIT_FAILURE)
     except KeyboardInterrupt:
         resume = "; rerun with --skip-existing to resume" if output_dir is not None else ""
         typer.echo(f"unlimisum: interrupted after {runner.result.done} of {len(jobs)} inputs{resume}", err=True)
@@ -273,21 +307,34 @@ def summarize(
         raise fail(error, EXIT_USAGE)
     except UnlimisumError as error:  # the model could not be loaded: nothing can be summarized
         raise fail(error, EXIT_FAILURE)
+    if result.pipe_closed:  # `unlimisum summarize ... | head`: the reader took what it wanted
+        silence_stdout()
     if result.failures:
-        if result.total > 1:
+        if result.total > 1 and not result.pipe_closed:
             display.failure_report(result.failures, result.total)
         raise typer.Exit(EXIT_FAILURE)
 
 
-def tensor_cache_settings(file: str | None, window: int | None):
-    """TensorCacheSettings for `--tensor-cache [FILE]` (None without the option); a bad FILE is a ConfigError."""
-    if file is None:
+def tensor_cache_settings(enabled: bool, params_file: Path | None, window: int | None):
+    """TensorCacheSettings for --tensor-cache/--tc-params (None when off); a bad file is a ConfigError."""
+    if not enabled:
         return None
     from unlimisum.tensor_cache import TensorCacheSettings
 
-    settings = TensorCacheSettings(window=window, params=file or None)
+    settings = TensorCacheSettings(window=window, params=str(params_file) if params_file is not None else None)
     settings.loaded_params  # read now (once): a missing or invalid file is a usage error, before the model loads
     return settings
+
+
+def tensor_cache_note(settings, max_new_tokens: int) -> str:
+    """The one line that says what --tensor-cache does here, or that it changes nothing (W >= --max-new-tokens)."""
+    from unlimisum.tensor_cache.session import describe, effective_window
+
+    window = effective_window(settings)
+    if window >= max_new_tokens:
+        return (f"unlimisum: note: --tensor-cache changes nothing here: its window of {window} tokens holds all "
+                f"--max-new-tokens {max_new_tokens} tokens of the summary; lower --tc-window to bound memory")
+    return f"unlimisum: {describe(settings, window)}"
 
 
 def check_index_settings(index: IndexConfig) -> None:
@@ -314,27 +361,51 @@ class BatchRunner:
         self.clock = clock
         self.summarizer = None
         self.result = BatchResult(total=0)
+        self.read_seconds: dict[str, float] = {}  # inputs read ahead (standard input): seconds it took
         self._printed = 0
 
-    def run(self, jobs: list[Job]) -> BatchResult:
-        """Summarize every job; failures are collected in the result, Ctrl-C propagates."""
-        self.result = BatchResult(total=len(jobs))
-        skipped = [self._skip(job) for job in jobs]
-        if any(job.problem is None and not skip for job, skip in zip(jobs, skipped)):
-            self._load_model()
-        for number, (job, skip) in enumerate(zip(jobs, skipped), start=1):
-            if skip:
-                self.result.skipped += 1
-                self.display.document_skipped(job.source, job.output)
+    def read_stdin_ahead(self, jobs: list[Job]) -> None:
+        """Read standard input now, before the model loads; at a terminal, first say how to end it."""
+        from unlimisum.ingest import read_document
+
+        for job in jobs:
+            if not job.is_stdin or job.problem is not None or job.skip:
                 continue
-            self.display.begin_document(number, len(jobs), job.source)
-            self._run_one(job)
+            if _stdin_is_terminal():
+                self.display.reading_stdin_hint()
+            started = self.clock()
+            try:
+                job.document = read_document(job.source, password=self.settings.password,
+                                             keep_all=self.settings.keep_all)
+            except UnlimisumError as error:
+                job.problem = error
+            self.read_seconds[job.source] = self.clock() - started
+
+    def run(self, jobs: list[Job]) -> BatchResult:
+        """Report unusable inputs, then summarize the rest; failures are collected, Ctrl-C propagates.
+
+        The model is loaded only when some input is left to summarize. A reader that closes
+        stdout ends the run (``result.pipe_closed``).
+        """
+        self.result = BatchResult(total=len(jobs))
+        try:
+            for job in jobs:
+                if job.problem is not None:
+                    self._failed(job, job.problem.problem, type(job.problem).__name__)
+                elif job.skip:
+                    self.result.skipped += 1
+                    self.display.document_skipped(job.source, job.output)
+            todo = [job for job in jobs if job.problem is None and not job.skip]
+            if todo:
+                self._load_model()
+            for number, job in enumerate(todo, start=1):
+                self.display.begin_document(number, len(todo), job.source)
+                self._run_one(job)
+        except BrokenPipeError:
+            self.result.pipe_closed = True
         return self.result
 
     # -- steps -------------------------------------------------------------------------------
-
-    def _skip(self, job: Job) -> bool:
-        return self.settings.skip_existing and job.output is not None and job.problem is None and job.output.exists()
 
     def _load_model(self) -> None:
         from unlimisum.models import load_model
@@ -355,21 +426,23 @@ class BatchRunner:
             generation=settings.generation, tensor_cache=settings.tensor_cache, progress=self.display,
         )
         if settings.tensor_cache is not None:
-            from unlimisum.tensor_cache.session import describe, effective_window
-
-            self.display.note(f"unlimisum: {describe(settings.tensor_cache, effective_window(settings.tensor_cache))}")
+            self.display.note(tensor_cache_note(settings.tensor_cache, settings.generation.max_new_tokens))
 
     def _run_one(self, job: Job) -> None:
         from unlimisum.ingest import read_document
 
         started = self.clock()
         try:
-            if job.problem is not None:
-                raise job.problem
-            document = read_document(job.source, password=self.settings.password)
-            read_seconds = self.clock() - started
+            if job.document is not None:
+                document, read_seconds = job.document, self.read_seconds.get(job.source, 0.0)
+            else:
+                document = read_document(job.source, password=self.settings.password,
+                                         keep_all=self.settings.keep_all)
+                read_seconds = self.clock() - started
             for warning in document.metadata.get("warnings", []):
                 self.display.note(f"unlimisum: warning: {job.source}: {warning}")
+            if document.left_out:
+                self.display.log(f"left out of {job.source}: {'; '.join(document.left_out)} (--keep-all keeps them)")
             summary = self.summarizer.summarize(document, per_chapter=self.settings.per_chapter)
             self._emit(job, document, summary, read_seconds)
         except UnlimisumError as error:
@@ -393,17 +466,26 @@ class BatchRunner:
         if settings.as_json:
             record = summary_record(summary, document, read_seconds)
             if job.output is not None:
-                atomic_write_text(job.output, to_json_file(record))
+                self._write(job, to_json_file(record))
             else:
                 self._print(to_json_line(record) + "\n")
             return
         if job.output is not None:
-            atomic_write_text(job.output, render_markdown(summary, document, heading=True))
+            self._write(job, render_markdown(summary, document, heading=True, marker=True))
             return
         several = self.result.total > 1
         text = render_markdown(summary, document, heading=several)
         self._print(("\n" if self._printed else "") + text)
         self._printed += 1
+
+    def _write(self, job: Job, text: str) -> None:
+        """Write the summary file, unless another program put a file there while this one was summarized."""
+        if os.path.lexists(job.output) and not is_unlimisum_output(job.output):
+            raise OutputConflictError(
+                f"refusing to overwrite {job.output}: unlimisum did not write it (move it, or choose another "
+                "--output-dir)", source=job.source,
+            )
+        atomic_write_text(job.output, text)
 
     def _print(self, text: str) -> None:
         """Write to stdout with the live display off the screen (they may share a terminal)."""
@@ -430,10 +512,8 @@ def _echo(text: str) -> None:
     sys.stdout.flush()  # one document at a time: a pipe sees each summary when it is done
 
 
-def _silence_stdout() -> None:
-    """Point stdout at /dev/null so that the interpreter's final flush does not fail again."""
+def _stdin_is_terminal() -> bool:
     try:
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-    except (OSError, ValueError, AttributeError, io.UnsupportedOperation):
-        pass
+        return sys.stdin is not None and sys.stdin.isatty()
+    except (AttributeError, ValueError):
+        return False

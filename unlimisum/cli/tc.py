@@ -3,45 +3,64 @@
     unlimisum tc fit --model M --text book.txt --text other.epub --window 256 --out tc.safetensors
 
 The model stays frozen; only a few numbers per layer are learned. The file is then used with
-`unlimisum summarize --tensor-cache tc.safetensors`. Progress and the held-out comparison go to
-stderr; with --json one JSON object with the numbers goes to stdout.
+`unlimisum summarize -m M --tc-params tc.safetensors BOOK`; `tc fit` prints that command, ready
+to run, for the model and the first text it was fitted on. Progress and the held-out comparison
+go to stderr; with --json one JSON object with the numbers goes to stdout.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Literal, Optional
 
 import typer
 
-from unlimisum.cli.app import app, fail
+from unlimisum.cli.app import EXIT_USAGE, UnlimisumGroup, UnlimisumTyper, app, fail
 from unlimisum.config import DEFAULT_MODEL, ModelConfig
-from unlimisum.errors import UnlimisumError
+from unlimisum.errors import ConfigError, UnlimisumError
 
-tc_app = typer.Typer(
-    name="tc", help="Tensor Cache: bounded decoder memory (fit its constants).", no_args_is_help=True,
+tc_app = UnlimisumTyper(
+    name="tc", cls=UnlimisumGroup, help="Tensor Cache: bounded decoder memory (fit its constants).",
+    no_args_is_help=True,
 )
 app.add_typer(tc_app, name="tc")
 
 
 @tc_app.command("fit")
 def fit(
-    texts: List[Path] = typer.Option(..., "--text", help="Text, EPUB or PDF file to fit on (repeat for more)."),
-    out: Path = typer.Option(..., "--out", help="Where to write the parameter file (.safetensors)."),
-    window: int = typer.Option(256, "--window", min=1, help="L1 window W in tokens (use the one you summarize with)."),
-    model: str = typer.Option(DEFAULT_MODEL, "--model", help="Hub name or local folder of the model."),
-    steps: int = typer.Option(200, "--steps", min=1, help="Optimizer steps."),
-    context: Optional[int] = typer.Option(None, "--context", help="Decoder tokens per block (default: min(4W, the decoder's limit))."),
-    batch_size: int = typer.Option(4, "--batch-size", min=1, help="Blocks per step."),
-    learning_rate: float = typer.Option(0.05, "--lr", help="Adam learning rate on the logits."),
-    gate: str = typer.Option("layer", "--gate", help="One gate per 'layer' (as published) or per 'head'."),
-    encoder_tokens: int = typer.Option(64, "--encoder-tokens", min=1, help="Leading tokens of each text fed to the encoder."),
-    held_out: float = typer.Option(0.2, "--held-out", min=0.0, max=0.9, help="Fraction of blocks kept for the report."),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda, cuda:N or mps."),
-    dtype: str = typer.Option("float32", "--dtype", help="Model dtype while fitting (float32 recommended)."),
-    seed: int = typer.Option(0, "--seed", help="Block order."),
-    password: Optional[str] = typer.Option(None, "--password", help="Password for encrypted PDFs."),
+    texts: List[Path] = typer.Option(
+        ..., "--text", metavar="FILE", help="Text, EPUB or PDF file to fit on (repeat for more)."
+    ),
+    out: Path = typer.Option(..., "--out", metavar="FILE", help="Where to write the parameter file (.safetensors)."),
+    window: int = typer.Option(
+        256, "--window", min=1, metavar="W", help="L1 window W in tokens (use the one you summarize with)."
+    ),
+    model: str = typer.Option(
+        DEFAULT_MODEL, "-m", "--model", metavar="NAME_OR_DIR", help="Hub name or local folder of the model."
+    ),
+    steps: int = typer.Option(200, "--steps", min=1, metavar="N", help="Optimizer steps."),
+    context: Optional[int] = typer.Option(
+        None, "--context", metavar="N", help="Decoder tokens per block (default: min(4W, the decoder's limit))."
+    ),
+    batch_size: int = typer.Option(4, "--batch-size", min=1, metavar="N", help="Blocks per step."),
+    learning_rate: float = typer.Option(0.05, "--lr", metavar="F", help="Adam learning rate on the logits."),
+    gate: Literal["layer", "head"] = typer.Option(
+        "layer", "--gate", help="One gate per 'layer' (as published) or per 'head'."
+    ),
+    encoder_tokens: int = typer.Option(
+        64, "--encoder-tokens", min=1, metavar="N", help="Leading tokens of each text fed to the encoder."
+    ),
+    held_out: float = typer.Option(
+        0.2, "--held-out", min=0.0, max=0.9, metavar="F", help="Fraction of blocks kept for the report."
+    ),
+    device: str = typer.Option("auto", "--device", metavar="DEVICE", help="auto, cpu, cuda, cuda:N or mps."),
+    dtype: str = typer.Option(
+        "float32", "--dtype", metavar="DTYPE", help="Model dtype while fitting (float32 recommended)."
+    ),
+    seed: int = typer.Option(0, "--seed", metavar="N", help="Block order."),
+    password: Optional[str] = typer.Option(None, "--password", metavar="TEXT", help="Password for encrypted PDFs."),
     as_json: bool = typer.Option(False, "--json", help="Print the numbers as one JSON object on stdout."),
 ) -> None:
     """Fit λ, η (per head) and the gate (per layer) of a frozen model; report held-out NLL."""
@@ -72,10 +91,21 @@ def fit(
             architecture=loaded.architecture, settings=settings, model_name=model, progress=progress,
         )
         save_params(report.params, out)
+    except ConfigError as error:  # options that do not fit together or do not fit the model
+        raise fail(error, EXIT_USAGE)
     except UnlimisumError as error:
         raise fail(error)
     for line in nll_summary(report):
         typer.echo(line, err=True)
-    typer.echo(f"unlimisum: wrote {out} (use: unlimisum summarize --tensor-cache {out} --tc-window {window})", err=True)
+    typer.echo(f"unlimisum: wrote {out}; summarize with it:", err=True)
+    typer.echo(f"  {usage_command(model, out, texts[0])}", err=True)
     if as_json:
         typer.echo(json.dumps({"out": str(out), "model": model, **report.summary()}))
+
+
+def usage_command(model: str, params: Path, book: Path) -> str:
+    """The command that summarizes ``book`` with the fitted ``params``, quoted for a POSIX shell, ready to run.
+
+    The window is the file's own, so none is given.
+    """
+    return shlex.join(["unlimisum", "summarize", "-m", model, "--tc-params", str(params), "--", str(book)])
