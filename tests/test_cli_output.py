@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import io
 import os
 from pathlib import Path
@@ -11,7 +13,7 @@ from rich.console import Console
 
 from unlimisum.cli.jobs import JSON_EXTENSION, plan_jobs
 from unlimisum import files
-from unlimisum.cli.output import MARKDOWN_MARKER, atomic_write_text, render_markdown
+from unlimisum.cli.output import MARKDOWN_MARKER, atomic_write_text, render_markdown, summary_record
 from unlimisum.cli.progress import ProgressDisplay, format_bytes, format_seconds
 from unlimisum.document import Chapter, Document
 from unlimisum.errors import ConfigError
@@ -126,8 +128,23 @@ def test_markdown_has_heading_and_chapter_sections():
     stats = make_summary().stats
     summary = make_summary(chapters=[Summary("first", "One", "", stats), Summary("second", "", "", stats)])
     text = render_markdown(summary, document, heading=True)
-    assert text == "# Book — shelf/book.epub\n\nA short summary.\n\n## One\n\nfirst\n\n## Chapter 2\n\nsecond\n"
+    # an untitled part is never given a chapter name the book does not have
+    assert text == "# Book — shelf/book.epub\n\nA short summary.\n\n## One\n\nfirst\n\n## Part 2\n\nsecond\n"
     assert render_markdown(make_summary(), document, heading=False) == "A short summary.\n"
+
+
+def test_markdown_coverage_table_and_json_coverage():
+    from unlimisum.coverage import CoverageSpan
+
+    spans = (CoverageSpan("Loomings", 0, 100, 0.25), CoverageSpan("The | Carpet-Bag", 100, 400, 0.75))
+    summary = dataclasses.replace(make_summary(), coverage=spans, window_coverage=spans)
+    document = Document(title="Book", chapters=(Chapter("Loomings", "a"),), source="book.txt")
+    text = render_markdown(summary, document, heading=False, coverage=True)
+    assert "| Loomings | 0–100 | 25.0% |" in text and "| The \\| Carpet-Bag | 100–400 | 75.0% |" in text
+    assert "share of attention" not in render_markdown(summary, document, heading=False)
+    record = summary_record(summary, document)
+    assert record["coverage"][1] == {"title": "The | Carpet-Bag", "start_token": 100, "end_token": 400, "share": 0.75}
+    assert len(record["window_coverage"]) == 2
 
 
 def test_formatting():
@@ -235,21 +252,17 @@ def test_per_chapter_progress_names_the_chapter_over_a_bar_of_the_book():
     with display:
         display.begin_document(1, 1, "book.epub")
         display(ProgressEvent("chapter", 0, 10, titles[0], {"titles": titles[:8]}))
-        for title in titles[:2]:
-            display(ProgressEvent("tokenize", 0, 1, title))
-        display.refresh()
-        reading = console.file.getvalue()
         display(ProgressEvent("generate", 0, 12, "8 documents"))
         display.refresh()
-        generating = console.file.getvalue()[len(reading):]
-        display(ProgressEvent("chapter", 8, 10, titles[8], {"titles": titles[8:]}))
-        display(ProgressEvent("tokenize", 0, 1, titles[8]))
+        generating = console.file.getvalue()
+        display(ProgressEvent("chapter", 8, 10, titles[8], {"titles": titles[8:9]}))
+        display(ProgressEvent("generate", 0, 12, titles[8]))
         display.refresh()
-        second = console.file.getvalue()[len(reading) + len(generating):]
+        second = console.file.getvalue()[len(generating):]
         display.document_done(make_summary(), "book.epub", 1.0)
         display.refresh()
-        after = console.file.getvalue()[len(reading) + len(generating) + len(second):]
-    assert "chapter 2/10: Part 2" in reading and "0/10" in reading
-    assert "chapters 1-8/10: summarizing" in generating
+        after = console.file.getvalue()[len(generating) + len(second):]
+    # chapters are generated in batches from views of the one encoded book: the bar names the batch
+    assert "chapters 1-8/10: Part 1 … Part 8" in generating and "0/10" in generating
     assert "chapter 9/10: Part 9" in second and "8/10" in second
     assert "chapter" not in after.split("done book.epub")[-1]  # the book's bar goes with its document

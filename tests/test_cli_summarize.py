@@ -21,7 +21,7 @@ from unlimisum.cli import app
 FAST = ["--device", "cpu", "--max-new-tokens", "6", "--min-new-tokens", "3"]
 STATS_KEYS = {
     "model", "input_tokens", "windows", "window", "index_kind", "index_device", "retrieval_k", "datastore_bytes",
-    "generated_tokens", "timings", "peak_rss_bytes", "peak_gpu_bytes", "tensor_cache_bytes",
+    "generated_tokens", "timings", "peak_rss_bytes", "peak_gpu_bytes", "tensor_cache_bytes", "cached",
 }
 _LOADER: CachedLoader | None = None
 
@@ -436,3 +436,47 @@ def test_keep_all_reaches_the_epub_reader_and_v_lists_what_was_left_out(summariz
     kept = summarize("--json", "--keep-all", book)
     assert kept.exit_code == 0, kept.output
     assert json_lines(kept.stdout)[0]["stats"]["input_tokens"] > json_lines(plain.stdout)[0]["stats"]["input_tokens"]
+
+
+def test_cache_dir_second_run_reads_the_encoded_book_and_cache_commands(summarize, books, tmp_path, monkeypatch):
+    cache = tmp_path / "encoded"
+    first = summarize("--json", "--cache-dir", cache, books["text"])
+    assert first.exit_code == 0, first.output
+    assert json_lines(first.stdout)[0]["stats"]["cached"] is False
+    monkeypatch.setenv("UNLIMISUM_CACHE_DIR", str(cache))
+    second = summarize("--json", "--max-new-tokens", "4", books["text"])
+    assert second.exit_code == 0, second.output
+    record = json_lines(second.stdout)[0]
+    assert record["stats"]["cached"] is True and "cache_load" in record["stats"]["timings"]
+    listed = CliRunner().invoke(app, ["cache", "list", "--json"])
+    assert listed.exit_code == 0, listed.output
+    (entry,) = json_lines(listed.stdout)
+    assert entry["n_tokens"] == record["stats"]["input_tokens"] and entry["source"] == str(books["text"])
+    kept = CliRunner().invoke(app, ["cache", "clear", "--older-than", "30d"])
+    assert kept.exit_code == 0 and "removed 0" in kept.stderr
+    cleared = CliRunner().invoke(app, ["cache", "clear"])
+    assert cleared.exit_code == 0 and "removed 1 encoded book" in cleared.stderr
+    assert json_lines(CliRunner().invoke(app, ["cache", "list", "--json"]).stdout) == []
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--cache-max-bytes", "1G"], "--cache-max-bytes needs --cache-dir"),
+    (["--cache-dir", "c", "--cache-max-bytes", "lots"], "is not a size"),
+])
+def test_cache_option_errors_are_usage_errors(summarize, books, args, message, monkeypatch):
+    monkeypatch.delenv("UNLIMISUM_CACHE_DIR", raising=False)
+    result = summarize(*args, books["text"])
+    assert result.exit_code == 2 and message in result.stderr
+
+
+def test_coverage_in_json_and_as_a_table(summarize, books):
+    result = summarize("--json", "--per-chapter", books["text"])
+    assert result.exit_code == 0, result.output
+    record = json_lines(result.stdout)[0]
+    for part in (record, *record["chapters"]):
+        assert part["coverage"] and abs(sum(span["share"] for span in part["coverage"]) - 1) < 1e-6
+        assert set(part["coverage"][0]) == {"title", "start_token", "end_token", "share"}
+        assert abs(sum(span["share"] for span in part["window_coverage"]) - 1) < 1e-6
+    table = summarize("--coverage", books["text"])
+    assert table.exit_code == 0 and "| part | tokens | share of attention |" in table.stdout
+    assert "share of attention" not in summarize(books["text"]).stdout

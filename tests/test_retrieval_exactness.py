@@ -71,8 +71,8 @@ def test_many_windows_at_k_above_n_equal_the_decoder_reading_all_kept_states(tin
     steps = 10
     generation = GenerationOptions(max_new_tokens=steps, min_new_tokens=steps, num_beams=1, do_sample=False)
     summarizer = Summarizer(loaded, index=EXACT, retrieval=RetrievalConfig(retrieval_k=100_000), generation=generation)
-    encoded = summarizer._encode(_document(SAMPLE_TEXT * 3))
-    assert encoded.windows > 3 and encoded.n_tokens > 3 * loaded.max_source_length
+    encoded = summarizer.encode(_document(SAMPLE_TEXT * 3))
+    assert len(encoded.windows) > 3 and encoded.n_tokens > 3 * loaded.max_source_length
     got = summarizer.generate([encoded.store]).token_ids
     kept = encoded.store.states().float().unsqueeze(0)  # [1, N, d]: every kept state, in input order
     with torch.no_grad():

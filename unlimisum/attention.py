@@ -37,6 +37,9 @@ class RetrievalSession:
     stores: Sequence  # Datastore per document, in batch order
     top_k: int
     stats: RetrievalStats = field(default_factory=RetrievalStats)
+    # per document, [N] float32 on its store's device: attention mass per input token, summed over
+    # steps, layers, heads and beams (see unlimisum/coverage.py); None: not measured
+    coverage: Sequence | None = None
 
 
 class RetrievalCrossAttention(nn.Module):
@@ -87,7 +90,8 @@ class RetrievalCrossAttention(nn.Module):
             queries = q_hidden[block].reshape(-1, d_model) * self.scaling  # [rows_per_doc * T * H, d]
             started = time.perf_counter()
             # one call per layer and document: every head, beam and step of it in one pass over the store
-            mixed[block] = store.attend(queries, session.top_k).view(rows_per_doc, steps, heads, d_model)
+            coverage = session.coverage[doc] if session.coverage is not None else None
+            mixed[block] = store.attend(queries, session.top_k, coverage).view(rows_per_doc, steps, heads, d_model)
             session.stats.search_seconds += time.perf_counter() - started
 
         w_v = value_proj.weight.view(heads, head_dim, d_model)  # [H, dh, d]

@@ -160,6 +160,21 @@ def _raw_config(location: Location) -> dict | None:
         return None
 
 
+def fingerprint(location: Location, commit_hash: str | None) -> str | None:
+    """What identifies these weights: the hub commit, or a hash of a local folder's file names, sizes and
+    modification times (a re-saved or fine-tuned folder changes it)."""
+    if not location.is_local:
+        return commit_hash
+    import hashlib
+
+    digest = hashlib.sha256()
+    for path in sorted(location.folder.iterdir()):
+        if path.is_file() and path.suffix in {".json", ".safetensors", ".bin", ".model", ".txt"}:
+            info = path.stat()
+            digest.update(f"{path.name}:{info.st_size}:{info.st_mtime_ns};".encode())
+    return "folder:" + digest.hexdigest()[:16]
+
+
 def first_line(error: Exception) -> str:
     """The first line of an error's message, without the exception type (one-line errors)."""
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -23,6 +23,7 @@ class LoadedModel:
     architecture: Architecture
     name: str
     tokenizer_name: str | None = None  # where the tokenizer came from, when not the model's own name
+    fingerprint: str | None = None  # the revision: hub commit, or sizes and times of a local folder's files
 
     @property
     def device(self) -> torch.device:
@@ -113,8 +114,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
         raise checkpoint.not_available(config.name) from None
     except Exception as error:  # noqa: BLE001  (damaged weights, a missing extra package, out of memory)
         raise ModelError(f"model '{config.name}' could not be loaded: {_first_line(error)}") from None
+    fingerprint = checkpoint.fingerprint(location, getattr(model_config, "_commit_hash", None))
     return LoadedModel(model=model, tokenizer=tokenizer, architecture=architecture, name=config.name,
-                       tokenizer_name=tokenizer_name)
+                       tokenizer_name=tokenizer_name, fingerprint=fingerprint)
 
 
 def _load_tokenizer(config: ModelConfig, location: checkpoint.Location, remote: bool):

@@ -1,4 +1,4 @@
-"""Document -> summary: tokenize, encode in windows, index, generate with retrieval attention."""
+"""Document -> summary: encode once (unlimisum/encoder.py), generate with retrieval attention, report coverage."""
 
 from __future__ import annotations
 
@@ -10,30 +10,35 @@ from typing import Callable, Sequence
 
 import torch
 
-from unlimisum import checkpoint, compat
+from unlimisum import compat, coverage
 from unlimisum.attention import RetrievalSession, retrieval
 from unlimisum.config import EncodingConfig, GenerationOptions, IndexConfig, ModelConfig, RetrievalConfig
-from unlimisum.datastore import Datastore, DatastoreBuilder, plan_index
+from unlimisum.coverage import CoverageSpan
+from unlimisum.datastore import Datastore
 from unlimisum.document import Document
-from unlimisum.encoding import auto_batch_size, encode_windows, plan_windows
+from unlimisum.encoded import EncodedDocument
+from unlimisum.encoded_cache import EncodedCache
+from unlimisum.encoder import DocumentEncoder, EncodePlan
 from unlimisum.errors import ConfigError, EmptyDocumentError
 from unlimisum.models import LoadedModel, load_model
 from unlimisum.placement import storage_dtype
 
 
-# Chapters generated together with --per-chapter: batching speeds generation up, while the
-# datastores of a batch are held at once, so a book of 60 chapters is not read in one go.
+# Chapters generated together with --per-chapter: batching speeds generation up; every chapter
+# of a batch reads a view of the one encoded document, so batching costs no memory.
 CHAPTERS_PER_BATCH = 8
 
 
 @dataclass(frozen=True)
 class ProgressEvent:
-    """One progress report: ``stage`` is tokenize, encode, index, generate or chapter.
+    """One progress report: ``stage`` is cache, tokenize, encode, index, generate or chapter.
 
+    ``cache`` (with a cache of encoded books): 0/1 when it is looked up, 1/1 when the encoded
+    document came from it (then no tokenize/encode/index events follow).
     ``chapter`` (``summarize(per_chapter=True)``, after the whole-document summary): before each
     batch of chapters, ``completed`` chapters of ``total`` are summarized and ``document`` is the
-    title of the next one (``info["titles"]``: the titles of the batch, in the order their
-    tokenize/encode/index events come); after the last batch, ``completed == total``.
+    title of the next one (``info["titles"]``: the titles of the batch, generated together from
+    views of the one encoded document); after the last batch, ``completed == total``.
     """
 
     stage: str
@@ -59,15 +64,21 @@ class SummaryStats:
     retrieval_k: int  # input tokens each cross-attention head attended to per step
     datastore_bytes: int
     generated_tokens: int
-    timings: dict  # stage -> seconds: tokenize, encode (includes index building), generate, search
+    timings: dict  # stage -> seconds: tokenize, encode, index (or cache_load), generate, search
     peak_rss_bytes: int  # the process's peak resident memory so far
     peak_gpu_bytes: int | None  # peak CUDA memory during this call, when on CUDA
     tensor_cache_bytes: int | None = None  # decoder self-attention state retained, with --tensor-cache
+    cached: bool = False  # the encoded document came from the cache of encoded books
 
 
 @dataclass(frozen=True)
 class Summary:
-    """The summary of one document (and of each chapter, when asked for)."""
+    """The summary of one document (and of each chapter, when asked for).
+
+    ``coverage``: where the summary looked, as shares of its retrieval attention mass (all steps,
+    layers, heads and beams) per chapter of the document (per window for a chapter's own
+    summary); ``window_coverage``: the same per encoding window. Each sums to 1.
+    """
 
     text: str
     title: str
@@ -75,6 +86,8 @@ class Summary:
     stats: SummaryStats
     chapters: tuple["Summary", ...] = ()
     token_ids: tuple[int, ...] = ()  # the generated ids, special tokens included
+    coverage: tuple[CoverageSpan, ...] = ()
+    window_coverage: tuple[CoverageSpan, ...] = ()
 
     def to_dict(self) -> dict:
         """Plain data (for JSON): every field, chapters and stats included."""
@@ -106,15 +119,40 @@ class Generated:
     seconds: float
     search_seconds: float  # within `seconds`
     tensor_cache_bytes: int | None  # self-attention state retained at the end, with a Tensor Cache
+    coverage: tuple[torch.Tensor, ...] = ()  # per store, [N] attention mass per input token
 
 
-@dataclass
-class _Encoded:
-    name: str
-    store: Datastore
-    n_tokens: int
-    windows: int
-    seconds: dict
+@dataclass(frozen=True)
+class _Part:
+    """What one summary of a generation batch reads: the whole document, or one chapter's tokens of it."""
+
+    title: str
+    source: str
+    encoded: EncodedDocument
+    start: int = 0
+    end: int | None = None  # None: to the end of the document
+
+    @property
+    def stop(self) -> int:
+        return self.encoded.n_tokens if self.end is None else self.end
+
+    @property
+    def is_whole(self) -> bool:
+        return self.start == 0 and self.stop == self.encoded.n_tokens
+
+    def store(self) -> Datastore:
+        return self.encoded.store if self.is_whole else self.encoded.store.view(self.start, self.stop)
+
+    def windows(self) -> list[tuple[str, int, int]]:
+        """(title, start, end) of the encoding windows' kept ranges within this part, relative to its start."""
+        clipped = [(max(a, self.start) - self.start, min(b, self.stop) - self.start) for a, b in self.encoded.windows]
+        return coverage.window_ranges(self.stop - self.start, clipped)
+
+    def sections(self) -> list[tuple[str, int, int]]:
+        """The ranges coverage is reported by: chapters for the whole document, windows for a chapter."""
+        if self.is_whole:
+            return [(chapter.title, chapter.start, chapter.end) for chapter in self.encoded.chapters]
+        return self.windows()
 
 
 class Summarizer:
@@ -129,10 +167,12 @@ class Summarizer:
         retrieval: RetrievalConfig = RetrievalConfig(),
         generation: GenerationOptions = GenerationOptions(),
         tensor_cache=None,
+        cache: EncodedCache | None = None,
         progress: ProgressCallback | None = None,
     ):
         """``tensor_cache``: a ``unlimisum.tensor_cache.TensorCacheSettings`` to bound the decoder's
-        self-attention memory, or None for the model's ordinary cache."""
+        self-attention memory, or None for the model's ordinary cache. ``cache``: an ``EncodedCache``
+        of encoded books (None: every document is encoded)."""
         if isinstance(model, str):
             model = ModelConfig(name=model)
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model)
@@ -141,6 +181,7 @@ class Summarizer:
         self.retrieval = retrieval
         self.generation = generation
         self.tensor_cache = tensor_cache
+        self.cache = cache
         self.progress = progress or (lambda event: None)
         if generation.extra.get("num_return_sequences", 1) != 1:
             raise ConfigError("num_return_sequences must be 1: unlimisum returns one summary per document")
@@ -154,38 +195,60 @@ class Summarizer:
     # -- public -------------------------------------------------------------------------
 
     def summarize(self, item: str | Document, *, per_chapter: bool = False) -> Summary:
-        """Summarize one text or document; with ``per_chapter`` each chapter gets its own summary too."""
+        """Summarize one text or document; with ``per_chapter`` each chapter gets its own summary too.
+
+        The document is encoded once: each chapter's summary reads a view of the same store over
+        the chapter's tokens, which kept the context of their neighbours that the windows gave them.
+        """
         document = item if isinstance(item, Document) else Document.from_text(item)
-        whole = self.summarize_many([document])[0]
-        if not per_chapter:
-            return whole
-        chapters = [
-            Document.from_text(chapter.text, title=chapter.title, source=document.source)
-            for chapter in document.chapters
-            if chapter.text.strip()
-        ]
-        if len(chapters) < 2:  # one chapter: its summary is the whole summary
+        encoded = self.encode(document)
+        whole = self._summarize_parts([_Part(document.title, document.source, encoded)])[0]
+        chapters = encoded.chapters
+        if not per_chapter or len(chapters) < 2:  # one chapter: its summary is the whole summary
             return whole
         parts, total = [], len(chapters)
         for start in range(0, total, CHAPTERS_PER_BATCH):
             batch = chapters[start : start + CHAPTERS_PER_BATCH]
             titles = [chapter.title for chapter in batch]
             self.progress(ProgressEvent("chapter", start, total, titles[0], {"titles": titles}))
-            parts.extend(self.summarize_many(batch))
+            parts.extend(self._summarize_parts(
+                [_Part(chapter.title, document.source, encoded, chapter.start, chapter.end) for chapter in batch]
+            ))
         self.progress(ProgressEvent("chapter", total, total, chapters[-1].title, {"titles": []}))
-        return Summary(whole.text, whole.title, whole.source, whole.stats, tuple(parts), whole.token_ids)
+        return replace(whole, chapters=tuple(parts))
 
     def summarize_many(self, items: Sequence[str | Document]) -> list[Summary]:
         """Summarize several documents in one generation batch (each has its own datastore)."""
         documents = [item if isinstance(item, Document) else Document.from_text(item) for item in items]
-        if not documents:
+        return self._summarize_parts([_Part(d.title, d.source, self.encode(d)) for d in documents])
+
+    def encode(self, document: Document) -> EncodedDocument:
+        """The document's tokens, encoder states (one store), windows and chapter token ranges."""
+        return self._encoder().encode(document)
+
+    def tokenize(self, document: Document) -> torch.Tensor:
+        """All of the document's tokens, special tokens included, no truncation: [N] int64."""
+        if not document.text.strip():
+            raise EmptyDocumentError("there is no text to summarize", source=document.source)
+        return self._encoder().tokenize(document)[0]
+
+    # -- stages ---------------------------------------------------------------------------
+
+    def _encoder(self) -> DocumentEncoder:
+        plan = EncodePlan(window=self._window(), index=self._index_config(), retrieval_k=self._retrieval_k(),
+                          queries_per_step=self._queries_per_step())
+        return DocumentEncoder(self.loaded, self.encoding, plan, self.progress, self.cache)
+
+    def _summarize_parts(self, parts: Sequence[_Part]) -> list[Summary]:
+        """One generation batch over the parts' stores; a Summary per part."""
+        if not parts:
             return []
         on_cuda = self.loaded.device.type == "cuda"
         if on_cuda:
             torch.cuda.reset_peak_memory_stats(self.loaded.device)
-        encoded = [self._encode(document) for document in documents]
-        name = encoded[0].name if len(encoded) == 1 else f"{len(encoded)} documents"
-        run = self.generate([enc.store for enc in encoded], name=name)
+        stores = [part.store() for part in parts]
+        name = (parts[0].title or parts[0].source) if len(parts) == 1 else f"{len(parts)} documents"
+        run = self.generate(stores, name=name)
         output = run.token_ids
         tokenizer = self.loaded.tokenizer
         texts = [text.strip() for text in tokenizer.batch_decode(output, skip_special_tokens=True)]
@@ -193,21 +256,23 @@ class Summarizer:
         counts = (~torch.isin(output, special)).sum(dim=1).tolist()
         peak_gpu = torch.cuda.max_memory_allocated(self.loaded.device) if on_cuda else None
         summaries = []
-        for document, enc, text, n_generated, ids in zip(documents, encoded, texts, counts, output.tolist()):
-            timings = dict(enc.seconds, generate=run.seconds, search=run.search_seconds)
+        for part, store, mass, text, n_generated, ids in zip(parts, stores, run.coverage, texts, counts,
+                                                                output.tolist()):
+            windows = part.windows()
+            timings = dict(part.encoded.seconds, generate=run.seconds, search=run.search_seconds)
             stats = SummaryStats(
-                model=self.loaded.name, input_tokens=enc.n_tokens, windows=enc.windows,
-                window=self._window(), index_kind=enc.store.kind, index_device=enc.store.device,
-                retrieval_k=min(self._retrieval_k(), enc.n_tokens), datastore_bytes=enc.store.nbytes,
+                model=self.loaded.name, input_tokens=store.n_tokens, windows=len(windows),
+                window=self._window(), index_kind=store.kind, index_device=store.device,
+                retrieval_k=min(self._retrieval_k(), store.n_tokens), datastore_bytes=store.nbytes,
                 generated_tokens=n_generated, timings=timings, peak_rss_bytes=_peak_rss_bytes(),
-                peak_gpu_bytes=peak_gpu, tensor_cache_bytes=run.tensor_cache_bytes,
+                peak_gpu_bytes=peak_gpu, tensor_cache_bytes=run.tensor_cache_bytes, cached=part.encoded.cached,
             )
-            summaries.append(
-                Summary(text=text, title=document.title, source=document.source, stats=stats, token_ids=tuple(ids))
-            )
+            mass = mass.cpu()
+            summaries.append(Summary(
+                text=text, title=part.title, source=part.source, stats=stats, token_ids=tuple(ids),
+                coverage=coverage.spans(mass, part.sections()), window_coverage=coverage.spans(mass, windows),
+            ))
         return summaries
-
-    # -- stages ---------------------------------------------------------------------------
 
     def _window(self) -> int:
         return self.encoding.window or self.loaded.max_source_length
@@ -233,54 +298,6 @@ class Summarizer:
         dtype = storage_dtype(self.index, self.loaded.dtype)
         return replace(self.index, storage_dtype=str(dtype).removeprefix("torch."))
 
-    def tokenize(self, document: Document) -> torch.Tensor:
-        """All of the document's tokens, special tokens included, no truncation: [N] int64."""
-        text = document.text
-        if not text.strip():
-            raise EmptyDocumentError("there is no text to summarize", source=document.source)
-        tokenizer = self.loaded.tokenizer
-        ids = tokenizer(text, add_special_tokens=True, truncation=False, verbose=False)["input_ids"]
-        unknown = tokenizer.unk_token_id
-        special = set(tokenizer.all_special_ids) - {unknown}
-        checkpoint.check_encoding(len(ids), sum(i in special for i in ids),
-                                  sum(i == unknown for i in ids) if unknown is not None else 0, text,
-                                  source=document.source)
-        return torch.tensor(ids, dtype=torch.long)
-
-    def _encode(self, document: Document) -> _Encoded:
-        name = document.title or document.source
-        started = time.perf_counter()
-        self.progress(ProgressEvent("tokenize", 0, 1, name))
-        input_ids = self.tokenize(document)
-        tokenized = time.perf_counter()
-        n_tokens = len(input_ids)
-        self.progress(ProgressEvent("tokenize", 1, 1, name, {"tokens": n_tokens}))
-
-        model = self.loaded.model
-        plan = plan_windows(n_tokens, self._window(), self.encoding.overlap)
-        d_model = model.config.d_model
-        index_config = self._index_config()
-        index_plan = plan_index(n_tokens, d_model, index_config, top_k=self._retrieval_k(),
-                                queries_per_step=self._queries_per_step(), model_device=self.loaded.device)
-        builder = DatastoreBuilder(n_tokens, d_model, index_plan, index_config)
-        batch_size = self.encoding.batch_size or auto_batch_size(plan.window, plan.n_windows, self.loaded.device)
-        if batch_size < 1:
-            raise ConfigError(f"encode batch size must be at least 1, got {batch_size}")
-        info = {"tokens": n_tokens, "index": index_plan.kind, "index_device": index_plan.device}
-        self.progress(ProgressEvent("encode", 0, plan.n_windows, name, info))
-        encode_windows(
-            model.get_encoder(), input_ids, plan, builder.add, batch_size=batch_size,
-            encoder_inputs=self.loaded.architecture.encoder_inputs,
-            on_batch=lambda done: self.progress(ProgressEvent("encode", done, plan.n_windows, name, info)),
-        )
-        encoded = time.perf_counter()
-        self.progress(ProgressEvent("index", 0, 1, name, info))
-        store = builder.finish()
-        finished = time.perf_counter()
-        self.progress(ProgressEvent("index", 1, 1, name, dict(info, bytes=store.nbytes)))
-        seconds = {"tokenize": tokenized - started, "encode": encoded - tokenized, "index": finished - encoded}
-        return _Encoded(name, store, n_tokens, plan.n_windows, seconds)
-
     def generate(self, stores: Sequence[Datastore], name: str = "") -> Generated:
         """Generate from encoded inputs, one datastore per document (in batch order)."""
         model = self.loaded.model
@@ -294,7 +311,8 @@ class Summarizer:
         attention_mask = torch.ones(batch, 1, dtype=torch.long, device=self.loaded.device)
         total = kwargs.get("max_new_tokens")
         progress = _GenerationProgress(lambda steps: self.progress(ProgressEvent("generate", steps, total, name)))
-        session = RetrievalSession(stores=list(stores), top_k=self._retrieval_k())
+        mass = tuple(torch.zeros(store.n_tokens, device=store.states().device) for store in stores)
+        session = RetrievalSession(stores=list(stores), top_k=self._retrieval_k(), coverage=mass)
         started = time.perf_counter()
         self.progress(ProgressEvent("generate", 0, total, name))
         with ExitStack() as stack:
@@ -310,7 +328,8 @@ class Summarizer:
                 stopping_criteria=[progress], **kwargs,
             )
             retained = memory.retained_bytes() if self.tensor_cache is not None else None
-        return Generated(output, time.perf_counter() - started, session.stats.search_seconds, retained)
+        return Generated(output, time.perf_counter() - started, session.stats.search_seconds, retained, mass)
+
 
 
 def summarize(

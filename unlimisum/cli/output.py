@@ -10,8 +10,12 @@ JSON schema (one object per document; JSON Lines on stdout, one file per input w
                                           # else the file name ("" for standard input without one)
       "format": "epub",                   # "text" | "epub" | "pdf"
       "summary": "...",                   # the whole-document summary
+      "coverage": [                       # where the summary looked: shares of its retrieval attention
+        {"title": "Loomings", "start_token": 0, "end_token": 4211, "share": 0.031}, ...
+      ],                                  # per chapter (sums to 1); a chapter's own summary: per window
+      "window_coverage": [...],           # the same per encoding window
       "chapters": [                       # empty unless --per-chapter
-        {"title": "Loomings", "summary": "...", "stats": {...}}
+        {"title": "Loomings", "summary": "...", "coverage": [...], "window_coverage": [...], "stats": {...}}
       ],
       "stats": {
         "model": "...", "input_tokens": 0, "windows": 0, "window": 0,
@@ -20,9 +24,11 @@ JSON schema (one object per document; JSON Lines on stdout, one file per input w
         "generated_tokens": 0,            # summary tokens: generated tokens other than special tokens
                                           # (the "N summary tokens" of the done line)
         "timings": {"read": 0.0, "tokenize": 0.0, "encode": 0.0, "index": 0.0,
-                    "generate": 0.0, "search": 0.0},       # seconds per stage
+                    "generate": 0.0, "search": 0.0},       # seconds per stage ("cache_load" instead of
+                                                           # tokenize/encode/index when cached)
         "peak_rss_bytes": 0, "peak_gpu_bytes": null,      # null unless on CUDA
-        "tensor_cache_bytes": null                         # decoder memory retained, with --tensor-cache
+        "tensor_cache_bytes": null,                        # decoder memory retained, with --tensor-cache
+        "cached": false                                    # the encoded book came from --cache-dir
       }
     }
 
@@ -71,10 +77,20 @@ def summary_record(summary: Summary, document: Document, read_seconds: float | N
         "title": document_title(document),
         "format": document.format,
         "summary": summary.text,
+        **coverage_record(summary),
         "chapters": [
-            {"title": part.title, "summary": part.text, "stats": stats_record(part)} for part in summary.chapters
+            {"title": part.title, "summary": part.text, **coverage_record(part), "stats": stats_record(part)}
+            for part in summary.chapters
         ],
         "stats": stats_record(summary, read_seconds),
+    }
+
+
+def coverage_record(summary: Summary) -> dict:
+    """``coverage`` and ``window_coverage``: lists of {title, start_token, end_token, share}."""
+    return {
+        "coverage": [dataclasses.asdict(span) for span in summary.coverage],
+        "window_coverage": [dataclasses.asdict(span) for span in summary.window_coverage],
     }
 
 
@@ -117,17 +133,29 @@ def document_heading(document: Document) -> str:
     return f"{title} — {source}"
 
 
-def render_markdown(summary: Summary, document: Document, *, heading: bool, marker: bool = False) -> str:
+def render_markdown(summary: Summary, document: Document, *, heading: bool, marker: bool = False,
+                    coverage: bool = False) -> str:
     """The summary as Markdown: the marker line (for files), ``# heading`` (when asked), the text,
-    then ``## chapter`` sections."""
+    with ``coverage`` a table of where it looked, then ``## chapter`` sections."""
     parts = [MARKDOWN_MARKER] if marker else []
     if heading:
         parts.append(f"# {document_heading(document)}")
     parts.append(summary.text)
+    if coverage and summary.coverage:
+        parts.append(coverage_table(summary))
     for number, chapter in enumerate(summary.chapters, start=1):
-        title = chapter.title or f"Chapter {number}"
+        title = chapter.title or f"Part {number}"  # never a chapter name the book does not have
         parts.append(f"## {title}\n\n{chapter.text}")
     return "\n\n".join(parts) + "\n"
+
+
+def coverage_table(summary: Summary) -> str:
+    """A Markdown table: each part of the input, its tokens, and its share of the summary's attention."""
+    rows = ["| part | tokens | share of attention |", "|---|---:|---:|"]
+    for number, span in enumerate(summary.coverage, start=1):
+        title = (span.title or f"Part {number}").replace("|", "\\|")
+        rows.append(f"| {title} | {span.start_token:,}–{span.end_token:,} | {span.share:.1%} |")
+    return "Where the summary looked (retrieval attention, all layers, heads and steps):\n\n" + "\n".join(rows)
 
 
 def is_unlimisum_output(path: Path) -> bool:

@@ -209,6 +209,13 @@ class ProgressDisplay:
             handler(event)
         self._sample_memory()
 
+    def _on_cache(self, event: ProgressEvent) -> None:
+        if event.completed == 0:
+            self._stage("looking for the encoded book in the cache")
+        else:
+            self._datastore_bytes = event.info.get("bytes")
+            self.log(f"encoded book read from the cache: {event.info.get('tokens', 0):,} tokens, no encoding")
+
     def _on_tokenize(self, event: ProgressEvent) -> None:
         if event.completed == 0:
             self._stage("tokenizing")
@@ -268,7 +275,8 @@ class ProgressDisplay:
         generate_seconds = stats.timings.get("generate", 0.0)
         rate = f" ({stats.generated_tokens / generate_seconds:,.1f} tokens/s)" if generate_seconds > 0 else ""
         parts = [
-            f"{stats.input_tokens:,} tokens in {stats.windows:,} window{'s' if stats.windows != 1 else ''}",
+            f"{stats.input_tokens:,} tokens in {stats.windows:,} window{'s' if stats.windows != 1 else ''}"
+            + (" (encoded book from the cache)" if stats.cached else ""),
             f"{stats.index_kind} index on {stats.index_device} ({format_bytes(stats.datastore_bytes)}), k={stats.retrieval_k}",
             f"{stats.generated_tokens:,} summary tokens{rate}",
         ]
@@ -284,6 +292,8 @@ class ProgressDisplay:
         if output is not None:
             line += f" -> {escape(str(output))}"
         self.console.print(line, soft_wrap=True)
+        if self.console.is_terminal and len(summary.coverage) > 1:
+            self.console.print(coverage_line(summary), soft_wrap=True, highlight=False)
 
     def document_skipped(self, source: str, output) -> None:
         """An input whose output exists and was written by unlimisum (--skip-existing)."""
@@ -413,11 +423,31 @@ class _ChapterProgress:
         return _chapter_label(self.next, self.total, title)
 
     def generating(self) -> str:
-        """``chapters 9-16/31: summarizing`` while a batch of chapters is generated together."""
+        """``chapter 12/31: Title``, or ``chapters 9-16/31: First … Last`` while a batch of chapters
+        (views of the one encoded book) is generated together."""
         last = self.batch_start + max(1, len(self.titles))
         if last - self.batch_start == 1:
             return _chapter_label(last, self.total, self.titles[0] if self.titles else "")
-        return f"chapters {self.batch_start + 1}-{last}/{self.total}: summarizing"
+        first_title, last_title = (" ".join(title.split()) for title in (self.titles[0], self.titles[-1]))
+        names = f"{first_title} … {last_title}" if first_title or last_title else "summarizing"
+        if len(names) > 2 * CHAPTER_TITLE_CELLS:
+            names = names[: 2 * CHAPTER_TITLE_CELLS - 1] + "\u2026"
+        return f"chapters {self.batch_start + 1}-{last}/{self.total}: {names}"
+
+
+def coverage_line(summary: Summary, width: int = 48) -> Text:
+    """``  looked at ▕░▒█▓ ░ ▏ most at "Chapter 5" (62%)``: the summary's attention across the book,
+    darker where it looked more, with chapter boundaries ticked underneath in the bar's order."""
+    from unlimisum.coverage import bar
+
+    top = max(summary.coverage, key=lambda span: span.share)
+    name = " ".join(top.title.split()) or f"tokens {top.start_token:,}-{top.end_token:,}"
+    if len(name) > CHAPTER_TITLE_CELLS:
+        name = name[: CHAPTER_TITLE_CELLS - 1] + "\u2026"
+    line = Text("  looked at ", style="dim")
+    line.append("\u2595" + bar(summary.coverage, width) + "\u258f", style="cyan")
+    line.append(f" most at \"{name}\" ({top.share:.0%})", style="dim")
+    return line
 
 
 def _chapter_label(number: int, total: int, title: str) -> str:

@@ -44,6 +44,7 @@ INDEX_PANEL = "Reading, index and retrieval"
 GENERATION_PANEL = "Generation"
 TENSOR_CACHE_PANEL = "Tensor Cache (bounded decoder memory)"
 OUTPUT_PANEL = "Output"
+CACHE_PANEL = "Cache of encoded books"
 DISPLAY_PANEL = "Display"
 
 
@@ -63,6 +64,9 @@ class SummarizeSettings:
     password: str | None = None
     keep_all: bool = False  # EPUB: keep front/back matter and notes (read_document's keep_all)
     tensor_cache: object | None = None  # unlimisum.tensor_cache.TensorCacheSettings, or None for the ordinary cache
+    coverage: bool = False  # a coverage table in the Markdown output
+    cache_dir: Path | None = None  # the cache of encoded books, None: off
+    cache_max_bytes: int | None = None  # its size cap, None: none
 
 
 @dataclass
@@ -80,6 +84,27 @@ def _check_overlap(value: float) -> float:
     if not 0.0 <= value < 1.0:
         raise typer.BadParameter(f"{value} is not in [0, 1)")
     return value
+
+
+def _check_size(value: str | None) -> str | None:
+    if value is not None:
+        parse_size(value)
+    return value
+
+
+def parse_size(value: str) -> int:
+    """``20G`` -> bytes (K, M, G, T: powers of 1024; a plain number is bytes); BadParameter otherwise."""
+    text = value.strip().upper().removesuffix("B").removesuffix("I")
+    units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    factor = units.get(text[-1:], 1) if text else 1
+    number = text[:-1] if text[-1:] in units else text
+    try:
+        size = float(number) * factor
+    except ValueError:
+        raise typer.BadParameter(f"'{value}' is not a size; use e.g. 500M or 20G") from None
+    if size <= 0:
+        raise typer.BadParameter(f"'{value}' is not a positive size")
+    return int(size)
 
 
 def _check_device(value: str) -> str:
@@ -237,6 +262,21 @@ def summarize(
         help="With -o: skip inputs whose summary file unlimisum already wrote (resume a batch).",
         rich_help_panel=OUTPUT_PANEL,
     ),
+    coverage: bool = typer.Option(
+        False, "--coverage", help="Add a table of where each summary looked (its share of attention per chapter).",
+        rich_help_panel=OUTPUT_PANEL,
+    ),
+    # -- cache of encoded books
+    cache_dir: Optional[Path] = typer.Option(
+        None, "--cache-dir", envvar="UNLIMISUM_CACHE_DIR", show_envvar=True, metavar="DIR", file_okay=False,
+        help="Keep encoded books here: summarizing the same book again (other options) skips reading and encoding.",
+        rich_help_panel=CACHE_PANEL,
+    ),
+    cache_max_bytes: Optional[str] = typer.Option(
+        None, "--cache-max-bytes", metavar="SIZE", callback=_check_size,
+        help="With --cache-dir: cap its size (e.g. 20G); the least recently used books go first.",
+        rich_help_panel=CACHE_PANEL,
+    ),
     # -- display
     quiet: bool = typer.Option(
         False, "-q", "--quiet", help="No progress or per-document lines on stderr; errors only.",
@@ -262,6 +302,8 @@ def summarize(
     if retrieval_k is not None and retrieval_k_alias is not None and retrieval_k != retrieval_k_alias:
         raise fail(f"--retrieval-k {retrieval_k} and --topk {retrieval_k_alias} disagree (--topk is its old name)",
                    EXIT_USAGE)
+    if cache_max_bytes is not None and cache_dir is None:
+        raise fail("--cache-max-bytes needs --cache-dir (or UNLIMISUM_CACHE_DIR)", EXIT_USAGE)
     if tc_window is not None and not (tensor_cache or tc_params is not None):
         raise fail("--tc-window needs --tensor-cache or --tc-params", EXIT_USAGE)
     try:
@@ -281,7 +323,8 @@ def summarize(
             top_k=top_k, top_p=top_p, seed=seed,
         ),
         per_chapter=per_chapter, as_json=as_json, output_dir=output_dir, skip_existing=skip_existing,
-        password=password, keep_all=keep_all, tensor_cache=memory,
+        password=password, keep_all=keep_all, tensor_cache=memory, coverage=coverage, cache_dir=cache_dir,
+        cache_max_bytes=parse_size(cache_max_bytes) if cache_max_bytes else None,
     )
     display = ProgressDisplay(make_stderr_console(), show=not quiet, verbose=verbose)
     try:
@@ -421,9 +464,15 @@ class BatchRunner:
             self.display.set_memory_probe(MemoryProbe(cuda_device=loaded.device))
         elif self.display.memory is None:
             self.display.set_memory_probe(MemoryProbe())
+        cache = None
+        if settings.cache_dir is not None:
+            from unlimisum.encoded_cache import EncodedCache
+
+            cache = EncodedCache(settings.cache_dir, max_bytes=settings.cache_max_bytes,
+                                 warn=lambda message: self.display.note(f"unlimisum: warning: {message}"))
         self.summarizer = Summarizer(
             loaded, encoding=settings.encoding, index=settings.index, retrieval=settings.retrieval,
-            generation=settings.generation, tensor_cache=settings.tensor_cache, progress=self.display,
+            generation=settings.generation, tensor_cache=settings.tensor_cache, cache=cache, progress=self.display,
         )
         if settings.tensor_cache is not None:
             self.display.note(tensor_cache_note(settings.tensor_cache, settings.generation.max_new_tokens))
@@ -471,10 +520,11 @@ class BatchRunner:
                 self._print(to_json_line(record) + "\n")
             return
         if job.output is not None:
-            self._write(job, render_markdown(summary, document, heading=True, marker=True))
+            self._write(job, render_markdown(summary, document, heading=True, marker=True,
+                                             coverage=settings.coverage))
             return
         several = self.result.total > 1
-        text = render_markdown(summary, document, heading=several)
+        text = render_markdown(summary, document, heading=several, coverage=settings.coverage)
         self._print(("\n" if self._printed else "") + text)
         self._printed += 1
 

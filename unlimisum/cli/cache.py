@@ -1,0 +1,92 @@
+"""`unlimisum cache list|clear`: the cache of encoded books (`summarize --cache-dir`).
+
+    unlimisum cache list --cache-dir ~/.cache/unlimisum          # or UNLIMISUM_CACHE_DIR
+    unlimisum cache clear --older-than 30d
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from unlimisum.cli.app import EXIT_USAGE, UnlimisumGroup, UnlimisumTyper, app, fail
+from unlimisum.cli.progress import format_bytes
+
+cache_app = UnlimisumTyper(
+    name="cache", cls=UnlimisumGroup, help="The cache of encoded books (summarize --cache-dir): list, clear.",
+    no_args_is_help=True,
+)
+app.add_typer(cache_app, name="cache")
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def parse_duration(value: str) -> float:
+    """``30d`` -> seconds (s, m, h, d, w; a plain number is seconds); BadParameter otherwise."""
+    match = _DURATION.match(value.lower())
+    if not match:
+        raise typer.BadParameter(f"'{value}' is not a duration; use e.g. 12h, 30d or 2w")
+    return float(match[1]) * _SECONDS[match[2]]
+
+
+def _cache_dir_option():
+    return typer.Option(None, "--cache-dir", envvar="UNLIMISUM_CACHE_DIR", show_envvar=True, metavar="DIR",
+                        file_okay=False, help="The cache folder (as given to summarize --cache-dir).")
+
+
+def _open(cache_dir: Optional[Path]):
+    from unlimisum.encoded_cache import EncodedCache
+
+    if cache_dir is None:
+        raise fail("no cache folder: pass --cache-dir DIR or set UNLIMISUM_CACHE_DIR", EXIT_USAGE)
+    return EncodedCache(cache_dir)
+
+
+@cache_app.command("list")
+def list_entries(
+    cache_dir: Optional[Path] = _cache_dir_option(),
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per entry on stdout."),
+) -> None:
+    """The encoded books in the cache, most recently used first."""
+    cache = _open(cache_dir)
+    entries = cache.entries()
+    if as_json:
+        for entry in entries:
+            typer.echo(json.dumps(entry.__dict__, ensure_ascii=False))
+        return
+    now = time.time()
+    for entry in entries:
+        name = entry.title or entry.source or "(untitled)"
+        age = _age(now - entry.last_used)
+        typer.echo(f"{entry.key[:12]}  {format_bytes(entry.nbytes):>10}  {entry.n_tokens:>10,} tokens  "
+                   f"used {age:>4} ago  {name}  [{entry.model}]")
+    total = sum(entry.nbytes for entry in entries)
+    typer.echo(f"{len(entries)} encoded book{'s' if len(entries) != 1 else ''}, {format_bytes(total)} "
+               f"in {cache.directory}", err=True)
+
+
+@cache_app.command("clear")
+def clear(
+    cache_dir: Optional[Path] = _cache_dir_option(),
+    older_than: Optional[str] = typer.Option(
+        None, "--older-than", metavar="AGE", help="Only entries unused for this long (e.g. 30d, 12h)."
+    ),
+) -> None:
+    """Remove encoded books from the cache (all of them, or those unused for --older-than)."""
+    cache = _open(cache_dir)
+    seconds = parse_duration(older_than) if older_than is not None else None
+    count, freed = cache.clear(older_than_seconds=seconds)
+    typer.echo(f"removed {count} encoded book{'s' if count != 1 else ''}, {format_bytes(freed)}", err=True)
+
+
+def _age(seconds: float) -> str:
+    for unit, size in (("w", 7 * 86400), ("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{int(seconds // size)}{unit}"
+    return f"{int(seconds)}s"

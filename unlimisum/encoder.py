@@ -1,0 +1,165 @@
+"""Document -> EncodedDocument: tokenize, encode in overlapping windows, build the store; once.
+
+With a cache of encoded books the states of a text already encoded by the same model and
+settings are loaded (memory-mapped) instead, and a fresh encoding is stored for next time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from unlimisum import checkpoint
+from unlimisum.config import EncodingConfig, IndexConfig
+from unlimisum.datastore import DatastoreBuilder, IndexPlan, TorchExactDatastore, plan_index
+from unlimisum.document import Document
+from unlimisum.encoded import EncodedDocument, TokenRange, chapter_token_ranges, token_char_starts
+from unlimisum.encoded_cache import CacheKey, EncodedCache, text_sha256
+from unlimisum.encoding import auto_batch_size, encode_windows, plan_windows
+from unlimisum.errors import ConfigError, EmptyDocumentError
+from unlimisum.models import LoadedModel
+
+
+@dataclass(frozen=True)
+class EncodePlan:
+    """What the summarizer decided before encoding: window, index options, and what the index must serve."""
+
+    window: int
+    index: IndexConfig  # storage dtype resolved
+    retrieval_k: int
+    queries_per_step: int  # heads x beams of one document
+
+
+class DocumentEncoder:
+    """Encodes documents with one loaded model; reports ``ProgressEvent``s through ``progress``."""
+
+    def __init__(self, loaded: LoadedModel, encoding: EncodingConfig, plan: EncodePlan,
+                 progress: Callable, cache: EncodedCache | None = None):
+        self.loaded, self.encoding, self.plan, self.progress, self.cache = loaded, encoding, plan, progress, cache
+
+    def encode(self, document: Document) -> EncodedDocument:
+        """The document's tokens, states, windows and chapter ranges (from the cache when it has them)."""
+        from unlimisum.summarizer import ProgressEvent
+
+        text = document.text
+        if not text.strip():
+            raise EmptyDocumentError("there is no text to summarize", source=document.source)
+        name = document.title or document.source
+        key = self._cache_key(text) if self.cache is not None else None
+        if key is not None:
+            started = time.perf_counter()
+            self.progress(ProgressEvent("cache", 0, 1, name))
+            loaded = self.cache.load(key)
+            if loaded is not None:
+                encoded = self._from_cache(name, loaded)
+                encoded.seconds["cache_load"] = time.perf_counter() - started
+                self.progress(ProgressEvent("cache", 1, 1, name, {"tokens": encoded.n_tokens,
+                                                                   "bytes": encoded.store.nbytes}))
+                return encoded
+        encoded = self._encode(document, name)
+        if key is not None:
+            meta = {"title": document.title, "source": document.source, "windows": [list(w) for w in encoded.windows],
+                    "chapters": [[c.title, c.start, c.end] for c in encoded.chapters]}
+            self.cache.store(key, encoded.store.states(), encoded.token_ids, meta)
+        return encoded
+
+    # -- fresh encoding -----------------------------------------------------------------------------
+
+    def tokenize(self, document: Document) -> tuple[torch.Tensor, list[int] | None]:
+        """All tokens, special tokens included, no truncation: ([N] int64, each token's start character
+        or None for tokenizers without offsets)."""
+        text, tokenizer = document.text, self.loaded.tokenizer
+        try:
+            encoding = tokenizer(text, add_special_tokens=True, truncation=False, verbose=False,
+                                 return_offsets_mapping=True)
+            starts = token_char_starts(encoding["offset_mapping"])
+        except NotImplementedError:  # slow (Python) tokenizers have no offsets
+            encoding, starts = tokenizer(text, add_special_tokens=True, truncation=False, verbose=False), None
+        ids = encoding["input_ids"]
+        unknown = tokenizer.unk_token_id
+        special = set(tokenizer.all_special_ids) - {unknown}
+        checkpoint.check_encoding(len(ids), sum(i in special for i in ids),
+                                  sum(i == unknown for i in ids) if unknown is not None else 0, text,
+                                  source=document.source)
+        return torch.tensor(ids, dtype=torch.long), starts
+
+    def _encode(self, document: Document, name: str) -> EncodedDocument:
+        from unlimisum.summarizer import ProgressEvent
+
+        started = time.perf_counter()
+        self.progress(ProgressEvent("tokenize", 0, 1, name))
+        input_ids, starts = self.tokenize(document)
+        tokenized = time.perf_counter()
+        n_tokens = len(input_ids)
+        self.progress(ProgressEvent("tokenize", 1, 1, name, {"tokens": n_tokens}))
+
+        windows = plan_windows(n_tokens, self.plan.window, self.encoding.overlap)
+        builder = DatastoreBuilder(n_tokens, self.loaded.model.config.d_model, self._index_plan(n_tokens),
+                                   self.plan.index)
+        batch_size = self.encoding.batch_size or auto_batch_size(windows.window, windows.n_windows, self.loaded.device)
+        if batch_size < 1:
+            raise ConfigError(f"encode batch size must be at least 1, got {batch_size}")
+        info = {"tokens": n_tokens, "index": builder.plan.kind, "index_device": builder.plan.device}
+        self.progress(ProgressEvent("encode", 0, windows.n_windows, name, info))
+        encode_windows(
+            self.loaded.model.get_encoder(), input_ids, windows, builder.add, batch_size=batch_size,
+            encoder_inputs=self.loaded.architecture.encoder_inputs,
+            on_batch=lambda done: self.progress(ProgressEvent("encode", done, windows.n_windows, name, info)),
+        )
+        encoded_at = time.perf_counter()
+        self.progress(ProgressEvent("index", 0, 1, name, info))
+        store = builder.finish()
+        finished = time.perf_counter()
+        self.progress(ProgressEvent("index", 1, 1, name, dict(info, bytes=store.nbytes)))
+        seconds = {"tokenize": tokenized - started, "encode": encoded_at - tokenized, "index": finished - encoded_at}
+        kept = tuple(windows.kept(i) for i in range(windows.n_windows))
+        return EncodedDocument(name, input_ids, store, kept, chapter_token_ranges(document, starts, n_tokens), seconds)
+
+    def _index_plan(self, n_tokens: int) -> IndexPlan:
+        return plan_index(n_tokens, self.loaded.model.config.d_model, self.plan.index, top_k=self.plan.retrieval_k,
+                          queries_per_step=self.plan.queries_per_step, model_device=self.loaded.device)
+
+    # -- the cache ---------------------------------------------------------------------------------
+
+    def _cache_key(self, text: str) -> CacheKey:
+        return CacheKey(
+            text_sha256=text_sha256(text), model=model_identity(self.loaded), tokenizer=tokenizer_identity(self.loaded),
+            window=self.plan.window, overlap=self.encoding.overlap, storage_dtype=self.plan.index.storage_dtype,
+            model_dtype=str(self.loaded.dtype).removeprefix("torch."), device_type=self.loaded.device.type,
+        )
+
+    def _from_cache(self, name: str, cached) -> EncodedDocument:
+        states, n_tokens = cached.states, cached.states.shape[0]
+        plan = self._index_plan(n_tokens)
+        if plan.kind == "exact" and plan.device == "cpu":
+            store = TorchExactDatastore(states, "exact", "cpu", states.numel() * states.element_size())  # mapped
+        else:  # a GPU store or an approximate index is built from the mapped states
+            builder = DatastoreBuilder(n_tokens, states.shape[1], plan, self.plan.index)
+            for start in range(0, n_tokens, 65_536):
+                builder.add(states[start:start + 65_536])
+            store = builder.finish()
+        windows = tuple(tuple(w) for w in cached.meta["windows"])
+        chapters = tuple(TokenRange(title, start, end) for title, start, end in cached.meta["chapters"])
+        return EncodedDocument(name, cached.token_ids, store, windows, chapters, {}, cached=True)
+
+
+def model_identity(loaded: LoadedModel) -> str:
+    """The model's name and revision (hub commit, or a fingerprint of a local folder or of the weights)."""
+    if loaded.fingerprint:
+        return f"{loaded.name}@{loaded.fingerprint}"
+    digest = hashlib.sha256()
+    for name, tensor in loaded.model.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return f"{loaded.name}@weights:{digest.hexdigest()[:16]}"
+
+
+def tokenizer_identity(loaded: LoadedModel) -> str:
+    """The tokenizer's source and a hash of its vocabulary."""
+    vocabulary = json.dumps(loaded.tokenizer.get_vocab(), sort_keys=True, ensure_ascii=False)
+    return f"{loaded.tokenizer_name or loaded.name}#{hashlib.sha256(vocabulary.encode()).hexdigest()[:16]}"
