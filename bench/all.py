@@ -11,7 +11,8 @@ import importlib
 import time
 
 BENCHMARKS = [
-    "encoding", "decoding", "index_choice", "memory", "truncation", "profile", "needle_eval", "tc_recall",
+    "encoding", "decode_speed", "decoding", "index_choice", "memory", "truncation", "profile", "encode_once",
+    "needle_eval", "tc_recall",
 ]
 
 

@@ -58,8 +58,8 @@ def random_model(size: str = "bart-base", window: int = 1024):
     """A LoadedModel of BART with ``size``'s real dimensions and random weights."""
     from transformers import BartConfig, BartForConditionalGeneration
 
-    from unlimisum.architectures import architecture_for
-    from unlimisum.compat import quiet_transformers
+    from unlimisum.models.architectures import architecture_for
+    from unlimisum.models.compat import quiet_transformers
     from unlimisum.models import LoadedModel
 
     quiet_transformers()

@@ -16,8 +16,8 @@ import torch
 
 from bench.common import SIZES, matmul_gflops, print_table, random_model, write_result
 from unlimisum.config import IndexConfig
-from unlimisum.datastore import DatastoreBuilder, plan_index
-from unlimisum.encoding import auto_batch_size, encode_windows, plan_windows
+from unlimisum.unlimiformer.datastore import DatastoreBuilder, plan_index
+from unlimisum.unlimiformer.encoding import auto_batch_size, encode_windows, plan_windows
 
 
 def encoder_flops_per_token(size: str, window: int) -> float:

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from unlimisum.config import IndexConfig
-from unlimisum.datastore import DatastoreBuilder, IndexPlan, attention_mass_recall
+from unlimisum.unlimiformer.datastore import DatastoreBuilder, IndexPlan, attention_mass_recall
 
 HEAD_DIM = 64
 SCALING = HEAD_DIM**-0.5

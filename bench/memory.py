@@ -33,7 +33,7 @@ def child(n_tokens: int, encode: bool, size: str) -> dict:
     from bench.common import random_model, random_text
     from bench.index_choice import synthetic_states
     from unlimisum.config import GenerationOptions, IndexConfig
-    from unlimisum.datastore import DatastoreBuilder, plan_index
+    from unlimisum.unlimiformer.datastore import DatastoreBuilder, plan_index
     from unlimisum.summarizer import Summarizer
 
     loaded = random_model(size)

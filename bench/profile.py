@@ -2,8 +2,9 @@
 
     python -m bench.profile [--tokens 100000] [--kind exact] [--new-tokens 4]
 
-Prints the functions with the most cumulative time and the shares of search, value
-lookup (weighted_sum) and everything else in generate(); writes bench/results/profile.json.
+Prints the functions with the most cumulative time and the shares of the exact step's parts
+(the scores matmul, the top-k selection, the weighted sum of states: gathered or a dense pass)
+and everything else in generate(); writes bench/results/profile.json.
 """
 
 from __future__ import annotations
@@ -20,8 +21,14 @@ from unlimisum.summarizer import Summarizer
 
 # (label, file fragment, function name) of the parts a step is made of
 PARTS = [
-    ("search", "datastore.py", "search"),
-    ("value lookup (weighted_sum)", "datastore.py", "weighted_sum"),
+    ("scores matmul", "kernels.py", "scores"),
+    ("scores matmul", "kernels.py", "native_scores"),
+    ("top-k selection", "kernels.py", "top_k"),
+    ("top-k selection", "kernels.py", "top_k_tokens_major"),
+    ("top-k selection", "kernels.py", "select"),
+    ("weighted sum (gather)", "kernels.py", "gathered_attention"),
+    ("weighted sum (dense pass)", "kernels.py", "dense_values"),
+    ("retrieval attention, total", "kernels.py", "attend"),
     ("generate, total", "summarizer.py", "generate"),
 ]
 
@@ -45,15 +52,19 @@ def main(argv=None) -> dict:
     summarizer.generate([store])
     profiler.disable()
     stats = pstats.Stats(profiler)
-    cumulative = {}
-    for (filename, _, function), (_, _, _, total, _) in stats.stats.items():
+    own, cumulative = {}, {}
+    for (filename, _, function), (_, _, own_seconds, total, _) in stats.stats.items():
         for label, fragment, name in PARTS:
             if filename.endswith(fragment) and function == name:
+                own[label] = own.get(label, 0.0) + own_seconds  # nested parts are not counted twice
                 cumulative[label] = cumulative.get(label, 0.0) + total
     total = cumulative.get("generate, total", 0.0)
-    rest = total - cumulative.get("search", 0.0) - cumulative.get("value lookup (weighted_sum)", 0.0)
-    shares = {label: seconds / total for label, seconds in cumulative.items() if label != "generate, total"}
-    shares["model (projections, decoder layers, logits)"] = rest / total
+    retrieval = cumulative.get("retrieval attention, total", 0.0)
+    shares = {label: own.get(label, 0.0) / total for label in dict.fromkeys(label for label, _, _ in PARTS)
+              if "total" not in label}
+    shares["other retrieval work (masks, softmax, coverage)"] = (retrieval - sum(
+        own.get(label, 0.0) for label in shares)) / total
+    shares["model (projections, decoder layers, logits)"] = (total - retrieval) / total
     top = sorted(stats.stats.items(), key=lambda item: item[1][3], reverse=True)[:15]
     print(f"profile: {args.size}, N={n_tokens:,}, {args.kind} index, {args.new_tokens} tokens, "
           f"{total / args.new_tokens:.3f} s/token")

@@ -250,7 +250,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=FIXTURE)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    from unlimisum.compat import quiet_transformers
+    from unlimisum.models.compat import quiet_transformers
 
     quiet_transformers()
     model, tokenizer, accuracy, seconds = train(args.steps, args.batch_size, args.lr, args.seed, args.other_windows)

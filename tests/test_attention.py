@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from tests.conftest import ALL_FAMILIES
-from unlimisum.architectures import ARCHITECTURES, architecture_for, supported_model_types
-from unlimisum.attention import RetrievalCrossAttention, RetrievalSession, install, retrieval, uninstall
+from unlimisum.models.architectures import ARCHITECTURES, architecture_for, supported_model_types
+from unlimisum.unlimiformer.retrieval import RetrievalCrossAttention, RetrievalSession, install, retrieval, uninstall
 from unlimisum.config import IndexConfig
-from unlimisum.datastore import DatastoreBuilder, plan_index
+from unlimisum.unlimiformer.datastore import DatastoreBuilder, plan_index
 from unlimisum.errors import UnsupportedModelError
 
 TEXT = "The lighthouse keeper counted the ships that passed."

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
-from unlimisum import kernels
+from unlimisum.unlimiformer import kernels
 from unlimisum.config import IndexConfig
-from unlimisum.datastore import DatastoreBuilder, IndexPlan, attention_mass_recall, plan_index
+from unlimisum.unlimiformer.datastore import DatastoreBuilder, IndexPlan, attention_mass_recall, plan_index
 from unlimisum.errors import ConfigError
 
 CPU = IndexPlan("exact", "cpu", "test")
@@ -38,15 +40,20 @@ def build(states: torch.Tensor, plan: IndexPlan = CPU, config: IndexConfig = Ind
     return builder.finish()
 
 
-@pytest.fixture(params=["native", "float32"])
+@pytest.fixture(params=["native", "native-tokens-major", "float32"])
 def kernel(request, monkeypatch):
-    """Every exact test runs with both score kernels, whichever this machine would pick."""
-    monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", request.param)
-    return request.param
+    """Every exact test runs with both score kernels and both selection layouts, whichever this machine
+    would pick."""
+    name = request.param.split("-")[0]
+    monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", name)
+    real = kernels.kernel_for
+    layout = request.param.endswith("tokens-major")
+    monkeypatch.setattr(kernels, "kernel_for", lambda *args: dataclasses.replace(real(*args), tokens_major=layout))
+    return name
 
 
 def score_tolerance(queries: torch.Tensor, stored: torch.Tensor, kernel: str) -> float:
-    """The documented precision of a kernel's scores (unlimisum/kernels.py): exact in fp32; with native
+    """The documented precision of a kernel's scores (unlimisum/unlimiformer/kernels.py): exact in fp32; with native
     16-bit scores, query and score rounding each cost at most eps/2 relative, so |error| <= eps |q| |s|."""
     if kernel == "float32" or stored.dtype == torch.float32:
         return 1e-4
@@ -303,7 +310,7 @@ def test_plan_follows_the_models_device(monkeypatch):
 
 
 def test_auto_storage_is_bfloat16_whatever_the_model():
-    from unlimisum.placement import storage_dtype
+    from unlimisum.unlimiformer.placement import storage_dtype
 
     assert storage_dtype(IndexConfig(), torch.bfloat16) == torch.bfloat16
     assert storage_dtype(IndexConfig(), torch.float32) == torch.bfloat16
@@ -350,6 +357,10 @@ def test_blocked_top_k_equals_torch_topk(n, k):
     logits[2, 1000:1500] += 10  # the winners crowded into a few blocks
     values, ids = kernels.top_k(logits, k)
     expected_values, _ = logits.topk(k, dim=1)
+    torch.testing.assert_close(values, expected_values)
+    torch.testing.assert_close(logits.gather(1, ids), values)
+    # the same from scores laid out [N, nq]
+    values, ids = kernels.top_k_tokens_major(logits.T.contiguous(), k)
     torch.testing.assert_close(values, expected_values)
     torch.testing.assert_close(logits.gather(1, ids), values)
 

@@ -10,10 +10,10 @@ import torch
 
 from tests.test_needle import DIGITS, FIXTURE, GENERATION
 from tests.tiny_models import SAMPLE_TEXT
-from unlimisum import encoder as encoder_module
+from unlimisum.unlimiformer import encoder as encoder_module
 from unlimisum.config import GenerationOptions, IndexConfig, ModelConfig, RetrievalConfig
 from unlimisum.document import Chapter, Document
-from unlimisum.encoded_cache import EncodedCache
+from unlimisum.unlimiformer.cache import EncodedCache
 from unlimisum.models import load_model
 from unlimisum.summarizer import Summarizer
 
@@ -60,7 +60,7 @@ def test_a_chapter_summary_reads_exactly_its_own_tokens(tiny_loaded, monkeypatch
     view = encoded.chapter_store(chapter)
     assert view.n_tokens == chapter.end - chapter.start
     assert view.states().data_ptr() == encoded.store.states()[chapter.start].data_ptr()
-    from unlimisum.datastore import DatastoreBuilder, IndexPlan
+    from unlimisum.unlimiformer.datastore import DatastoreBuilder, IndexPlan
 
     builder = DatastoreBuilder(view.n_tokens, view.dim, IndexPlan("exact", "cpu", "test"),
                                IndexConfig(storage_dtype="float32"))

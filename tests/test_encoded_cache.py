@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from unlimisum.encoded_cache import CacheKey, EncodedCache, text_sha256
+from unlimisum.unlimiformer.cache import CacheKey, EncodedCache, text_sha256
 
 
 def key(**changes) -> CacheKey:

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unlimisum.encoding import auto_batch_size, encode_windows, plan_windows
+from unlimisum.unlimiformer.encoding import auto_batch_size, encode_windows, plan_windows
 from unlimisum.errors import ConfigError
 
 

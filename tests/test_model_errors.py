@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.tiny_models import SAMPLE_TEXT
-from unlimisum import checkpoint
+from unlimisum.models import checkpoint
 from unlimisum.cli import app
 from unlimisum.config import GenerationOptions, ModelConfig
 from unlimisum.errors import ModelError, ModelNotFoundError, TokenizerError

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from tests.tiny_models import SAMPLE_TEXT
-from unlimisum import compat
-from unlimisum.attention import RetrievalSession, install
+from unlimisum.models import compat
+from unlimisum.unlimiformer.retrieval import RetrievalSession, install
 from unlimisum.config import GenerationOptions, IndexConfig, RetrievalConfig
-from unlimisum.datastore import DatastoreBuilder, plan_index
+from unlimisum.unlimiformer.datastore import DatastoreBuilder, plan_index
 from unlimisum.models import LoadedModel
 from unlimisum.summarizer import Summarizer
 

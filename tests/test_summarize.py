@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from tests.tiny_models import SAMPLE_TEXT
-from unlimisum import compat
+from unlimisum.models import compat
 from unlimisum.config import EncodingConfig, GenerationOptions, IndexConfig, ModelConfig, RetrievalConfig
 from unlimisum.document import Chapter, Document
 from unlimisum.errors import ConfigError, EmptyDocumentError, ModelNotFoundError, UnsupportedModelError
@@ -228,3 +228,17 @@ def test_top_k_means_sampling_top_k_and_retrieval_k_has_its_own_name():
     assert configs["generation"].top_k == 50 and configs["generation"].to_generate_kwargs()["top_k"] == 50
     assert configs["retrieval"].retrieval_k == 128
     assert configs_from_options("m", {"top_k": 5})["retrieval"].retrieval_k is None
+
+
+def test_default_retrieval_k_is_the_window_up_to_1024(tiny_model_dir):
+    from unlimisum.config import DEFAULT_RETRIEVAL_K
+    from unlimisum.models import load_model
+
+    few = GenerationOptions(max_new_tokens=8)
+    short = Summarizer(load_model(ModelConfig(name=str(tiny_model_dir("bart")), device="cpu")), generation=few)
+    assert short._retrieval_k() == 64  # the model's window
+    long = Summarizer(load_model(ModelConfig(name=str(tiny_model_dir("bart", window=2048)), device="cpu")),
+                      generation=few)
+    assert long._retrieval_k() == DEFAULT_RETRIEVAL_K == 1024
+    asked = Summarizer(long.loaded, generation=few, retrieval=RetrievalConfig(retrieval_k=4096))
+    assert asked._retrieval_k() == 4096

@@ -12,7 +12,7 @@ from tests.tiny_models import SAMPLE_TEXT
 from unlimisum.cli import app
 from unlimisum.errors import ConfigError
 from unlimisum.tensor_cache import TensorCacheSettings, load_params, tensor_cache
-from unlimisum.tensor_cache.attention import installed_wrappers
+from unlimisum.tensor_cache.self_attention import installed_wrappers
 from unlimisum.tensor_cache.fit import FitSettings, fit_tensor_cache
 
 TEXTS = [SAMPLE_TEXT * 4, SAMPLE_TEXT * 3]

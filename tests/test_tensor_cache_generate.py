@@ -7,12 +7,12 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer, EncoderDecoderCache
 
 from tests.conftest import ALL_FAMILIES
-from unlimisum.compat import encoder_outputs
+from unlimisum.models.compat import encoder_outputs
 from unlimisum.errors import ConfigError
 from unlimisum.tensor_cache import (
     TensorCacheParams, TensorCacheSettings, load_params, retained_bytes, save_params, tensor_cache,
 )
-from unlimisum.tensor_cache.attention import (
+from unlimisum.tensor_cache.self_attention import (
     ParallelMemory, TensorCacheSelfAttention, install, installed_wrappers, uninstall,
 )
 
@@ -209,9 +209,9 @@ def test_retained_state_is_constant_in_generated_tokens(tiny_loaded):
 
 def test_retrieval_and_tensor_cache_together(tiny_loaded):
     """Unlimiformer cross-attention + Tensor Cache: W >= length equals retrieval alone, greedy and beams."""
-    from unlimisum.attention import RetrievalSession, retrieval
+    from unlimisum.unlimiformer.retrieval import RetrievalSession, retrieval
     from unlimisum.config import IndexConfig
-    from unlimisum.datastore import DatastoreBuilder, plan_index
+    from unlimisum.unlimiformer.datastore import DatastoreBuilder, plan_index
 
     loaded = tiny_loaded("bart")
     states, mask = _encoded(loaded)

@@ -22,6 +22,8 @@ _LAZY = {
     "SummaryStats": "unlimisum.summarizer",
     "ProgressEvent": "unlimisum.summarizer",
     "load_model": "unlimisum.models",
+    "EncodedCache": "unlimisum.unlimiformer.cache",
+    "EncodedDocument": "unlimisum.unlimiformer.encoded",
     "read_document": "unlimisum.ingest",
     "read_stdin": "unlimisum.ingest",
     "EncodingConfig": "unlimisum.config",

@@ -1,4 +1,4 @@
-"""Document -> summary: encode once (unlimisum/encoder.py), generate with retrieval attention, report coverage."""
+"""Document -> summary: encode once (unlimisum/unlimiformer/encoder.py), generate with retrieval attention, report coverage."""
 
 from __future__ import annotations
 
@@ -10,18 +10,21 @@ from typing import Callable, Sequence
 
 import torch
 
-from unlimisum import compat, coverage
-from unlimisum.attention import RetrievalSession, retrieval
-from unlimisum.config import EncodingConfig, GenerationOptions, IndexConfig, ModelConfig, RetrievalConfig
-from unlimisum.coverage import CoverageSpan
-from unlimisum.datastore import Datastore
+from unlimisum.models import compat
+from unlimisum.unlimiformer import coverage
+from unlimisum.unlimiformer.retrieval import RetrievalSession, retrieval
+from unlimisum.config import (
+    DEFAULT_RETRIEVAL_K, EncodingConfig, GenerationOptions, IndexConfig, ModelConfig, RetrievalConfig,
+)
+from unlimisum.unlimiformer.coverage import CoverageSpan
+from unlimisum.unlimiformer.datastore import Datastore
 from unlimisum.document import Document
-from unlimisum.encoded import EncodedDocument
-from unlimisum.encoded_cache import EncodedCache
-from unlimisum.encoder import DocumentEncoder, EncodePlan
+from unlimisum.unlimiformer.encoded import EncodedDocument
+from unlimisum.unlimiformer.cache import EncodedCache
+from unlimisum.unlimiformer.encoder import DocumentEncoder, EncodePlan
 from unlimisum.errors import ConfigError, EmptyDocumentError
 from unlimisum.models import LoadedModel, load_model
-from unlimisum.placement import storage_dtype
+from unlimisum.unlimiformer.placement import storage_dtype
 
 
 # Chapters generated together with --per-chapter: batching speeds generation up; every chapter
@@ -278,7 +281,7 @@ class Summarizer:
         return self.encoding.window or self.loaded.max_source_length
 
     def _retrieval_k(self) -> int:
-        k = self.retrieval.retrieval_k or self.loaded.max_source_length
+        k = self.retrieval.retrieval_k or min(self.loaded.max_source_length, DEFAULT_RETRIEVAL_K)
         if k < 1:
             raise ConfigError(f"retrieval k must be at least 1, got {k}")
         return k

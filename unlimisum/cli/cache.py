@@ -41,7 +41,7 @@ def _cache_dir_option():
 
 
 def _open(cache_dir: Optional[Path]):
-    from unlimisum.encoded_cache import EncodedCache
+    from unlimisum.unlimiformer.cache import EncodedCache
 
     if cache_dir is None:
         raise fail("no cache folder: pass --cache-dir DIR or set UNLIMISUM_CACHE_DIR", EXIT_USAGE)

@@ -164,7 +164,7 @@ def summarize(
     ),
     retrieval_k: Optional[int] = typer.Option(
         None, "--retrieval-k", min=1, metavar="K",
-        help="Input tokens each cross-attention head retrieves per step (default: the model's window); "
+        help="Input tokens each cross-attention head retrieves per step (default: the model's window, at most 1,024); "
         "not sampling's --top-k.",
         rich_help_panel=INDEX_PANEL,
     ),
@@ -382,7 +382,7 @@ def tensor_cache_note(settings, max_new_tokens: int) -> str:
 
 def check_index_settings(index: IndexConfig) -> None:
     """Raise ConfigError now, before the model loads, for index options this machine cannot honour."""
-    from unlimisum.datastore import plan_index
+    from unlimisum.unlimiformer.datastore import plan_index
 
     plan_index(1, 1, index)  # validates kind/device and CUDA presence for --index-device gpu
 
@@ -466,7 +466,7 @@ class BatchRunner:
             self.display.set_memory_probe(MemoryProbe())
         cache = None
         if settings.cache_dir is not None:
-            from unlimisum.encoded_cache import EncodedCache
+            from unlimisum.unlimiformer.cache import EncodedCache
 
             cache = EncodedCache(settings.cache_dir, max_bytes=settings.cache_max_bytes,
                                  warn=lambda message: self.display.note(f"unlimisum: warning: {message}"))

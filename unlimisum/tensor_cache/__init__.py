@@ -7,7 +7,7 @@ through the output projection with a gate, y = local + sigmoid(g)·r.
     scan.py       tensor_cache_attention (exact parallel form), ..._chunked (linear in T)
     streaming.py  MemoryParams, MemoryState, extend (n tokens == n single steps)
     cache.py      TensorCache (a transformers Cache), retained_bytes
-    attention.py  TensorCacheSelfAttention wrapper, one row per family for the self-attention
+    self_attention.py  TensorCacheSelfAttention wrapper, one row per family for the self-attention
     session.py    tensor_cache(model, architecture, settings) context manager
     params.py     fitted λ, η, g and their safetensors file
     fit.py        fit_tensor_cache: learn λ, η, g of a frozen pretrained model

@@ -5,7 +5,7 @@ Cache: ``get_seq_length`` is the number of tokens seen (T5's relative positions 
 learned positions are computed from it), ``get_mask_sizes`` describes the window that is
 attended (the same as transformers' sliding-window layer, so the decoder builds a mask of the
 right size), ``reorder_cache`` follows beam search. The maths is in streaming.py; the
-self-attention wrapper (attention.py) calls ``TensorCacheLayer.extend``. An unwrapped attention
+self-attention wrapper (self_attention.py) calls ``TensorCacheLayer.extend``. An unwrapped attention
 module calling ``update`` gets a clear error instead of silently wrong attention.
 """
 

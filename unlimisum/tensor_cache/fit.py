@@ -26,9 +26,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
-from unlimisum.architectures import Architecture
+from unlimisum.models.architectures import Architecture
 from unlimisum.errors import ConfigError
-from unlimisum.tensor_cache.attention import ParallelMemory, resolve_architecture, wrapped_self_attention
+from unlimisum.tensor_cache.self_attention import ParallelMemory, resolve_architecture, wrapped_self_attention
 from unlimisum.tensor_cache.params import TensorCacheParams
 
 
@@ -119,7 +119,7 @@ def _token_nll(model, blocks: list[_Block]) -> torch.Tensor:
     start = model.config.decoder_start_token_id
     labels = torch.stack([block.labels for block in blocks])  # [B, C]
     decoder_inputs = torch.cat([torch.full_like(labels[:, :1], start), labels[:, :-1]], dim=1)  # [B, C]
-    from unlimisum.compat import encoder_outputs
+    from unlimisum.models.compat import encoder_outputs
 
     width = max(block.encoder_states.shape[1] for block in blocks)
     states = torch.cat([nn.functional.pad(b.encoder_states, (0, 0, 0, width - b.encoder_states.shape[1])) for b in blocks])

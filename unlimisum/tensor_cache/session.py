@@ -21,10 +21,10 @@ import torch
 from torch import nn
 from transformers.cache_utils import EncoderDecoderCache
 
-from unlimisum import compat
-from unlimisum.architectures import Architecture
+from unlimisum.models import compat
+from unlimisum.models.architectures import Architecture
 from unlimisum.errors import ConfigError
-from unlimisum.tensor_cache.attention import resolve_architecture, wrapped_self_attention
+from unlimisum.tensor_cache.self_attention import resolve_architecture, wrapped_self_attention
 from unlimisum.tensor_cache.cache import TensorCache, retained_bytes
 from unlimisum.tensor_cache.params import TensorCacheParams, closed_layer_params, load_params
 from unlimisum.tensor_cache.streaming import MemoryParams
@@ -141,7 +141,7 @@ def tensor_cache(model: nn.Module, architecture: Architecture | str,
                  settings: TensorCacheSettings = TensorCacheSettings()) -> Iterator[TensorCacheSession]:
     """Within the block, ``session.generate_kwargs()`` makes generate() use a Tensor Cache.
 
-    ``architecture``: the model's row from unlimisum.architectures, or its model_type. Works
+    ``architecture``: the model's row from unlimisum.models.architectures, or its model_type. Works
     together with the retrieval cross-attention (install that as usual), with greedy and beam
     search and batches. Leaves the model as it found it.
     """

@@ -1,6 +1,6 @@
 """One row per model family: where the decoder's attentions live and how they compute.
 
-The retrieval wrapper (attention.py) and the Tensor Cache wrapper (tensor_cache/attention.py)
+The retrieval wrapper (unlimiformer/retrieval.py) and the Tensor Cache wrapper (tensor_cache/self_attention.py)
 read only what a row tells them, so supporting a new encoder-decoder family means adding a
 row here, and nothing else.
 """
@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from unlimisum import compat
+from unlimisum.models import compat
 from unlimisum.errors import UnsupportedModelError
 
 # A tokenizer's model_max_length above this is transformers' "no limit" sentinel, not a limit.

@@ -19,8 +19,8 @@ from typing import Iterator, Sequence
 import torch
 from torch import nn
 
-from unlimisum import wrapping
-from unlimisum.architectures import Architecture
+from unlimisum.models import wrapping
+from unlimisum.models.architectures import Architecture
 
 
 @dataclass
@@ -38,7 +38,7 @@ class RetrievalSession:
     top_k: int
     stats: RetrievalStats = field(default_factory=RetrievalStats)
     # per document, [N] float32 on its store's device: attention mass per input token, summed over
-    # steps, layers, heads and beams (see unlimisum/coverage.py); None: not measured
+    # steps, layers, heads and beams (see unlimisum/unlimiformer/coverage.py); None: not measured
     coverage: Sequence | None = None
 
 

@@ -4,7 +4,7 @@ One copy of the states in 16 bits serves both the search (which tokens each head
 to) and the value lookup (the attention output in hidden space). How:
 
 - exact (CPU and GPU): a 16-bit torch tensor; ``attend`` reads it once per call for every
-  query of a decoder step (unlimisum/kernels.py: one scores matmul, then a gather of the
+  query of a decoder step (unlimisum/unlimiformer/kernels.py: one scores matmul, then a gather of the
   top-k or a dense pass), with the kernel measured on the machine that runs.
 - ivf: the exact buffer (a faiss code buffer) plus an ``IndexIVFScalarQuantizer`` trained at
   ``finish`` on a strided sample of it. Inverted lists keep their own codes and int64 ids, so
@@ -14,7 +14,7 @@ to) and the value lookup (the attention output in hidden space). How:
 
 Approximate kinds find their candidates with faiss (which may round the query to bf16 on
 CPUs with AVX512-BF16) and score the ids found in fp32, so scores do not depend on the CPU;
-the exact kind's precision is documented in unlimisum/kernels.py. ``view(start, end)`` of
+the exact kind's precision is documented in unlimisum/unlimiformer/kernels.py. ``view(start, end)`` of
 any store is a zero-copy exact store over that token range (a chapter of the book).
 """
 
@@ -26,10 +26,10 @@ import faiss
 import numpy as np
 import torch
 
-from . import kernels
-from .config import IndexConfig
-from .errors import ConfigError
-from .placement import APPROXIMATE_KINDS, IndexPlan, plan_index, storage_dtype, validate_index_config
+from unlimisum.unlimiformer import kernels
+from unlimisum.config import IndexConfig
+from unlimisum.errors import ConfigError
+from unlimisum.unlimiformer.placement import APPROXIMATE_KINDS, IndexPlan, plan_index, storage_dtype, validate_index_config
 
 __all__ = ["IndexPlan", "plan_index", "DatastoreBuilder", "Datastore", "attention_mass_recall",
            "TorchExactDatastore", "FaissDatastore", "IVFDatastore", "HNSWDatastore"]

@@ -16,8 +16,10 @@ Two score kernels, the same result within the documented precision:
 - ``float32``: blocks of the store are widened to fp32 and multiplied with the fp32 query:
   exact fp32 scores; faster on CPUs without 16-bit units.
 
-Which one runs, the block size, and when a dense pass beats gathering are measured on the
-machine that runs (``calibrate``, once per process, device, dtype and width), never assumed.
+Which one runs, the block size, the layout the top-k is selected in ([nq, N] scores, or
+[N, nq] from ``states @ queries^T``, the faster matmul orientation on some CPUs), and when a
+dense pass beats gathering are measured on the machine that runs (``calibrate``, once per
+process, device, dtype and width, ~0.3 s), never assumed.
 The attention weights are the softmax of the kernel's scores in every path; the weighted sum
 of states runs in the storage dtype with the native kernel, in fp32 with the float32 kernel.
 """
@@ -48,7 +50,8 @@ class KernelChoice:
 
     scores: str  # "native" | "float32"
     block_rows: int  # float32 kernel: rows widened per step
-    gather_row_cost: float  # seconds per gathered state (gather + fp32 widen + two small matmuls)
+    tokens_major: bool  # native top-k selection scores as states @ queries^T ([N, nq]), measured faster
+    gather_row_cost: float  # seconds per gathered state (gather + the weighted sum)
     dense_row_cost: float  # seconds per stored state for one dense pass over the store
     reason: str = ""  # what was measured, for `unlimisum info` and the benchmarks
 
@@ -93,6 +96,14 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
         kernel = "native" if force == "native" and dtype != torch.float32 else "float32"
     else:
         kernel = "native" if timings.get("native", float("inf")) < timings[f"float32/{block}"] else "float32"
+    tokens_major = False
+    if kernel == "native":  # which layout selects the top-k faster: [nq, N] or [N, nq] scores
+        k = max(1, rows // (8 * TOPK_BLOCK))
+        for layout in (False, True):
+            choice = KernelChoice("native", block, layout, 0.0, 0.0)
+            timings[f"select/{'tokens' if layout else 'queries'}-major"] = _best_time(
+                lambda: select(states, queries, k, choice), device)
+        tokens_major = timings["select/tokens-major"] < timings["select/queries-major"]
     ids = torch.randint(0, rows, (CALIBRATION_QUERIES, CALIBRATION_GATHER_ROWS // CALIBRATION_QUERIES),
                         generator=generator).to(device)
     weights = torch.rand(ids.shape, generator=generator).to(device)
@@ -104,7 +115,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
     reason = (f"{kernel} scores{' (forced)' if force else ''}; measured on {rows:,} x {dim} {str(dtype)[6:]} "
               f"for {CALIBRATION_QUERIES} queries: {measured}")
     return KernelChoice(
-        scores=kernel, block_rows=block,
+        scores=kernel, block_rows=block, tokens_major=tokens_major,
         gather_row_cost=gather_seconds / ids.numel(), dense_row_cost=dense_seconds / rows,
         reason=reason,
     )
@@ -195,6 +206,25 @@ def dense_values(states: torch.Tensor, weights: torch.Tensor, kernel: str, block
     return out
 
 
+def top_k_tokens_major(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``top_k`` of ``logits.T`` for scores laid out [N, nq] (as ``states @ queries.T`` gives them, the
+    fast matmul orientation on some CPUs), without transposing all of them: [nq, k] values and ids."""
+    n, nq = logits.shape
+    block = TOPK_BLOCK
+    if n < 4 * k * block:
+        values, ids = logits.topk(k, dim=0)  # [k, nq]
+        return values.T, ids.T
+    usable = n - n % block
+    maxima = logits[:usable].view(-1, block, nq).amax(dim=1).T.contiguous()  # [nq, n / block]
+    _, blocks = maxima.topk(k, dim=1)  # [nq, k]
+    rows = (blocks.unsqueeze(2) * block + torch.arange(block, device=logits.device)).view(nq, -1)  # [nq, k*block]
+    if usable < n:  # the last, partial block always takes part
+        rows = torch.cat([rows, torch.arange(usable, n, device=logits.device).expand(nq, -1)], 1)
+    candidates = logits.T.gather(1, rows)
+    values, order = candidates.topk(k, dim=1)
+    return values, rows.gather(1, order)
+
+
 def attend(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelChoice,
            coverage: torch.Tensor | None = None) -> torch.Tensor:
     """Exact top-k retrieval attention: queries [nq, d] fp32 (scaling folded in) -> [nq, d] fp32.
@@ -230,9 +260,14 @@ def select(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelCh
     n = states.shape[0]
     step = max(k, MAX_SCORE_BYTES // (queries.shape[0] * 4))
     best_scores = best_ids = None
+    tokens_major = choice.tokens_major and choice.scores == "native" and states.dtype != torch.float32
     for start in range(0, n, step):
-        part = scores(states[start:start + step], queries, choice)  # [nq, <=step]
-        top, ids = top_k(part, min(k, part.shape[1]))
+        block = states[start:start + step]
+        if tokens_major:
+            top, ids = top_k_tokens_major(block @ queries.to(states.dtype).T, min(k, block.shape[0]))  # [N, nq] in
+        else:
+            part = scores(block, queries, choice)  # [nq, <=step]
+            top, ids = top_k(part, min(k, part.shape[1]))
         ids += start
         if best_scores is not None:
             top, ids = torch.cat([best_scores, top], 1), torch.cat([best_ids, ids], 1)

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import IndexConfig
-from .errors import ConfigError
+from unlimisum.config import IndexConfig
+from unlimisum.errors import ConfigError
 
 KINDS = ("exact", "ivf", "hnsw")
 APPROXIMATE_KINDS = ("ivf", "hnsw")
@@ -44,7 +44,7 @@ def storage_dtype(config: IndexConfig, model_dtype: torch.dtype | None = None) -
     "auto" is bfloat16 whatever the model: 2 bytes per number like float16, but the float32
     range (encoder states beyond +-65504 are stored, not turned into inf), and the dtype the
     fast 16-bit matmul units of CPUs (AVX512-BF16, AMX) and GPUs read. Its 8-bit mantissa is
-    the documented precision of scores (unlimisum/kernels.py). The choice never depends on the
+    the documented precision of scores (unlimisum/unlimiformer/kernels.py). The choice never depends on the
     machine, so neither do results beyond that precision.
     """
     if config.storage_dtype == "auto":

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from unlimisum import checkpoint
-from unlimisum.architectures import Architecture, architecture_for
+from unlimisum.models import checkpoint
+from unlimisum.models.architectures import Architecture, architecture_for
 from unlimisum.config import ModelConfig
 from unlimisum.errors import ConfigError, ModelError, TokenizerError
 
@@ -24,6 +24,7 @@ class LoadedModel:
     name: str
     tokenizer_name: str | None = None  # where the tokenizer came from, when not the model's own name
     fingerprint: str | None = None  # the revision: hub commit, or sizes and times of a local folder's files
+    tokenizer_fingerprint: str | None = None  # a hash of the tokenizer's vocabulary, computed when first needed
 
     @property
     def device(self) -> torch.device:
@@ -86,7 +87,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     """
     from transformers import AutoConfig, AutoModelForSeq2SeqLM
 
-    from unlimisum.compat import quiet_transformers
+    from unlimisum.models.compat import quiet_transformers
 
     quiet_transformers()
     device = resolve_device(config.device)

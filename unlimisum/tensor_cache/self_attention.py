@@ -22,8 +22,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from unlimisum import compat, wrapping
-from unlimisum.architectures import Architecture, architecture_named
+from unlimisum.models import compat, wrapping
+from unlimisum.models.architectures import Architecture, architecture_named
 from unlimisum.tensor_cache.cache import find_tensor_cache
 from unlimisum.tensor_cache.scan import tensor_cache_attention
 from unlimisum.tensor_cache.streaming import band_mask

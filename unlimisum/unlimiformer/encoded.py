@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from unlimisum.datastore import Datastore
+from unlimisum.unlimiformer.datastore import Datastore
 from unlimisum.document import Document
 
 

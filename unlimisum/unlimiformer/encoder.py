@@ -14,13 +14,13 @@ from typing import Callable
 
 import torch
 
-from unlimisum import checkpoint
+from unlimisum.models import checkpoint
 from unlimisum.config import EncodingConfig, IndexConfig
-from unlimisum.datastore import DatastoreBuilder, IndexPlan, TorchExactDatastore, plan_index
+from unlimisum.unlimiformer.datastore import DatastoreBuilder, IndexPlan, TorchExactDatastore, plan_index
 from unlimisum.document import Document
-from unlimisum.encoded import EncodedDocument, TokenRange, chapter_token_ranges, token_char_starts
-from unlimisum.encoded_cache import CacheKey, EncodedCache, text_sha256
-from unlimisum.encoding import auto_batch_size, encode_windows, plan_windows
+from unlimisum.unlimiformer.encoded import EncodedDocument, TokenRange, chapter_token_ranges, token_char_starts
+from unlimisum.unlimiformer.cache import CacheKey, EncodedCache, text_sha256
+from unlimisum.unlimiformer.encoding import auto_batch_size, encode_windows, plan_windows
 from unlimisum.errors import ConfigError, EmptyDocumentError
 from unlimisum.models import LoadedModel
 
@@ -149,17 +149,20 @@ class DocumentEncoder:
 
 
 def model_identity(loaded: LoadedModel) -> str:
-    """The model's name and revision (hub commit, or a fingerprint of a local folder or of the weights)."""
-    if loaded.fingerprint:
-        return f"{loaded.name}@{loaded.fingerprint}"
-    digest = hashlib.sha256()
-    for name, tensor in loaded.model.state_dict().items():
-        digest.update(name.encode())
-        digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return f"{loaded.name}@weights:{digest.hexdigest()[:16]}"
+    """The model's name and revision: the hub commit or a local folder's fingerprint, else a hash of the
+    weights (computed once per loaded model)."""
+    if not loaded.fingerprint:
+        digest = hashlib.sha256()
+        for name, tensor in loaded.model.state_dict().items():
+            digest.update(name.encode())
+            digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        loaded.fingerprint = f"weights:{digest.hexdigest()[:16]}"
+    return f"{loaded.name}@{loaded.fingerprint}"
 
 
 def tokenizer_identity(loaded: LoadedModel) -> str:
-    """The tokenizer's source and a hash of its vocabulary."""
-    vocabulary = json.dumps(loaded.tokenizer.get_vocab(), sort_keys=True, ensure_ascii=False)
-    return f"{loaded.tokenizer_name or loaded.name}#{hashlib.sha256(vocabulary.encode()).hexdigest()[:16]}"
+    """The tokenizer's source and a hash of its vocabulary (computed once per loaded model)."""
+    if not loaded.tokenizer_fingerprint:
+        vocabulary = json.dumps(loaded.tokenizer.get_vocab(), sort_keys=True, ensure_ascii=False)
+        loaded.tokenizer_fingerprint = hashlib.sha256(vocabulary.encode()).hexdigest()[:16]
+    return f"{loaded.tokenizer_name or loaded.name}#{loaded.tokenizer_fingerprint}"

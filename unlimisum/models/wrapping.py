@@ -11,7 +11,7 @@ from typing import Callable, Iterator
 
 from torch import nn
 
-from unlimisum.architectures import Architecture, AttentionSite
+from unlimisum.models.architectures import Architecture, AttentionSite
 
 
 def _sites(model: nn.Module, architecture: Architecture, site: AttentionSite):
