@@ -6,6 +6,9 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tests compare against float32 references on every CPU: --dtype auto must not pick bfloat16 on CPUs with
+# bf16 units (tests/test_precision.py covers that choice itself).
+os.environ["UNLIMISUM_CPU_BFLOAT16"] = "0"
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -72,6 +72,7 @@ class SummaryStats:
     peak_gpu_bytes: int | None  # peak CUDA memory during this call, when on CUDA
     tensor_cache_bytes: int | None = None  # decoder self-attention state retained, with --tensor-cache
     cached: bool = False  # the encoded document came from the cache of encoded books
+    model_dtype: str = ""  # the weights' dtype ("--dtype auto" chooses bfloat16 where measured faster)
 
 
 @dataclass(frozen=True)
@@ -269,6 +270,7 @@ class Summarizer:
                 retrieval_k=min(self._retrieval_k(), store.n_tokens), datastore_bytes=store.nbytes,
                 generated_tokens=n_generated, timings=timings, peak_rss_bytes=_peak_rss_bytes(),
                 peak_gpu_bytes=peak_gpu, tensor_cache_bytes=run.tensor_cache_bytes, cached=part.encoded.cached,
+                model_dtype=str(self.loaded.dtype).removeprefix("torch."),
             )
             mass = mass.cpu()
             summaries.append(Summary(

@@ -92,9 +92,12 @@ def collect_devices() -> dict:
                 "device": f"cuda:{number}", "name": torch.cuda.get_device_name(number),
                 "free_bytes": free, "total_bytes": total,
             })
+    from unlimisum.models.precision import choose_auto_dtype
+
     mps = getattr(torch.backends, "mps", None)
     return {
         "cpu_count": os.cpu_count(),
+        "cpu_dtype_auto": choose_auto_dtype(torch.device("cpu")).reason,  # what --dtype auto loads on the CPU
         "torch_threads": torch.get_num_threads(),
         "cuda_available": cuda,
         "gpus": gpus,
@@ -208,6 +211,7 @@ def render_report(report: dict) -> str:
         "devices",
         *_rows([
             ("cpu", f"{devices['cpu_count']} cores, torch uses {devices['torch_threads']} threads"),
+            ("cpu --dtype", devices["cpu_dtype_auto"]),
             ("cuda", "available" if devices["cuda_available"] else "not available"),
             *[(gpu["device"], f"{gpu['name']}, {format_bytes(gpu['free_bytes'])} free of "
                f"{format_bytes(gpu['total_bytes'])}") for gpu in devices["gpus"]],

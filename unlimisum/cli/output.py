@@ -28,7 +28,8 @@ JSON schema (one object per document; JSON Lines on stdout, one file per input w
                                                            # tokenize/encode/index when cached)
         "peak_rss_bytes": 0, "peak_gpu_bytes": null,      # null unless on CUDA
         "tensor_cache_bytes": null,                        # decoder memory retained, with --tensor-cache
-        "cached": false                                    # the encoded book came from --cache-dir
+        "cached": false,                                   # the encoded book came from --cache-dir
+        "model_dtype": "float32"                           # the weights' dtype (what --dtype auto chose)
       }
     }
 

@@ -134,7 +134,8 @@ def summarize(
         help="auto, cpu, cuda, cuda:N or mps (auto: CUDA when available).", rich_help_panel=MODEL_PANEL,
     ),
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = typer.Option(
-        "auto", "--dtype", help="Model weights dtype (auto: float32 on CPU, bfloat16/float16 on GPU).",
+        "auto", "--dtype", help="Model weights dtype (auto: bfloat16 on GPUs, and on CPUs where it is measured "
+        "1.5x faster than float32, e.g. with AVX512-BF16/AMX; else float32).",
         rich_help_panel=MODEL_PANEL,
     ),
     trust_remote_code: bool = typer.Option(
@@ -458,7 +459,9 @@ class BatchRunner:
         self.display.loading_model(settings.model.name)
         started = self.clock()
         loaded = load_model(settings.model)
-        self.display.model_loaded(loaded.name, str(loaded.device), str(loaded.dtype).replace("torch.", ""),
+        dtype = str(loaded.dtype).replace("torch.", "")
+        self.display.model_loaded(loaded.name, str(loaded.device),
+                                  f"{dtype}; {loaded.dtype_reason}" if loaded.dtype_reason else dtype,
                                   self.clock() - started)
         if loaded.device.type == "cuda":
             self.display.set_memory_probe(MemoryProbe(cuda_device=loaded.device))

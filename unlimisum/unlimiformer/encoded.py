@@ -70,11 +70,12 @@ def chapter_token_ranges(document: Document, token_starts: list[int] | None, n_t
     (slow tokenizers) the boundaries are placed in proportion to the characters.
     """
     # a blank chapter's characters go with the chapter before it: it gets no summary of its own
+    text = document.text
     characters = [(title, start, end) for title, start, end in chapter_char_ranges(document)
-                  if document.text[start:end].strip()]
+                  if text[start:end].strip()]
     if not characters:
         return (TokenRange(document.title, 0, n_tokens),)
-    total_chars = max(1, len(document.text))
+    total_chars = max(1, len(text))
     bounds = [0]
     for _, char_start, _ in characters[1:]:
         if token_starts is not None:
