@@ -22,6 +22,7 @@ _LAZY = {
     "SummaryStats": "unlimisum.summarizer",
     "ProgressEvent": "unlimisum.summarizer",
     "load_model": "unlimisum.models",
+    "train": "unlimisum.training",
     "EncodedCache": "unlimisum.unlimiformer.cache",
     "EncodedDocument": "unlimisum.unlimiformer.encoded",
     "read_document": "unlimisum.ingest",

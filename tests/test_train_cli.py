@@ -1,0 +1,88 @@
+"""`unlimisum train`: end to end on a tiny model, one-line errors and exit codes, the missing extra."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from tests.tiny_models import SAMPLE_TEXT
+from unlimisum.cli import app
+
+
+def _data(folder):
+    path = folder / "train.jsonl"
+    rows = [{"text": SAMPLE_TEXT * 2, "summary": "the keeper counted ships"}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def _invoke(*args):
+    return CliRunner().invoke(app, ["train", *map(str, args)])
+
+
+def test_train_then_summarize_with_the_result(tiny_model_dir, tmp_path):
+    data, out = _data(tmp_path), tmp_path / "trained"
+    result = _invoke(data, "-m", tiny_model_dir("bart"), "-o", out, "--method", "retrieval", "--max-steps", "2",
+                     "--logging-steps", "1", "--save-steps", "2", "--validation", data, "--eval-max-new-tokens", "4",
+                     "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    assert result.stdout == ""  # progress and the closing lines go to stderr
+    assert "unlimisum: step 1/2  loss " in result.stderr
+    assert "validation of the kept model: rouge1" in result.stderr
+    assert f"unlimisum summarize -m {out} BOOK" in result.stderr
+    assert json.loads((out / "unlimisum-train.json").read_text())["method"] == "retrieval"
+    book = tmp_path / "book.txt"
+    book.write_text(SAMPLE_TEXT * 3)
+    summary = CliRunner().invoke(app, ["summarize", "-m", str(out), "--device", "cpu", "--max-new-tokens", "4",
+                                       "--json", "-q", str(book)])
+    assert summary.exit_code == 0, summary.output
+    assert json.loads(summary.stdout)["stats"]["windows"] > 1
+
+
+def test_bad_data_is_one_line_and_exit_1(tiny_model_dir, tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text(json.dumps({"text": "t"}) + "\n")
+    result = _invoke(data, "-m", tiny_model_dir("bart"), "-o", tmp_path / "out", "--method", "chunked")
+    assert result.exit_code == 1
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert errors == [f"unlimisum: error: {data}: no column 'summary' (columns: text); name the right one with "
+                      "--summary-field"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_usage_errors_exit_2(tiny_model_dir, tmp_path):
+    data = _data(tmp_path)
+    base = [data, "-m", tiny_model_dir("bart"), "-o", tmp_path / "out"]
+    for extra, message in (
+        (["--method", "sideways"], "unknown training method 'sideways'"),
+        (["--method", "retrieval", "--validation", data, "--validation-fraction", "0.5"], "not both"),
+        (["--method", "retrieval", "--learning-rate", "0"], "learning rate must be positive"),
+        (["--method", "retrieval", "--precision", "float16", "--device", "cpu"], "needs a GPU"),
+    ):
+        result = _invoke(*base, *extra)
+        assert result.exit_code == 2, (extra, result.output)
+        assert message in result.stderr
+    assert _invoke(data, "--method", "retrieval").exit_code == 2  # -m and -o are required
+
+
+def test_without_the_extra_one_line_names_it(monkeypatch, tmp_path):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "datasets" else real(name, *a))
+    result = _invoke(_data(tmp_path), "-m", "m", "-o", tmp_path / "out", "--method", "retrieval")
+    assert result.exit_code == 1
+    assert result.stderr.strip() == 'unlimisum: error: training needs datasets: pip install "unlimisum[train]"'
+
+
+def test_help_lists_every_option_whole_at_80_and_40_columns():
+    """The checks every command's help passes (tests/test_cli_help.py), for `train` and the root help listing it."""
+    from tests.test_cli_help import test_dash_h_is_help_everywhere, test_help_shows_every_option_name_whole
+
+    for columns in (80, 40):
+        test_help_shows_every_option_name_whole(["train"], columns)
+        test_help_shows_every_option_name_whole([], columns)
+    test_dash_h_is_help_everywhere(["train"])
+    root = CliRunner().invoke(app, ["--help"]).stdout
+    assert "train" in root and "Fine-tune" in root
