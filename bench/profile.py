@@ -21,16 +21,16 @@ from unlimisum.summarizer import Summarizer
 
 # (label, file fragment, function name) of the parts a step is made of
 PARTS = [
-    ("scores matmul", "kernels.py", "scores"),
     ("scores matmul", "kernels.py", "native_scores"),
+    ("scores matmul", "kernels.py", "native_scores_tokens_major"),
+    ("scores matmul", "kernels.py", "float32_scores"),
     ("top-k selection", "kernels.py", "top_k"),
     ("top-k selection", "kernels.py", "top_k_tokens_major"),
-    ("top-k selection", "kernels.py", "select"),
     ("weighted sum (gather)", "kernels.py", "gathered_attention"),
     ("weighted sum (dense pass)", "kernels.py", "dense_values"),
-    ("retrieval attention, total", "kernels.py", "attend"),
+    ("retrieval attention, total", "retrieval.py", "attend"),  # the wrapper: projections and the kernels
     ("generate, total", "summarizer.py", "generate"),
-]
+]  # none of the parts calls another, so their cumulative times add up
 
 
 def main(argv=None) -> dict:
@@ -52,18 +52,17 @@ def main(argv=None) -> dict:
     summarizer.generate([store])
     profiler.disable()
     stats = pstats.Stats(profiler)
-    own, cumulative = {}, {}
-    for (filename, _, function), (_, _, own_seconds, total, _) in stats.stats.items():
+    cumulative = {}
+    for (filename, _, function), (_, _, _, total, _) in stats.stats.items():
         for label, fragment, name in PARTS:
             if filename.endswith(fragment) and function == name:
-                own[label] = own.get(label, 0.0) + own_seconds  # nested parts are not counted twice
                 cumulative[label] = cumulative.get(label, 0.0) + total
     total = cumulative.get("generate, total", 0.0)
     retrieval = cumulative.get("retrieval attention, total", 0.0)
-    shares = {label: own.get(label, 0.0) / total for label in dict.fromkeys(label for label, _, _ in PARTS)
+    shares = {label: cumulative.get(label, 0.0) / total for label in dict.fromkeys(label for label, _, _ in PARTS)
               if "total" not in label}
-    shares["other retrieval work (masks, softmax, coverage)"] = (retrieval - sum(
-        own.get(label, 0.0) for label in shares)) / total
+    shares["other retrieval work (queries, masks, softmax, coverage)"] = (retrieval - sum(
+        cumulative.get(label, 0.0) for label in shares)) / total
     shares["model (projections, decoder layers, logits)"] = (total - retrieval) / total
     top = sorted(stats.stats.items(), key=lambda item: item[1][3], reverse=True)[:15]
     print(f"profile: {args.size}, N={n_tokens:,}, {args.kind} index, {args.new_tokens} tokens, "

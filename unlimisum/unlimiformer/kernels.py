@@ -143,6 +143,11 @@ def native_scores(states: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
     return queries.to(states.dtype) @ states.T
 
 
+def native_scores_tokens_major(states: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """[N, nq] scores in the storage dtype: ``states @ queries^T``, the faster orientation on some CPUs."""
+    return states @ queries.to(states.dtype).T
+
+
 def float32_scores(states: torch.Tensor, queries: torch.Tensor, block_rows: int,
                    out: torch.Tensor | None = None) -> torch.Tensor:
     """[nq, N] exact fp32 scores: blocks of the store widened to fp32, each multiplied once."""
@@ -264,7 +269,7 @@ def select(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelCh
     for start in range(0, n, step):
         block = states[start:start + step]
         if tokens_major:
-            top, ids = top_k_tokens_major(block @ queries.to(states.dtype).T, min(k, block.shape[0]))  # [N, nq] in
+            top, ids = top_k_tokens_major(native_scores_tokens_major(block, queries), min(k, block.shape[0]))
         else:
             part = scores(block, queries, choice)  # [nq, <=step]
             top, ids = top_k(part, min(k, part.shape[1]))
