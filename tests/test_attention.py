@@ -43,7 +43,7 @@ def test_each_layer_equals_full_cross_attention(tiny_loaded, model_type, storage
     reference_states = states.to(store.storage_dtype).float()
     torch.manual_seed(0)
     hidden = torch.randn(1, 3, loaded.model.config.d_model)
-    session = RetrievalSession([store], top_k=10_000)
+    session = RetrievalSession([store], retrieval_k=10_000)
     try:
         wrappers = install(loaded.model, loaded.architecture)
         assert len(wrappers) == len(loaded.architecture.decoder_layers(loaded.model))
@@ -67,7 +67,7 @@ def test_padded_batch_of_documents_equals_the_full_model(tiny_loaded, model_type
         expected = model(encoder_outputs=(states,), attention_mask=mask, decoder_input_ids=decoder_ids).logits
         stores = [_store(states[i][mask[i].bool()]) for i in range(2)]
         stand_in = torch.zeros(2, 1, model.config.d_model)
-        with retrieval(model, loaded.architecture, RetrievalSession(stores, top_k=10_000)):
+        with retrieval(model, loaded.architecture, RetrievalSession(stores, retrieval_k=10_000)):
             got = model(
                 encoder_outputs=(stand_in,), attention_mask=torch.ones(2, 1, dtype=torch.long),
                 decoder_input_ids=decoder_ids,
@@ -86,7 +86,7 @@ def test_small_k_attends_to_the_top_scoring_tokens_only(tiny_loaded):
         attn = wrapper.original
         heads, head_dim = wrapper.num_heads, wrapper.head_dim
         with torch.no_grad():
-            got = wrapper.attend(hidden, RetrievalSession([store], top_k=3))
+            got = wrapper.attend(hidden, RetrievalSession([store], retrieval_k=3))
             q = attn.q_proj(hidden).view(heads, head_dim)
             keys = attn.k_proj(states).view(-1, heads, head_dim)
             values = attn.v_proj(states).view(-1, heads, head_dim)
@@ -121,7 +121,7 @@ def test_retrieval_context_leaves_the_model_as_it_found_it(tiny_loaded):
     model, architecture = loaded.model, loaded.architecture
     keys = list(model.state_dict())
     states, _ = _encode(loaded, [TEXT])
-    with retrieval(model, architecture, RetrievalSession([_store(states[0])], top_k=8)):
+    with retrieval(model, architecture, RetrievalSession([_store(states[0])], retrieval_k=8)):
         assert list(model.state_dict()) != keys
     assert list(model.state_dict()) == keys
 

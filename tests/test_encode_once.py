@@ -133,3 +133,47 @@ def test_coverage_peaks_at_the_chapter_holding_the_needle():
     assert summary.text == " ".join(content)
     shares = [span.share for span in summary.coverage]
     assert shares.index(max(shares)) == 5 and shares[5] > 2 * sorted(shares)[-2]
+
+
+def test_the_same_text_in_other_chapters_gets_its_own_chapters_from_the_cache(tiny_loaded, tmp_path, encoder_calls):
+    loaded = tiny_loaded("bart")
+    cache = EncodedCache(tmp_path / "cache")
+    chaptered = book()
+    one_chapter = Document.from_text(chaptered.text, title="Book")
+    Summarizer(loaded, generation=FAST, cache=cache).summarize(one_chapter)
+    again = Summarizer(loaded, generation=FAST, cache=cache).summarize(chaptered, per_chapter=True)
+    assert len(encoder_calls) == 1 and again.stats.cached  # the same text: no second encoding
+    assert [part.title for part in again.chapters] == [f"Chapter {n}" for n in range(1, 5)]
+    assert [span.title for span in again.coverage] == [f"Chapter {n}" for n in range(1, 5)]
+
+
+def test_a_cache_that_cannot_be_written_is_a_warning_and_the_summary_goes_on(tiny_loaded, tmp_path):
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache folder would go")
+    warnings = []
+    summary = Summarizer(tiny_loaded("bart"), generation=FAST,
+                         cache=EncodedCache(blocker / "cache", warn=warnings.append)).summarize(book())
+    assert summary.text is not None and len(warnings) == 1 and "could not write to the cache" in warnings[0]
+
+
+def test_chapter_boundaries_with_sentencepiece_offsets():
+    """SentencePiece tokens (▁Chapter) start at the space before a word; the chapter still starts at that
+    token, not one later (byte-level BPE tokens start after the space: tested through the tiny models)."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    from unlimisum.unlimiformer.encoded import chapter_token_ranges, token_char_ends
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.normalizer = normalizers.Replace("\n", " ")  # as T5's and PEGASUS's normalise whitespace
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.train_from_iterator([SAMPLE_TEXT * 5, "Chapter One Two Three begins"],
+                                  trainers.BpeTrainer(vocab_size=200, special_tokens=["<unk>"], show_progress=False))
+    document = Document(title="", chapters=(Chapter("One", "The keeper counted ships."),
+                                            Chapter("Two", "Chapter Two begins here.")))
+    encoding = tokenizer.encode(document.text)
+    chapter_start = document.text.index("Chapter")
+    (position,) = [i for i, token in enumerate(encoding.tokens) if token == "▁Chapter"]
+    assert encoding.offsets[position][0] < chapter_start  # the token starts at the space before the word
+    first, second = chapter_token_ranges(document, token_char_ends(encoding.offsets), len(encoding.ids))
+    assert second.start == position and first.end == position
+    assert not any("Chapter" in token for token in encoding.tokens[first.start:first.end])

@@ -53,7 +53,7 @@ def test_biases_of_every_projection_are_handled(tiny_loaded, model_type, monkeyp
     extra = loaded.architecture.encoder_inputs(tokens.input_ids) if loaded.architecture.encoder_inputs else {}
     with torch.no_grad():
         states = loaded.model.get_encoder()(input_ids=tokens.input_ids, **extra).last_hidden_state
-    session = RetrievalSession([_store(states[0])], top_k=10_000)
+    session = RetrievalSession([_store(states[0])], retrieval_k=10_000)
     hidden = torch.randn(1, 3, loaded.model.config.d_model, generator=torch.Generator().manual_seed(1))
     for wrapper in install(loaded.model, loaded.architecture):
         with torch.no_grad():

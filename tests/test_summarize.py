@@ -227,7 +227,7 @@ def test_top_k_means_sampling_top_k_and_retrieval_k_has_its_own_name():
     configs = configs_from_options("m", {"do_sample": True, "top_k": 50, "retrieval_k": 128})
     assert configs["generation"].top_k == 50 and configs["generation"].to_generate_kwargs()["top_k"] == 50
     assert configs["retrieval"].retrieval_k == 128
-    assert configs_from_options("m", {"top_k": 5})["retrieval"].retrieval_k is None
+    assert configs_from_options("m", {"top_k": 5, "do_sample": True})["retrieval"].retrieval_k is None
 
 
 def test_default_retrieval_k_is_the_window_up_to_1024(tiny_model_dir):
@@ -242,3 +242,10 @@ def test_default_retrieval_k_is_the_window_up_to_1024(tiny_model_dir):
     assert long._retrieval_k() == DEFAULT_RETRIEVAL_K == 1024
     asked = Summarizer(long.loaded, generation=few, retrieval=RetrievalConfig(retrieval_k=4096))
     assert asked._retrieval_k() == 4096
+
+
+def test_top_k_without_sampling_is_refused_naming_retrieval_k():
+    from unlimisum.summarizer import configs_from_options
+
+    with pytest.raises(ConfigError, match="retrieval_k"):
+        configs_from_options("m", {"top_k": 16})

@@ -226,7 +226,7 @@ def test_retrieval_and_tensor_cache_together(tiny_loaded):
     ones = torch.ones(len(stores), 1, dtype=torch.long)
     steps = 16
     for beams in (1, 2):
-        with retrieval(loaded.model, loaded.architecture, RetrievalSession(stores, top_k=1000)):
+        with retrieval(loaded.model, loaded.architecture, RetrievalSession(stores, retrieval_k=1000)):
             alone = _generate(loaded.model, stand_in, ones, steps, num_beams=beams)
             with tensor_cache(loaded.model, loaded.architecture, TensorCacheSettings(window=steps + 1)) as session:
                 both = _generate(loaded.model, stand_in, ones, steps, num_beams=beams, **session.generate_kwargs())

@@ -132,3 +132,24 @@ def test_wrappers_leave_no_trace(tiny_model_dir):
         assert any(".original." in name for name in loaded.model.state_dict())
     assert list(loaded.model.state_dict()) == names
     assert installed(loaded.model, loaded.architecture, loaded.architecture.cross_attention, TrainingCrossAttention) == []
+
+
+def test_attention_dropout_follows_the_models_mode(tiny_model_dir):
+    """Wrappers installed while the model is in eval mode apply no dropout: validation losses repeat."""
+    loaded = _fresh(tiny_model_dir)
+    for module in loaded.model.modules():
+        if isinstance(getattr(module, "dropout", None), float):
+            module.dropout = 0.5  # the tiny models have none; a real checkpoint has 0.1
+    loaded.model.eval()
+    model, architecture = loaded.model, loaded.architecture
+    input_ids, attention_mask, labels = _batch(loaded)
+    losses = []
+    with torch.no_grad():
+        states, mask = encode_long(model, architecture, input_ids, attention_mask, WINDOW, 0.5)
+        for _ in range(3):
+            with training_attention(model, architecture) as wrappers:
+                session = TrainingSession(states, mask, "retrieval", 8, torch.Generator().manual_seed(0))
+                for wrapper in wrappers:
+                    wrapper.session = session
+                losses.append(float(model(encoder_outputs=(states,), attention_mask=mask.long(), labels=labels).loss))
+    assert losses[0] == losses[1] == losses[2]

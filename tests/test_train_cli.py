@@ -86,3 +86,20 @@ def test_help_lists_every_option_whole_at_80_and_40_columns():
     test_dash_h_is_help_everywhere(["train"])
     root = CliRunner().invoke(app, ["--help"]).stdout
     assert "train" in root and "Fine-tune" in root
+
+
+def test_an_unexpected_error_is_one_line_without_traceback(tiny_model_dir, tmp_path, monkeypatch):
+    import unlimisum.training.run as run
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("simulated failure\nwith two lines")
+
+    monkeypatch.setattr(run, "train", broken)
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"text": "a b c", "summary": "a"}\n', encoding="utf-8")
+    result = CliRunner().invoke(app, ["train", str(data), "-m", str(tiny_model_dir("bart")), "-o",
+                                      str(tmp_path / "out"), "--method", "truncated", "--max-steps", "1"])
+    assert result.exit_code == 1
+    lines = result.stderr.strip().splitlines()
+    assert lines[-1] == ("unlimisum: error: training stopped: unexpected RuntimeError: simulated failure with two "
+                         "lines (-vv shows the traceback)") and "Traceback" not in result.stderr

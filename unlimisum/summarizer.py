@@ -300,7 +300,7 @@ class Summarizer:
         """The index options with an automatic storage dtype resolved for this model."""
         if self.index.storage_dtype != "auto":
             return self.index
-        dtype = storage_dtype(self.index, self.loaded.dtype)
+        dtype = storage_dtype(self.index)
         return replace(self.index, storage_dtype=str(dtype).removeprefix("torch."))
 
     def generate(self, stores: Sequence[Datastore], name: str = "") -> Generated:
@@ -317,7 +317,7 @@ class Summarizer:
         total = kwargs.get("max_new_tokens")
         progress = _GenerationProgress(lambda steps: self.progress(ProgressEvent("generate", steps, total, name)))
         mass = tuple(torch.zeros(store.n_tokens, device=store.states().device) for store in stores)
-        session = RetrievalSession(stores=list(stores), top_k=self._retrieval_k(), coverage=mass)
+        session = RetrievalSession(stores=list(stores), retrieval_k=self._retrieval_k(), coverage=mass)
         started = time.perf_counter()
         self.progress(ProgressEvent("generate", 0, total, name))
         with ExitStack() as stack:
@@ -368,6 +368,9 @@ def configs_from_options(model, options: dict) -> dict:
     index = {name: options.pop(key) for key, name in
              {"index": "kind", "index_device": "device", "exact_max_tokens": "exact_max_tokens",
               "storage_dtype": "storage_dtype"}.items() if key in options}
+    if "top_k" in options and not options.get("do_sample"):
+        raise ConfigError("top_k is sampling's top-k, as in generate(), and needs do_sample=True; the number of "
+                          "input tokens each head retrieves is retrieval_k")
     retrieval_config = RetrievalConfig(retrieval_k=options.pop("retrieval_k", None))
     generation_names = set(GenerationOptions.__dataclass_fields__) - {"extra"}
     generation = {name: options.pop(name) for name in list(options) if name in generation_names}

@@ -8,6 +8,7 @@ naming file and row (exit 1); options that do not fit together are usage errors 
 from __future__ import annotations
 
 import shlex
+import traceback
 from pathlib import Path
 from typing import List, Optional
 
@@ -62,6 +63,7 @@ def train(
     resume: bool = typer.Option(False, "--resume", help="Continue the unfinished run into DIR from its last checkpoint."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace DIR when the new checkpoint is complete."),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="Errors only."),
+    verbose: int = typer.Option(0, "-v", "--verbose", count=True, help="-vv: tracebacks of unexpected errors."),
 ) -> None:
     """Fine-tune a checkpoint to read through retrieval (Unlimiformer paper, section 3)."""
     from unlimisum.training.errors import require_training_extras
@@ -106,6 +108,12 @@ def train(
     except KeyboardInterrupt:
         typer.echo("unlimisum: interrupted; rerun with --resume to continue from the last checkpoint", err=True)
         raise typer.Exit(130)
+    except Exception as error:  # noqa: BLE001  (out of memory, a library's own error: one line, not a traceback)
+        if verbose > 1:
+            traceback.print_exc()
+        message = " ".join(str(error).split()) or type(error).__name__
+        raise fail(f"training stopped: unexpected {type(error).__name__}: {message}"
+                   + ("" if verbose > 1 else " (-vv shows the traceback)"))
     if not quiet:
         best = result.report["best"]
         chosen = f"; kept step {best['step']} ({best['metric']} {best['value']:.4g})" if best else ""

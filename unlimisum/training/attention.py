@@ -123,7 +123,7 @@ class TrainingCrossAttention(nn.Module):
             scores = (q @ keys.transpose(-1, -2)) * self.scaling  # [B, H, T, k]
             scores = scores.masked_fill(~real[:, :, None, :], float("-inf"))
         probs = torch.softmax(scores.float(), dim=-1).to(values.dtype)  # [B, H, T, N or k]
-        probs = F.dropout(probs, p=self.dropout, training=self.training)
+        probs = F.dropout(probs, p=self.dropout, training=self.original.training)  # follows the model's mode
         out = (probs @ values).transpose(1, 2).reshape(batch, steps, heads * head_dim)  # [B, T, H*dh]
         return output_proj(out)
 

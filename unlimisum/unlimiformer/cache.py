@@ -6,6 +6,8 @@ store format), in a folder of its own under the cache directory::
     <cache>/<key>/meta.json    what the entry is, sizes, checksums, chapters and windows
     <cache>/<key>/states.bin   [N, d] encoder states, raw little-endian 16- or 32-bit numbers
     <cache>/<key>/ids.bin      [N] token ids, raw little-endian int64
+    <cache>/<key>/ends.bin     [N] each token's end character in the text, int64 (when the tokenizer
+                               gives offsets: the chapters are mapped through them on loading)
 
 Raw arrays plus JSON: nothing is unpickled. Entries are written in a temporary folder and
 renamed into place; on loading, the sizes and CRC-32 checksums must match the metadata, else
@@ -31,7 +33,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-STORE_FORMAT_VERSION = 1  # bump when what an entry holds, or how states are computed, changes
+STORE_FORMAT_VERSION = 2  # 2: token end offsets, chapters mapped on loading. Bump when what an entry holds, or how states are computed, changes
 _NUMPY_DTYPES = {torch.bfloat16: np.uint16, torch.float16: np.float16, torch.float32: np.float32}
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _CHECKSUM_CHUNK = 64 * 2**20
@@ -53,6 +55,7 @@ class CacheKey:
     storage_dtype: str
     model_dtype: str
     device_type: str
+    software: str = ""  # transformers and torch releases and the attention kernel
     format_version: int = STORE_FORMAT_VERSION
 
     @property
@@ -69,6 +72,7 @@ class CachedEncoding:
     states: torch.Tensor  # [N, d], memory-mapped (copy-on-write: the file is never changed)
     token_ids: torch.Tensor  # [N] int64
     meta: dict
+    token_ends: torch.Tensor | None = None  # [N] int64 end characters, when the entry has them
 
 
 @dataclass(frozen=True)
@@ -111,28 +115,35 @@ class EncodedCache:
             self.warn(f"cache entry {folder} is unusable ({error}); encoding again")
             shutil.rmtree(folder, ignore_errors=True)
             return None
-        os.utime(folder / "meta.json")  # least recently used = oldest meta.json
+        try:
+            os.utime(folder / "meta.json")  # least recently used = oldest meta.json
+        except OSError:  # a read-only cache is still a cache
+            pass
         return entry
 
-    def store(self, key: CacheKey, states: torch.Tensor, token_ids: torch.Tensor, meta: dict) -> Path | None:
-        """Write an entry (atomically: a temporary folder renamed into place); its folder, or None on failure."""
-        self.directory.mkdir(parents=True, exist_ok=True)
+    def store(self, key: CacheKey, states: torch.Tensor, token_ids: torch.Tensor, meta: dict,
+              token_ends: torch.Tensor | None = None) -> Path | None:
+        """Write an entry (atomically: a temporary folder renamed into place); its folder, or None when the
+        cache cannot be written (said in one warning line: the summary goes on)."""
         final = self.directory / key.digest
         temporary = self.directory / f".tmp-{uuid.uuid4().hex}"
         try:
+            self.directory.mkdir(parents=True, exist_ok=True)
             temporary.mkdir()
             states_crc = _write_array(temporary / "states.bin", _as_numpy(states))
             ids_crc = _write_array(temporary / "ids.bin", token_ids.cpu().to(torch.int64).numpy())
+            ends_crc = None
+            if token_ends is not None:
+                ends_crc = _write_array(temporary / "ends.bin", token_ends.cpu().to(torch.int64).numpy())
             record = dict(meta, key=key.__dict__, n_tokens=int(states.shape[0]), dim=int(states.shape[1]),
                           dtype=_DTYPE_NAMES[states.dtype], states_crc32=states_crc, ids_crc32=ids_crc,
-                          created=time.time())
+                          ends_crc32=ends_crc, created=time.time())
             (temporary / "meta.json").write_text(json.dumps(record, ensure_ascii=False, indent=1), encoding="utf-8")
-            if final.exists():  # another run stored it meanwhile
-                shutil.rmtree(temporary, ignore_errors=True)
-                return final
             os.rename(temporary, final)
         except OSError as error:
             shutil.rmtree(temporary, ignore_errors=True)
+            if final.is_dir():  # another run stored the same entry meanwhile
+                return final
             self.warn(f"could not write to the cache {self.directory} ({error.strerror or error})")
             return None
         self.evict(keep=final)
@@ -202,10 +213,13 @@ def _read_entry(folder: Path, key: CacheKey) -> CachedEncoding:
         raise CacheEntryError("incomplete meta.json") from None
     states_np = _map_array(folder / "states.bin", _NUMPY_DTYPES[dtype], (n, d), states_crc)
     ids_np = _map_array(folder / "ids.bin", np.int64, (n,), ids_crc)
+    ends = None
+    if meta.get("ends_crc32") is not None:
+        ends = torch.from_numpy(np.array(_map_array(folder / "ends.bin", np.int64, (n,), int(meta["ends_crc32"]))))
     states = torch.from_numpy(states_np)
     if dtype == torch.bfloat16:
         states = states.view(torch.bfloat16)
-    return CachedEncoding(states=states, token_ids=torch.from_numpy(np.array(ids_np)), meta=meta)
+    return CachedEncoding(states=states, token_ids=torch.from_numpy(np.array(ids_np)), meta=meta, token_ends=ends)
 
 
 def _map_array(path: Path, dtype, shape: tuple[int, ...], crc: int) -> np.ndarray:

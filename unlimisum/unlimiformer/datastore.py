@@ -36,7 +36,6 @@ __all__ = ["IndexPlan", "plan_index", "DatastoreBuilder", "Datastore", "attentio
 
 # Bound on the temporaries of one search or weighted_sum step (fp32 upcasts, gathers).
 CHUNK_BYTES_CPU = 64 * 2**20
-CHUNK_BYTES_GPU = 256 * 2**20  # bigger steps on the GPU: fewer kernel launches, still small next to the store
 # IVF: nlist ~ 4 sqrt(N) (faiss' usual range), trained with faiss' minimum of 39 points per list on
 # at most a quarter of the states, so the fp32 training sample stays under half the fp16 store.
 IVF_LISTS_PER_SQRT_N = 4
@@ -61,7 +60,8 @@ class Datastore:
         self.device = device
         self.storage_dtype = states.dtype
         self.nbytes = nbytes  # states + index structures
-        self._chunk_bytes = CHUNK_BYTES_GPU if states.device.type == "cuda" else CHUNK_BYTES_CPU
+        self._chunk_bytes = CHUNK_BYTES_CPU  # weighted_sum serves the approximate kinds, which live on the CPU
+        self._owner = None  # the datastore a view was taken from, kept alive with it
 
     def __repr__(self) -> str:
         return (f"Datastore(kind={self.kind!r}, device={self.device!r}, n_tokens={self.n_tokens}, dim={self.dim}, "
@@ -152,7 +152,9 @@ class TorchExactDatastore(Datastore):
     def view(self, start, end):
         self._check_range(start, end)
         states = self._states[start:end]  # zero-copy
-        return TorchExactDatastore(states, self.kind, self.device, states.numel() * states.element_size())
+        view = TorchExactDatastore(states, self.kind, self.device, states.numel() * states.element_size())
+        view._owner = self  # keeps the memory the view points into alive
+        return view
 
     def _search(self, queries, k):
         """Top-k by the kernel's scores; the scores returned are recomputed in fp32 for the ids found."""
@@ -177,8 +179,10 @@ class FaissDatastore(Datastore):
     def view(self, start, end):
         """A range is searched exactly: a chapter is a small share of a book, and its states are right here."""
         self._check_range(start, end)
-        states = self._states[start:end]  # zero-copy
-        return TorchExactDatastore(states, "exact", "cpu", states.numel() * states.element_size())
+        states = self._states[start:end]  # zero-copy, into faiss's buffer
+        view = TorchExactDatastore(states, "exact", "cpu", states.numel() * states.element_size())
+        view._owner = self  # keeps the index, and so the buffer the view points into, alive
+        return view
 
     def _search(self, queries, k):
         x = np.ascontiguousarray(queries.cpu().numpy())  # [nq, d] fp32

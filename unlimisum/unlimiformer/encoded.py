@@ -8,7 +8,7 @@ store over its own token range, so ``--per-chapter`` costs one encode plus the g
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_right
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +37,7 @@ class EncodedDocument:
     chapters: tuple[TokenRange, ...]  # non-empty chapters' token ranges, tiling [0, N) in order
     seconds: dict = field(default_factory=dict)  # tokenize / encode / index (or load, from the cache)
     cached: bool = False  # loaded from the cache of encoded books
+    token_ends: list[int] | None = None  # each token's end character in the text (None: no offsets)
 
     @property
     def n_tokens(self) -> int:
@@ -61,13 +62,15 @@ def chapter_char_ranges(document: Document) -> list[tuple[str, int, int]]:
     return ranges
 
 
-def chapter_token_ranges(document: Document, token_starts: list[int] | None, n_tokens: int) -> tuple[TokenRange, ...]:
+def chapter_token_ranges(document: Document, token_ends: list[int] | None, n_tokens: int) -> tuple[TokenRange, ...]:
     """Token ranges of the chapters, tiling ``[0, n_tokens)``.
 
-    ``token_starts``: the character offset where each token starts (a fast tokenizer's offsets,
-    special tokens given their neighbour's offset so the list never decreases). A chapter starts
-    at its first token that starts at or after the chapter's first character. Without offsets
-    (slow tokenizers) the boundaries are placed in proportion to the characters.
+    ``token_ends``: the character offset where each token ends (a fast tokenizer's offsets,
+    special tokens given their predecessor's so the list never decreases). A chapter starts at
+    its first token that ends after the chapter's first character: SentencePiece tokens
+    (``▁Chapter``) start at the space before a word, byte-level BPE tokens after it, and both end
+    inside it. Without offsets (slow tokenizers) the boundaries are placed in proportion to the
+    characters.
     """
     # a blank chapter's characters go with the chapter before it: it gets no summary of its own
     text = document.text
@@ -78,8 +81,8 @@ def chapter_token_ranges(document: Document, token_starts: list[int] | None, n_t
     total_chars = max(1, len(text))
     bounds = [0]
     for _, char_start, _ in characters[1:]:
-        if token_starts is not None:
-            boundary = bisect_left(token_starts, char_start)
+        if token_ends is not None:
+            boundary = bisect_right(token_ends, char_start)
         else:
             boundary = round(char_start / total_chars * n_tokens)
         bounds.append(min(max(boundary, bounds[-1]), n_tokens))
@@ -104,12 +107,12 @@ def _merge_empty(ranges: list[TokenRange]) -> tuple[TokenRange, ...]:
     return tuple(merged)
 
 
-def token_char_starts(offsets: list[tuple[int, int]]) -> list[int]:
-    """Each token's start character from a fast tokenizer's offset mapping, never decreasing
+def token_char_ends(offsets: list[tuple[int, int]]) -> list[int]:
+    """Each token's end character from a fast tokenizer's offset mapping, never decreasing
     (special tokens, whose offsets are (0, 0), take their predecessor's)."""
-    starts, last = [], 0
+    ends, last = [], 0
     for start, end in offsets:
-        if end > start and start >= last:
-            last = start
-        starts.append(last)
-    return starts
+        if end > start and end >= last:
+            last = end
+        ends.append(last)
+    return ends

@@ -18,7 +18,7 @@ from unlimisum.models import checkpoint
 from unlimisum.config import EncodingConfig, IndexConfig
 from unlimisum.unlimiformer.datastore import DatastoreBuilder, IndexPlan, TorchExactDatastore, plan_index
 from unlimisum.document import Document
-from unlimisum.unlimiformer.encoded import EncodedDocument, TokenRange, chapter_token_ranges, token_char_starts
+from unlimisum.unlimiformer.encoded import EncodedDocument, chapter_token_ranges, token_char_ends
 from unlimisum.unlimiformer.cache import CacheKey, EncodedCache, text_sha256
 from unlimisum.unlimiformer.encoding import auto_batch_size, encode_windows, plan_windows
 from unlimisum.errors import ConfigError, EmptyDocumentError
@@ -56,44 +56,44 @@ class DocumentEncoder:
             self.progress(ProgressEvent("cache", 0, 1, name))
             loaded = self.cache.load(key)
             if loaded is not None:
-                encoded = self._from_cache(name, loaded)
+                encoded = self._from_cache(document, name, loaded)
                 encoded.seconds["cache_load"] = time.perf_counter() - started
                 self.progress(ProgressEvent("cache", 1, 1, name, {"tokens": encoded.n_tokens,
                                                                    "bytes": encoded.store.nbytes}))
                 return encoded
         encoded = self._encode(document, name)
         if key is not None:
-            meta = {"title": document.title, "source": document.source, "windows": [list(w) for w in encoded.windows],
-                    "chapters": [[c.title, c.start, c.end] for c in encoded.chapters]}
-            self.cache.store(key, encoded.store.states(), encoded.token_ids, meta)
+            meta = {"title": document.title, "source": document.source, "windows": [list(w) for w in encoded.windows]}
+            ends = torch.tensor(encoded.token_ends, dtype=torch.long) if encoded.token_ends is not None else None
+            self.cache.store(key, encoded.store.states(), encoded.token_ids, meta, token_ends=ends)
         return encoded
 
     # -- fresh encoding -----------------------------------------------------------------------------
 
     def tokenize(self, document: Document) -> tuple[torch.Tensor, list[int] | None]:
-        """All tokens, special tokens included, no truncation: ([N] int64, each token's start character
+        """All tokens, special tokens included, no truncation: ([N] int64, each token's end character
         or None for tokenizers without offsets)."""
         text, tokenizer = document.text, self.loaded.tokenizer
         try:
             encoding = tokenizer(text, add_special_tokens=True, truncation=False, verbose=False,
                                  return_offsets_mapping=True)
-            starts = token_char_starts(encoding["offset_mapping"])
+            ends = token_char_ends(encoding["offset_mapping"])
         except NotImplementedError:  # slow (Python) tokenizers have no offsets
-            encoding, starts = tokenizer(text, add_special_tokens=True, truncation=False, verbose=False), None
+            encoding, ends = tokenizer(text, add_special_tokens=True, truncation=False, verbose=False), None
         ids = encoding["input_ids"]
         unknown = tokenizer.unk_token_id
         special = set(tokenizer.all_special_ids) - {unknown}
         checkpoint.check_encoding(len(ids), sum(i in special for i in ids),
                                   sum(i == unknown for i in ids) if unknown is not None else 0, text,
                                   source=document.source)
-        return torch.tensor(ids, dtype=torch.long), starts
+        return torch.tensor(ids, dtype=torch.long), ends
 
     def _encode(self, document: Document, name: str) -> EncodedDocument:
         from unlimisum.summarizer import ProgressEvent
 
         started = time.perf_counter()
         self.progress(ProgressEvent("tokenize", 0, 1, name))
-        input_ids, starts = self.tokenize(document)
+        input_ids, ends = self.tokenize(document)
         tokenized = time.perf_counter()
         n_tokens = len(input_ids)
         self.progress(ProgressEvent("tokenize", 1, 1, name, {"tokens": n_tokens}))
@@ -118,10 +118,11 @@ class DocumentEncoder:
         self.progress(ProgressEvent("index", 1, 1, name, dict(info, bytes=store.nbytes)))
         seconds = {"tokenize": tokenized - started, "encode": encoded_at - tokenized, "index": finished - encoded_at}
         kept = tuple(windows.kept(i) for i in range(windows.n_windows))
-        return EncodedDocument(name, input_ids, store, kept, chapter_token_ranges(document, starts, n_tokens), seconds)
+        chapters = chapter_token_ranges(document, ends, n_tokens)
+        return EncodedDocument(name, input_ids, store, kept, chapters, seconds, token_ends=ends)
 
     def _index_plan(self, n_tokens: int) -> IndexPlan:
-        return plan_index(n_tokens, self.loaded.model.config.d_model, self.plan.index, top_k=self.plan.retrieval_k,
+        return plan_index(n_tokens, self.loaded.model.config.d_model, self.plan.index, retrieval_k=self.plan.retrieval_k,
                           queries_per_step=self.plan.queries_per_step, model_device=self.loaded.device)
 
     # -- the cache ---------------------------------------------------------------------------------
@@ -131,9 +132,12 @@ class DocumentEncoder:
             text_sha256=text_sha256(text), model=model_identity(self.loaded), tokenizer=tokenizer_identity(self.loaded),
             window=self.plan.window, overlap=self.encoding.overlap, storage_dtype=self.plan.index.storage_dtype,
             model_dtype=str(self.loaded.dtype).removeprefix("torch."), device_type=self.loaded.device.type,
+            software=software_identity(self.loaded),
         )
 
-    def _from_cache(self, name: str, cached) -> EncodedDocument:
+    def _from_cache(self, document: Document, name: str, cached) -> EncodedDocument:
+        """The cached states and tokens; the chapters are this document's own, mapped through the cached
+        token offsets (the same text may come split into other chapters, with other titles)."""
         states, n_tokens = cached.states, cached.states.shape[0]
         plan = self._index_plan(n_tokens)
         if plan.kind == "exact" and plan.device == "cpu":
@@ -144,7 +148,8 @@ class DocumentEncoder:
                 builder.add(states[start:start + 65_536])
             store = builder.finish()
         windows = tuple(tuple(w) for w in cached.meta["windows"])
-        chapters = tuple(TokenRange(title, start, end) for title, start, end in cached.meta["chapters"])
+        ends = cached.token_ends.tolist() if cached.token_ends is not None else None
+        chapters = chapter_token_ranges(document, ends, n_tokens)
         return EncodedDocument(name, cached.token_ids, store, windows, chapters, {}, cached=True)
 
 
@@ -158,6 +163,15 @@ def model_identity(loaded: LoadedModel) -> str:
             digest.update(tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
         loaded.fingerprint = f"weights:{digest.hexdigest()[:16]}"
     return f"{loaded.name}@{loaded.fingerprint}"
+
+
+def software_identity(loaded: LoadedModel) -> str:
+    """What else changes the states' last bits: the transformers and torch releases, the attention kernel."""
+    import transformers
+
+    attention = getattr(loaded.model.config, "_attn_implementation", None) or "default"
+    version = ".".join(transformers.__version__.split(".")[:2])
+    return f"transformers {version}; torch {torch.__version__.split('+')[0]}; attention {attention}"
 
 
 def tokenizer_identity(loaded: LoadedModel) -> str:

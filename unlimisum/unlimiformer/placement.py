@@ -38,7 +38,7 @@ class IndexPlan:
     reason: str  # one line for `unlimisum info` and the logs
 
 
-def storage_dtype(config: IndexConfig, model_dtype: torch.dtype | None = None) -> torch.dtype:
+def storage_dtype(config: IndexConfig) -> torch.dtype:
     """The dtype the states are stored in.
 
     "auto" is bfloat16 whatever the model: 2 bytes per number like float16, but the float32
@@ -72,12 +72,12 @@ def validate_index_config(config: IndexConfig) -> None:
     storage_dtype(config)
 
 
-def plan_index(n_tokens: int, dim: int, config: IndexConfig, *, top_k: int | None = None,
+def plan_index(n_tokens: int, dim: int, config: IndexConfig, *, retrieval_k: int | None = None,
                queries_per_step: int | None = None, cuda_free_bytes: int | None = None,
                model_device: torch.device | str | None = None) -> IndexPlan:
     """Choose kind and device for a store of ``n_tokens`` states of size ``dim``.
 
-    ``top_k`` and ``queries_per_step`` (heads x beams x documents of one decoder step): an exact
+    ``retrieval_k`` and ``queries_per_step`` (heads x beams of one document): an exact
     step reads the store once for all those queries, while IVF scans about ``ivf_scan_factor * k``
     states for each query on its own; auto never picks IVF when that is more than N.
 
@@ -115,11 +115,11 @@ def plan_index(n_tokens: int, dim: int, config: IndexConfig, *, top_k: int | Non
     if config.kind != "auto":
         why = "as requested" if too_big is None else f"as requested; {too_big}"
         return IndexPlan(config.kind, "cpu", f"{config.kind} on CPU {why}, {size}")
-    ivf_scan = (queries_per_step or 0) * config.ivf_scan_factor * (top_k or 0)
+    ivf_scan = (queries_per_step or 0) * config.ivf_scan_factor * (retrieval_k or 0)
     if n_tokens <= config.exact_max_tokens:
         kind, why = "exact", f"{n_tokens:,} <= exact_max_tokens {config.exact_max_tokens:,}"
     elif config.approximate_kind == "ivf" and ivf_scan >= n_tokens:
-        kind, why = "exact", (f"IVF would scan {ivf_scan:,.0f} states per step for k={top_k:,}, more than one "
+        kind, why = "exact", (f"IVF would scan {ivf_scan:,.0f} states per step for k={retrieval_k:,}, more than one "
                               f"exact pass over {n_tokens:,}")
     else:
         kind, why = config.approximate_kind, f"{n_tokens:,} > exact_max_tokens {config.exact_max_tokens:,}"

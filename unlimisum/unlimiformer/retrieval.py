@@ -35,7 +35,7 @@ class RetrievalSession:
     """The datastores of one summarize call: one per document of the generation batch."""
 
     stores: Sequence  # Datastore per document, in batch order
-    top_k: int
+    retrieval_k: int  # input tokens each head attends to per step
     stats: RetrievalStats = field(default_factory=RetrievalStats)
     # per document, [N] float32 on its store's device: attention mass per input token, summed over
     # steps, layers, heads and beams (see unlimisum/unlimiformer/coverage.py); None: not measured
@@ -91,7 +91,7 @@ class RetrievalCrossAttention(nn.Module):
             started = time.perf_counter()
             # one call per layer and document: every head, beam and step of it in one pass over the store
             coverage = session.coverage[doc] if session.coverage is not None else None
-            mixed[block] = store.attend(queries, session.top_k, coverage).view(rows_per_doc, steps, heads, d_model)
+            mixed[block] = store.attend(queries, session.retrieval_k, coverage).view(rows_per_doc, steps, heads, d_model)
             session.stats.search_seconds += time.perf_counter() - started
 
         w_v = value_proj.weight.view(heads, head_dim, d_model)  # [H, dh, d]
