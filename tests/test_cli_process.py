@@ -103,7 +103,7 @@ def test_ctrl_c_mid_batch_leaves_no_partial_file_and_a_rerun_resumes(tiny_model_
             process.wait()
     assert process.returncode == 130, stderr.decode()
     assert "interrupted" in stderr.decode() and "--skip-existing" in stderr.decode()
-    written = sorted(path.name for path in out.iterdir())
+    written = sorted(path.name for path in out.iterdir() if path.name != "unlimisum-run.json")  # the run manifest
     assert not [name for name in written if not name.endswith(".summary.md")]  # no temporary files left
     assert 1 <= len(written) < 4
     first = out / written[0]
@@ -116,6 +116,7 @@ def test_ctrl_c_mid_batch_leaves_no_partial_file_and_a_rerun_resumes(tiny_model_
     finally:
         torch.set_num_threads(threads)
     assert resumed.exit_code == 0, resumed.output
-    assert sorted(path.name for path in out.iterdir()) == [f"book{number}.txt.summary.md" for number in range(4)]
+    assert sorted(path.name for path in out.iterdir()) == [
+        *(f"book{number}.txt.summary.md" for number in range(4)), "unlimisum-run.json"]
     assert first.read_text(encoding="utf-8") == first_text and first.stat().st_mtime_ns == first_mtime
     assert resumed.stderr.count("skipped") == len(written)

@@ -144,7 +144,7 @@ def test_directory_with_a_bad_file_summarizes_the_rest_and_exits_1(summarize, tm
     result = summarize(folder, "-o", out)
     assert result.exit_code == 1
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file()) == [
-        "a.txt.summary.md", "sub/b.md.summary.md"  # subfolders mirrored
+        "a.txt.summary.md", "sub/b.md.summary.md", "unlimisum-run.json"  # subfolders mirrored; the run manifest
     ]
     assert result.stdout == ""  # with -o nothing goes to stdout
     assert "2 of 4 inputs failed" in result.stderr
@@ -156,7 +156,7 @@ def test_output_dir_then_skip_existing_resumes_without_loading_the_model(summari
     first = summarize("--json", "-o", out, books["text"], books["epub"])
     assert first.exit_code == 0, first.output
     names = sorted(p.name for p in out.iterdir())
-    assert names == ["small.epub.summary.json", "small.txt.summary.json"]
+    assert names == ["small.epub.summary.json", "small.txt.summary.json", "unlimisum-run.json"]
     kept = out / "small.txt.summary.json"
     record = json.loads(kept.read_text())
     assert record["format"] == "text" and set(record["stats"]) == STATS_KEYS and record["written_by"] == "unlimisum"
@@ -233,7 +233,7 @@ def test_output_names_do_not_depend_on_the_rest_of_the_batch(summarize, books, t
     (collection / "story.pdf").write_bytes(books["pdf"].read_bytes())
     second = summarize(collection, "-o", out, "--skip-existing")
     assert second.exit_code == 0, second.output
-    assert sorted(path.name for path in out.iterdir()) == ["story.pdf.summary.md", "story.txt.summary.md"]
+    assert sorted(path.name for path in out.iterdir()) == ["story.pdf.summary.md", "story.txt.summary.md", "unlimisum-run.json"]
     assert written.read_text(encoding="utf-8") == text and written.stat().st_mtime_ns == mtime  # skipped, not redone
     assert "skipped" in second.stderr and second.stderr.count("done ") == 1
 
@@ -264,7 +264,7 @@ def test_folder_scans_skip_only_summaries_unlimisum_wrote(summarize, tmp_path, l
     assert first.exit_code == 0, first.output
     assert mine.read_text(encoding="utf-8").startswith("# My notes")  # never overwritten
     assert sorted(path.name for path in shelf.iterdir()) == [
-        "k.md", "k.md.summary.md", "k.summary.md", "k.summary.md.summary.md"  # the user's file was an input too
+        "k.md", "k.md.summary.md", "k.summary.md", "k.summary.md.summary.md", "unlimisum-run.json"  # the user's file was an input too
     ]
     assert (shelf / "k.md.summary.md").read_text(encoding="utf-8").startswith("<!-- written by unlimisum -->\n")
     calls = loader.calls

@@ -9,31 +9,21 @@ partial output file; a reader that closes stdout (`| head`) ends the run quietly
 
 from __future__ import annotations
 
-import os
+import math
 import re
-import sys
-import time
-import traceback
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, List, Literal, Optional
+from typing import List, Literal, Optional
 
 import typer
 
-from unlimisum.cli.app import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, app, fail, silence_stdout
-from unlimisum.cli.jobs import JSON_EXTENSION, MARKDOWN_EXTENSION, Job, OutputConflictError, plan_jobs
-from unlimisum.cli.output import (
-    atomic_write_text,
-    error_record,
-    is_unlimisum_output,
-    render_markdown,
-    summary_record,
-    to_json_file,
-    to_json_line,
-)
-from unlimisum.cli.progress import MemoryProbe, ProgressDisplay, make_stderr_console
+from unlimisum.cli.app import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, _click, app, fail, silence_stdout
+from unlimisum.cli.batch import BatchResult, BatchRunner, SummarizeSettings
+from unlimisum.cli.jobs import JSON_EXTENSION, MARKDOWN_EXTENSION, Job, plan_jobs
+from unlimisum.cli.progress import ProgressDisplay, make_stderr_console
 from unlimisum.config import DEFAULT_MODEL, EncodingConfig, GenerationOptions, IndexConfig, ModelConfig, RetrievalConfig
+from unlimisum.engines import manifest as run_manifest
+from unlimisum.engines.manifest import DocumentOutcome
 from unlimisum.errors import ConfigError, UnlimisumError
 
 _DEFAULT_GENERATION = GenerationOptions()
@@ -46,38 +36,7 @@ TENSOR_CACHE_PANEL = "Tensor Cache (bounded decoder memory)"
 OUTPUT_PANEL = "Output"
 CACHE_PANEL = "Cache of encoded books"
 DISPLAY_PANEL = "Display"
-
-
-@dataclass(frozen=True)
-class SummarizeSettings:
-    """Everything `summarize` needs besides the inputs: the library configs and output choices."""
-
-    model: ModelConfig
-    encoding: EncodingConfig
-    index: IndexConfig
-    retrieval: RetrievalConfig
-    generation: GenerationOptions
-    per_chapter: bool = False
-    as_json: bool = False
-    output_dir: Path | None = None
-    skip_existing: bool = False
-    password: str | None = None
-    keep_all: bool = False  # EPUB: keep front/back matter and notes (read_document's keep_all)
-    tensor_cache: object | None = None  # unlimisum.tensor_cache.TensorCacheSettings, or None for the ordinary cache
-    coverage: bool = False  # a coverage table in the Markdown output
-    cache_dir: Path | None = None  # the cache of encoded books, None: off
-    cache_max_bytes: int | None = None  # its size cap, None: none
-
-
-@dataclass
-class BatchResult:
-    """How a batch went: counts, and (source, one-line problem) per failed input."""
-
-    total: int
-    done: int = 0
-    skipped: int = 0
-    failures: list[tuple[str, str]] = field(default_factory=list)
-    pipe_closed: bool = False  # the reader of stdout left; the run stopped there
+RUN_PANEL = "Run: settings file and engine"
 
 
 def _check_overlap(value: float) -> float:
@@ -102,9 +61,23 @@ def parse_size(value: str) -> int:
         size = float(number) * factor
     except ValueError:
         raise typer.BadParameter(f"'{value}' is not a size; use e.g. 500M or 20G") from None
-    if size <= 0:
+    if not math.isfinite(size) or size <= 0:
         raise typer.BadParameter(f"'{value}' is not a positive size")
     return int(size)
+
+
+def _load_config(ctx: typer.Context, param: typer.CallbackParam, value: Optional[Path]) -> Optional[Path]:
+    """--config FILE (eager): check the file and make it the command's defaults, below flags and env vars."""
+    if value is None or ctx.resilient_parsing:
+        return value
+    from unlimisum.engines.run_config import config_defaults, read_config_file
+
+    try:
+        defaults = config_defaults(ctx.command, ctx, value, read_config_file(value))
+    except ConfigError as error:
+        raise _click.exceptions.UsageError(str(error), ctx=ctx) from None
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    return value
 
 
 def _check_device(value: str) -> str:
@@ -115,6 +88,7 @@ def _check_device(value: str) -> str:
 
 @app.command()
 def summarize(
+    ctx: typer.Context,
     paths: List[str] = typer.Argument(
         ..., metavar="PATH",
         help="Files (text, EPUB, PDF), folders (searched recursively) or '-' for standard input. "
@@ -160,7 +134,8 @@ def summarize(
     ),
     storage_dtype: Literal["auto", "float16", "bfloat16", "float32"] = typer.Option(
         "auto", "--storage-dtype",
-        help="How the encoded input is stored (auto: bfloat16 for bfloat16 models, else float16; float32 doubles memory).",
+        help="How the encoded input is stored (auto: bfloat16, which never overflows; float16 has 3 more "
+        "mantissa bits but overflows beyond 65504; float32 doubles memory).",
         rich_help_panel=INDEX_PANEL,
     ),
     retrieval_k: Optional[int] = typer.Option(
@@ -278,6 +253,35 @@ def summarize(
         help="With --cache-dir: cap its size (e.g. 20G); the least recently used books go first.",
         rich_help_panel=CACHE_PANEL,
     ),
+    # -- run: settings file and engine
+    config: Optional[Path] = typer.Option(
+        None, "--config", metavar="FILE", is_eager=True, callback=_load_config, dir_okay=False,
+        help="TOML file of options (keys: long option names without the dashes, e.g. max_new_tokens = 300); "
+        "command-line flags and environment variables win over it.",
+        rich_help_panel=RUN_PANEL,
+    ),
+    engine: Literal["local", "ray"] = typer.Option(
+        "local", "--engine", help="Where the batch runs: this process, or a Ray cluster (pip install "
+        "\"unlimisum[ray]\"; inputs and -o on storage every node sees).",
+        rich_help_panel=RUN_PANEL,
+    ),
+    ray_address: Optional[str] = typer.Option(
+        None, "--ray-address", envvar="RAY_ADDRESS", show_envvar=True, metavar="ADDR",
+        help="--engine ray: the cluster to use (default: a local Ray instance started for the run).",
+        rich_help_panel=RUN_PANEL,
+    ),
+    workers: Optional[int] = typer.Option(
+        None, "--workers", min=1, metavar="N",
+        help="--engine ray: workers, each with its own loaded model (default: as many as the cluster's CPUs, "
+        "or GPUs, allow, at most one per input).",
+        rich_help_panel=RUN_PANEL,
+    ),
+    gpus_per_worker: Optional[float] = typer.Option(
+        None, "--gpus-per-worker", min=0.0, metavar="G",
+        help="--engine ray: GPUs each worker reserves (default: 1 when the cluster has GPUs and --device "
+        "allows them, else 0).",
+        rich_help_panel=RUN_PANEL,
+    ),
     # -- display
     quiet: bool = typer.Option(
         False, "-q", "--quiet", help="No progress or per-document lines on stderr; errors only.",
@@ -311,6 +315,17 @@ def summarize(
         memory = tensor_cache_settings(tensor_cache or tc_params is not None, tc_params, tc_window)
     except ConfigError as error:
         raise fail(error, EXIT_USAGE)
+    if engine == "local":
+        for option, value in (("--workers", workers), ("--gpus-per-worker", gpus_per_worker)):
+            if value is not None:
+                raise fail(f"{option} needs --engine ray", EXIT_USAGE)
+    else:
+        from unlimisum.engines import require_ray
+
+        try:
+            require_ray()
+        except ConfigError as error:
+            raise fail(error, EXIT_USAGE)
     do_sample = sample or temperature is not None or top_p is not None or top_k is not None
     settings = SummarizeSettings(
         model=ModelConfig(name=model, tokenizer=tokenizer, device=device, dtype=dtype, trust_remote_code=trust_remote_code),
@@ -337,13 +352,16 @@ def summarize(
     display.own_outputs_skipped(plan.own_outputs)
     runner = BatchRunner(settings, display)
     jobs = plan.jobs
+    started = run_manifest.now()
+    interrupted = False
     try:
         runner.read_stdin_ahead(jobs)  # before the live display: the terminal may be where it is typed
-        with display, warnings.catch_warnings():
+        with warnings.catch_warnings():
             if quiet:  # library warnings would break the promise of an empty stderr
                 warnings.simplefilter("ignore")
-            result = runner.run(jobs)
+            result = _run_engine(engine, runner, jobs, ray_address, workers, gpus_per_worker)
     except KeyboardInterrupt:
+        interrupted = True
         resume = "; rerun with --skip-existing to resume" if output_dir is not None else ""
         typer.echo(f"unlimisum: interrupted after {runner.result.done} of {len(jobs)} inputs{resume}", err=True)
         raise typer.Exit(EXIT_INTERRUPTED)
@@ -351,12 +369,69 @@ def summarize(
         raise fail(error, EXIT_USAGE)
     except UnlimisumError as error:  # the model could not be loaded: nothing can be summarized
         raise fail(error, EXIT_FAILURE)
+    finally:
+        if output_dir is not None:
+            _save_manifest(ctx, output_dir, runner, jobs, paths, engine, started, interrupted)
     if result.pipe_closed:  # `unlimisum summarize ... | head`: the reader took what it wanted
         silence_stdout()
     if result.failures:
         if result.total > 1 and not result.pipe_closed:
             display.failure_report(result.failures, result.total)
         raise typer.Exit(EXIT_FAILURE)
+
+
+def _run_engine(engine: str, runner: "BatchRunner", jobs: list[Job], address: str | None, workers: int | None,
+                gpus_per_worker: float | None) -> BatchResult:
+    """Run the jobs in this process (the BatchRunner) or on Ray (unlimisum.engines.ray)."""
+    if engine == "ray":
+        from unlimisum.engines.ray import RayEngine, RaySettings
+
+        return RayEngine(runner, RaySettings(address=address, workers=workers,
+                                             gpus_per_worker=gpus_per_worker)).run(jobs)
+    with runner.display:
+        return runner.run(jobs)
+
+
+def _save_manifest(ctx, output_dir: Path, runner: "BatchRunner", jobs: list[Job], inputs: list[str], engine: str,
+                   started, interrupted: bool) -> None:
+    """Write OUT/unlimisum-run.json (see unlimisum.engines.manifest); a problem writing it is a warning."""
+    options, sources = effective_options(ctx)
+    outcomes = list(runner.result.outcomes)
+    finished = {outcome.path for outcome in outcomes}
+    outcomes += [DocumentOutcome(job.source, run_manifest.NOT_RUN, output=str(job.output) if job.output else None)
+                 for job in jobs if job.source not in finished]
+    config = ctx.params.get("config")
+    manifest = run_manifest.build_manifest(
+        engine=engine, inputs=inputs, options=options, option_sources=sources,
+        config_file=str(config) if config is not None else None, model=runner.result.model, started=started,
+        ended=run_manifest.now(), outcomes=outcomes, interrupted=interrupted,
+    )
+    try:
+        if run_manifest.write_manifest(output_dir, manifest) is None:
+            runner.display.note(f"unlimisum: warning: not writing {Path(output_dir) / run_manifest.MANIFEST_NAME}: "
+                                "unlimisum did not write the file that is there")
+    except OSError as error:
+        runner.display.note(f"unlimisum: warning: cannot write the run manifest ({error.strerror or error})")
+
+
+def effective_options(ctx) -> tuple[dict, dict]:
+    """Every option of this `summarize` (PATH and --config aside) with its value and where it came from
+    (commandline, environment, config or default)."""
+    options, sources = {}, {}
+    for name, value in ctx.params.items():
+        if name not in ("paths", "config", "retrieval_k_alias"):
+            options[name], sources[name] = value, _source(ctx, name)
+    alias = ctx.params.get("retrieval_k_alias")
+    if options.get("retrieval_k") is None and alias is not None:  # --topk, the old name
+        options["retrieval_k"], sources["retrieval_k"] = alias, _source(ctx, "retrieval_k_alias")
+    return options, sources
+
+
+def _source(ctx, name: str) -> str:
+    source = ctx.get_parameter_source(name)
+    if source is None:
+        return "default"
+    return "config" if source.name == "DEFAULT_MAP" else source.name.lower()
 
 
 def tensor_cache_settings(enabled: bool, params_file: Path | None, window: int | None):
@@ -370,203 +445,8 @@ def tensor_cache_settings(enabled: bool, params_file: Path | None, window: int |
     return settings
 
 
-def tensor_cache_note(settings, max_new_tokens: int) -> str:
-    """The one line that says what --tensor-cache does here, or that it changes nothing (W >= --max-new-tokens)."""
-    from unlimisum.tensor_cache.session import describe, effective_window
-
-    window = effective_window(settings)
-    if window >= max_new_tokens:
-        return (f"unlimisum: note: --tensor-cache changes nothing here: its window of {window} tokens holds all "
-                f"--max-new-tokens {max_new_tokens} tokens of the summary; lower --tc-window to bound memory")
-    return f"unlimisum: {describe(settings, window)}"
-
-
 def check_index_settings(index: IndexConfig) -> None:
     """Raise ConfigError now, before the model loads, for index options this machine cannot honour."""
     from unlimisum.unlimiformer.datastore import plan_index
 
     plan_index(1, 1, index)  # validates kind/device and CUDA presence for --index-device gpu
-
-
-class BatchRunner:
-    """Runs the jobs of one `summarize` invocation with one model: read, summarize, write, report."""
-
-    def __init__(
-        self,
-        settings: SummarizeSettings,
-        display: ProgressDisplay,
-        *,
-        write_stdout: Callable[[str], None] | None = None,
-        clock: Callable[[], float] = time.perf_counter,
-    ):
-        self.settings = settings
-        self.display = display
-        self.write_stdout = write_stdout or _echo
-        self.clock = clock
-        self.summarizer = None
-        self.result = BatchResult(total=0)
-        self.read_seconds: dict[str, float] = {}  # inputs read ahead (standard input): seconds it took
-        self._printed = 0
-
-    def read_stdin_ahead(self, jobs: list[Job]) -> None:
-        """Read standard input now, before the model loads; at a terminal, first say how to end it."""
-        from unlimisum.ingest import read_document
-
-        for job in jobs:
-            if not job.is_stdin or job.problem is not None or job.skip:
-                continue
-            if _stdin_is_terminal():
-                self.display.reading_stdin_hint()
-            started = self.clock()
-            try:
-                job.document = read_document(job.source, password=self.settings.password,
-                                             keep_all=self.settings.keep_all)
-            except UnlimisumError as error:
-                job.problem = error
-            self.read_seconds[job.source] = self.clock() - started
-
-    def run(self, jobs: list[Job]) -> BatchResult:
-        """Report unusable inputs, then summarize the rest; failures are collected, Ctrl-C propagates.
-
-        The model is loaded only when some input is left to summarize. A reader that closes
-        stdout ends the run (``result.pipe_closed``).
-        """
-        self.result = BatchResult(total=len(jobs))
-        try:
-            for job in jobs:
-                if job.problem is not None:
-                    self._failed(job, job.problem.problem, type(job.problem).__name__)
-                elif job.skip:
-                    self.result.skipped += 1
-                    self.display.document_skipped(job.source, job.output)
-            todo = [job for job in jobs if job.problem is None and not job.skip]
-            if todo:
-                self._load_model()
-            for number, job in enumerate(todo, start=1):
-                self.display.begin_document(number, len(todo), job.source)
-                self._run_one(job)
-        except BrokenPipeError:
-            self.result.pipe_closed = True
-        return self.result
-
-    # -- steps -------------------------------------------------------------------------------
-
-    def _load_model(self) -> None:
-        from unlimisum.models import load_model
-        from unlimisum.summarizer import Summarizer
-
-        settings = self.settings
-        self.display.loading_model(settings.model.name)
-        started = self.clock()
-        loaded = load_model(settings.model)
-        dtype = str(loaded.dtype).replace("torch.", "")
-        self.display.model_loaded(loaded.name, str(loaded.device),
-                                  f"{dtype}; {loaded.dtype_reason}" if loaded.dtype_reason else dtype,
-                                  self.clock() - started)
-        if loaded.device.type == "cuda":
-            self.display.set_memory_probe(MemoryProbe(cuda_device=loaded.device))
-        elif self.display.memory is None:
-            self.display.set_memory_probe(MemoryProbe())
-        cache = None
-        if settings.cache_dir is not None:
-            from unlimisum.unlimiformer.cache import EncodedCache
-
-            cache = EncodedCache(settings.cache_dir, max_bytes=settings.cache_max_bytes,
-                                 warn=lambda message: self.display.note(f"unlimisum: warning: {message}"))
-        self.summarizer = Summarizer(
-            loaded, encoding=settings.encoding, index=settings.index, retrieval=settings.retrieval,
-            generation=settings.generation, tensor_cache=settings.tensor_cache, cache=cache, progress=self.display,
-        )
-        if settings.tensor_cache is not None:
-            self.display.note(tensor_cache_note(settings.tensor_cache, settings.generation.max_new_tokens))
-
-    def _run_one(self, job: Job) -> None:
-        from unlimisum.ingest import read_document
-
-        started = self.clock()
-        try:
-            if job.document is not None:
-                document, read_seconds = job.document, self.read_seconds.get(job.source, 0.0)
-            else:
-                document = read_document(job.source, password=self.settings.password,
-                                         keep_all=self.settings.keep_all)
-                read_seconds = self.clock() - started
-            for warning in document.metadata.get("warnings", []):
-                self.display.note(f"unlimisum: warning: {job.source}: {warning}")
-            if document.left_out:
-                self.display.log(f"left out of {job.source}: {'; '.join(document.left_out)} (--keep-all keeps them)")
-            summary = self.summarizer.summarize(document, per_chapter=self.settings.per_chapter)
-            self._emit(job, document, summary, read_seconds)
-        except UnlimisumError as error:
-            self._failed(job, error.problem, type(error).__name__)
-            return
-        except BrokenPipeError:
-            raise
-        except OSError as error:  # writing the output: disk full, permission denied
-            self._failed(job, f"cannot write the summary ({error.strerror or error})", type(error).__name__)
-            return
-        except Exception as error:  # noqa: BLE001  (one broken input must not end a batch of hundreds)
-            self._failed(job, _unexpected(error), type(error).__name__)
-            if self.display.verbose > 1:
-                self.display.console.print(traceback.format_exc(), markup=False, soft_wrap=True)
-            return
-        self.result.done += 1
-        self.display.document_done(summary, job.source, self.clock() - started, job.output)
-
-    def _emit(self, job: Job, document, summary, read_seconds: float) -> None:
-        settings = self.settings
-        if settings.as_json:
-            record = summary_record(summary, document, read_seconds)
-            if job.output is not None:
-                self._write(job, to_json_file(record))
-            else:
-                self._print(to_json_line(record) + "\n")
-            return
-        if job.output is not None:
-            self._write(job, render_markdown(summary, document, heading=True, marker=True,
-                                             coverage=settings.coverage))
-            return
-        several = self.result.total > 1
-        text = render_markdown(summary, document, heading=several, coverage=settings.coverage)
-        self._print(("\n" if self._printed else "") + text)
-        self._printed += 1
-
-    def _write(self, job: Job, text: str) -> None:
-        """Write the summary file, unless another program put a file there while this one was summarized."""
-        if os.path.lexists(job.output) and not is_unlimisum_output(job.output):
-            raise OutputConflictError(
-                f"refusing to overwrite {job.output}: unlimisum did not write it (move it, or choose another "
-                "--output-dir)", source=job.source,
-            )
-        atomic_write_text(job.output, text)
-
-    def _print(self, text: str) -> None:
-        """Write to stdout with the live display off the screen (they may share a terminal)."""
-        with self.display.paused():
-            self.write_stdout(text)
-
-    def _failed(self, job: Job, problem: str, error_type: str) -> None:
-        self.result.failures.append((job.source, problem))
-        self.display.document_failed(job.source, problem)
-        if self.settings.as_json and job.output is None:
-            self._print(to_json_line(error_record(job.source, problem, error_type)) + "\n")
-
-
-def _unexpected(error: Exception) -> str:
-    name = type(error).__name__
-    if name == "OutOfMemoryError":
-        return "out of GPU memory; try --index-device cpu, a smaller --encode-batch or --num-beams"
-    message = " ".join(str(error).split())
-    return f"unexpected {name}: {message} (-vv shows the traceback)" if message else f"unexpected {name}"
-
-
-def _echo(text: str) -> None:
-    typer.echo(text, nl=False)
-    sys.stdout.flush()  # one document at a time: a pipe sees each summary when it is done
-
-
-def _stdin_is_terminal() -> bool:
-    try:
-        return sys.stdin is not None and sys.stdin.isatty()
-    except (AttributeError, ValueError):
-        return False

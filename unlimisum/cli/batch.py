@@ -1,0 +1,320 @@
+"""Running the jobs of one `summarize` invocation: read, summarize, write, report.
+
+``BatchRunner`` holds the steps both engines use (unlimisum/engines/): report the inputs found
+unusable before the model loads, load the model once, summarize one job into a ``JobResult``
+(reading it, writing its file atomically), and report or print the outcome. The local engine is
+``BatchRunner.run``; the Ray engine runs ``summarize_job`` on its workers.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import typer
+
+from unlimisum.cli.jobs import Job, OutputConflictError
+from unlimisum.cli.output import (
+    atomic_write_text,
+    error_record,
+    is_unlimisum_output,
+    render_markdown,
+    summary_record,
+    to_json_file,
+    to_json_line,
+)
+from unlimisum.cli.progress import MemoryProbe, ProgressDisplay
+from unlimisum.config import EncodingConfig, GenerationOptions, IndexConfig, ModelConfig, RetrievalConfig
+from unlimisum.engines import manifest as run_manifest
+from unlimisum.engines.manifest import DONE, FAILED, SKIPPED, DocumentOutcome
+from unlimisum.errors import UnlimisumError
+
+
+@dataclass(frozen=True)
+class SummarizeSettings:
+    """Everything `summarize` needs besides the inputs: the library configs and output choices."""
+
+    model: ModelConfig
+    encoding: EncodingConfig
+    index: IndexConfig
+    retrieval: RetrievalConfig
+    generation: GenerationOptions
+    per_chapter: bool = False
+    as_json: bool = False
+    output_dir: Path | None = None
+    skip_existing: bool = False
+    password: str | None = None
+    keep_all: bool = False  # EPUB: keep front/back matter and notes (read_document's keep_all)
+    tensor_cache: object | None = None  # unlimisum.tensor_cache.TensorCacheSettings, or None for the ordinary cache
+    coverage: bool = False  # a coverage table in the Markdown output
+    cache_dir: Path | None = None  # the cache of encoded books, None: off
+    cache_max_bytes: int | None = None  # its size cap, None: none
+
+
+@dataclass
+class BatchResult:
+    """How a batch went: counts, and (source, one-line problem) per failed input."""
+
+    total: int
+    done: int = 0
+    skipped: int = 0
+    failures: list[tuple[str, str]] = field(default_factory=list)
+    pipe_closed: bool = False  # the reader of stdout left; the run stopped there
+    outcomes: list[DocumentOutcome] = field(default_factory=list)  # per input, in the order they ended
+    model: dict | None = None  # the model that summarized (unlimisum.engines.manifest.model_record), once loaded
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """One summarized (or failed) input: its outcome, the Summary, and what goes to stdout for it."""
+
+    outcome: DocumentOutcome
+    summary: object | None = None  # the Summary of a document that was summarized
+    stdout: str = ""  # the Markdown or JSON line to print (without the blank line between documents)
+    model: dict | None = None  # the model record of the worker that made it (Ray)
+
+
+def tensor_cache_note(settings, max_new_tokens: int) -> str:
+    """The one line that says what --tensor-cache does here, or that it changes nothing (W >= --max-new-tokens)."""
+    from unlimisum.tensor_cache.session import describe, effective_window
+
+    window = effective_window(settings)
+    if window >= max_new_tokens:
+        return (f"unlimisum: note: --tensor-cache changes nothing here: its window of {window} tokens holds all "
+                f"--max-new-tokens {max_new_tokens} tokens of the summary; lower --tc-window to bound memory")
+    return f"unlimisum: {describe(settings, window)}"
+
+
+class BatchRunner:
+    """Runs the jobs of one `summarize` invocation with one model: read, summarize, write, report."""
+
+    def __init__(
+        self,
+        settings: SummarizeSettings,
+        display: ProgressDisplay,
+        *,
+        write_stdout: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        self.settings = settings
+        self.display = display
+        self.write_stdout = write_stdout or _echo
+        self.clock = clock
+        self.summarizer = None
+        self.result = BatchResult(total=0)
+        self.read_seconds: dict[str, float] = {}  # inputs read ahead (standard input): seconds it took
+        self._printed = 0
+
+    def read_stdin_ahead(self, jobs: list[Job]) -> None:
+        """Read standard input now, before the model loads; at a terminal, first say how to end it."""
+        from unlimisum.ingest import read_document
+
+        for job in jobs:
+            if not job.is_stdin or job.problem is not None or job.skip:
+                continue
+            if _stdin_is_terminal():
+                self.display.reading_stdin_hint()
+            started = self.clock()
+            try:
+                job.document = read_document(job.source, password=self.settings.password,
+                                             keep_all=self.settings.keep_all)
+            except UnlimisumError as error:
+                job.problem = error
+            self.read_seconds[job.source] = self.clock() - started
+
+    def run(self, jobs: list[Job]) -> BatchResult:
+        """Report unusable inputs, then summarize the rest; failures are collected, Ctrl-C propagates.
+
+        The model is loaded only when some input is left to summarize. A reader that closes
+        stdout ends the run (``result.pipe_closed``).
+        """
+        self.result = BatchResult(total=len(jobs))
+        try:
+            todo = self.report_unusable(jobs)
+            if todo:
+                self.load_model()
+            for number, job in enumerate(todo, start=1):
+                self.display.begin_document(number, len(todo), job.source)
+                self._finish(job, self.summarize_job(job, several=len(jobs) > 1))
+        except BrokenPipeError:
+            self.result.pipe_closed = True
+        return self.result
+
+    def report_unusable(self, jobs: list[Job]) -> list[Job]:
+        """Report the inputs that failed before reading and those skipped; return the ones to summarize."""
+        todo = []
+        for job in jobs:
+            if job.problem is not None:
+                self._finish(job, self.failed_result(job, job.problem.problem, type(job.problem).__name__))
+            elif job.skip:
+                self.result.skipped += 1
+                self.result.outcomes.append(DocumentOutcome(job.source, SKIPPED, output=str(job.output)))
+                self.display.document_skipped(job.source, job.output)
+            else:
+                todo.append(job)
+        return todo
+
+    # -- steps -------------------------------------------------------------------------------
+
+    def load_model(self) -> None:
+        """Load the model (once) and make the Summarizer; UnlimisumError when it cannot be loaded."""
+        from unlimisum.models import load_model
+        from unlimisum.summarizer import Summarizer
+
+        settings = self.settings
+        self.display.loading_model(settings.model.name)
+        started = self.clock()
+        loaded = load_model(settings.model)
+        self.result.model = run_manifest.model_record(loaded)
+        dtype = str(loaded.dtype).replace("torch.", "")
+        self.display.model_loaded(loaded.name, str(loaded.device),
+                                  f"{dtype}; {loaded.dtype_reason}" if loaded.dtype_reason else dtype,
+                                  self.clock() - started)
+        if loaded.device.type == "cuda":
+            self.display.set_memory_probe(MemoryProbe(cuda_device=loaded.device))
+        elif self.display.memory is None:
+            self.display.set_memory_probe(MemoryProbe())
+        cache = None
+        if settings.cache_dir is not None:
+            from unlimisum.unlimiformer.cache import EncodedCache
+
+            cache = EncodedCache(settings.cache_dir, max_bytes=settings.cache_max_bytes,
+                                 warn=lambda message: self.display.note(f"unlimisum: warning: {message}"))
+        self.summarizer = Summarizer(
+            loaded, encoding=settings.encoding, index=settings.index, retrieval=settings.retrieval,
+            generation=settings.generation, tensor_cache=settings.tensor_cache, cache=cache, progress=self.display,
+        )
+        if settings.tensor_cache is not None:
+            self.display.note(tensor_cache_note(settings.tensor_cache, settings.generation.max_new_tokens))
+
+    def summarize_job(self, job: Job, *, several: bool) -> JobResult:
+        """Read, summarize and (with -o) write one input; a failure of this input is a failed JobResult.
+
+        Nothing is printed on stdout here: ``emit`` does that (the Ray engine calls this on its
+        workers and prints on the driver). ``several``: the run has more than one input (the
+        Markdown on stdout then starts with a heading).
+        """
+        from unlimisum.ingest import read_document
+
+        started = self.clock()
+        try:
+            if job.document is not None:
+                document, read_seconds = job.document, self.read_seconds.get(job.source, 0.0)
+            else:
+                document = read_document(job.source, password=self.settings.password,
+                                         keep_all=self.settings.keep_all)
+                read_seconds = self.clock() - started
+            for warning in document.metadata.get("warnings", []):
+                self.display.note(f"unlimisum: warning: {job.source}: {warning}")
+            if document.left_out:
+                self.display.log(f"left out of {job.source}: {'; '.join(document.left_out)} (--keep-all keeps them)")
+            summary = self.summarizer.summarize(document, per_chapter=self.settings.per_chapter)
+            stdout = self._render(job, document, summary, read_seconds, several)
+        except UnlimisumError as error:
+            return self.failed_result(job, error.problem, type(error).__name__, self.clock() - started)
+        except BrokenPipeError:
+            raise
+        except OSError as error:  # writing the output: disk full, permission denied
+            return self.failed_result(job, f"cannot write the summary ({error.strerror or error})",
+                                      type(error).__name__, self.clock() - started)
+        except Exception as error:  # noqa: BLE001  (one broken input must not end a batch of hundreds)
+            if self.display.verbose > 1:
+                self.display.console.print(traceback.format_exc(), markup=False, soft_wrap=True)
+            return self.failed_result(job, _unexpected(error), type(error).__name__, self.clock() - started)
+        outcome = run_manifest.done_outcome(job.source, job.output, summary, read_seconds, self.clock() - started)
+        return JobResult(outcome, summary=summary, stdout=stdout, model=self.result.model)
+
+    def failed_result(self, job: Job, problem: str, error_type: str, seconds: float | None = None) -> JobResult:
+        """The JobResult of an input that failed: with --json and no -o, its error record goes to stdout."""
+        outcome = DocumentOutcome(job.source, FAILED, output=str(job.output) if job.output is not None else None,
+                                  problem=problem, error_type=error_type, seconds=seconds)
+        stdout = ""
+        if self.settings.as_json and job.output is None:
+            stdout = to_json_line(error_record(job.source, problem, error_type)) + "\n"
+        return JobResult(outcome, stdout=stdout)
+
+    def report(self, job: Job, result: JobResult) -> None:
+        """Count the result and give its line on stderr (done, or the failure)."""
+        outcome = result.outcome
+        self.result.outcomes.append(outcome)
+        if outcome.status == DONE:
+            self.result.done += 1
+            self.display.document_done(result.summary, job.source, outcome.seconds, job.output)
+        else:
+            self.result.failures.append((job.source, outcome.problem))
+            self.display.document_failed(job.source, outcome.problem)
+
+    def emit(self, result: JobResult) -> None:
+        """Print what the result puts on stdout; Markdown summaries are separated by a blank line."""
+        if not result.stdout:
+            return
+        markdown = result.outcome.status == DONE and not self.settings.as_json
+        self._print(("\n" if markdown and self._printed else "") + result.stdout)
+        if markdown:
+            self._printed += 1
+
+    def _finish(self, job: Job, result: JobResult) -> None:
+        """Report and print a result: a summary before its done line (which, with its coverage bar, then
+        stays in view), a failure line before the failure's JSON record."""
+        if result.outcome.status == DONE:
+            self.emit(result)
+            self.report(job, result)
+        else:
+            self.report(job, result)
+            self.emit(result)
+
+    def _render(self, job: Job, document, summary, read_seconds: float, several: bool) -> str:
+        """Write the summary file (with -o) and return ""; without -o return the text for stdout."""
+        settings = self.settings
+        if settings.as_json:
+            record = summary_record(summary, document, read_seconds)
+            if job.output is not None:
+                self._write(job, to_json_file(record))
+                return ""
+            return to_json_line(record) + "\n"
+        if job.output is not None:
+            self._write(job, render_markdown(summary, document, heading=True, marker=True,
+                                             coverage=settings.coverage))
+            return ""
+        return render_markdown(summary, document, heading=several, coverage=settings.coverage)
+
+    def _write(self, job: Job, text: str) -> None:
+        """Write the summary file, unless another program put a file there while this one was summarized."""
+        if os.path.lexists(job.output) and not is_unlimisum_output(job.output):
+            raise OutputConflictError(
+                f"refusing to overwrite {job.output}: unlimisum did not write it (move it, or choose another "
+                "--output-dir)", source=job.source,
+            )
+        atomic_write_text(job.output, text)
+
+    def _print(self, text: str) -> None:
+        """Write to stdout with the live display off the screen (they may share a terminal)."""
+        with self.display.paused():
+            self.write_stdout(text)
+
+
+
+
+def _unexpected(error: Exception) -> str:
+    name = type(error).__name__
+    if name == "OutOfMemoryError":
+        return "out of GPU memory; try --index-device cpu, a smaller --encode-batch or --num-beams"
+    message = " ".join(str(error).split())
+    return f"unexpected {name}: {message} (-vv shows the traceback)" if message else f"unexpected {name}"
+
+
+def _echo(text: str) -> None:
+    typer.echo(text, nl=False)
+    sys.stdout.flush()  # one document at a time: a pipe sees each summary when it is done
+
+
+def _stdin_is_terminal() -> bool:
+    try:
+        return sys.stdin is not None and sys.stdin.isatty()
+    except (AttributeError, ValueError):
+        return False
