@@ -94,3 +94,23 @@ def test_a_bad_validation_file_is_named(tmp_path):
     bad = _jsonl(tmp_path / "dev.jsonl", [{"text": "", "summary": "s"}])
     with pytest.raises(TrainingDataError, match=r"dev\.jsonl: row 1: 'text' is empty"):
         read_data([good], TrainConfig(validation=(str(bad),)), tmp_path / "cache")
+
+
+def test_a_folder_of_documents_with_summaries_beside_them(tmp_path):
+    folder = tmp_path / "books"
+    (folder / "sea").mkdir(parents=True)
+    (folder / "ships.txt").write_text("A long text about ships and the sea.", encoding="utf-8")
+    (folder / "ships.summary.txt").write_text("ships", encoding="utf-8")
+    (folder / "sea" / "tide.md").write_text("# Tide\n\nThe tide came in twice a day.", encoding="utf-8")
+    (folder / "sea" / "tide.summary.md").write_text("the tide", encoding="utf-8")
+    rows, validation = _read(tmp_path, folder)
+    assert validation is None and len(rows) == 2
+    assert sorted(rows["summary"]) == ["ships", "the tide"]
+    assert any("twice a day" in text for text in rows["text"])
+    (folder / "orphan.txt").write_text("A text without a summary.", encoding="utf-8")
+    with pytest.raises(TrainingDataError, match=r"orphan.txt: no summary beside it \(expected orphan.summary.txt"):
+        _read(tmp_path, folder)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(TrainingDataError, match="holds no documents"):
+        _read(tmp_path, empty)

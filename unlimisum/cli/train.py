@@ -23,7 +23,8 @@ _METHODS = "truncated, chunked, random-encoded, retrieval or alternating"
 @app.command("train")
 def train(
     data: List[Path] = typer.Argument(..., metavar="DATA",
-                                      help="Training files: JSON Lines, JSON, CSV or Parquet with text and summary columns."),
+                                      help="Training files: JSON Lines, JSON, CSV or Parquet with text and summary columns, or "
+                                      "folders of documents each with X.summary.txt (or .md) beside it."),
     model: str = typer.Option(..., "-m", "--model", metavar="NAME_OR_DIR", help="Checkpoint to start from."),
     output_dir: Path = typer.Option(..., "-o", "--output-dir", metavar="DIR",
                                     help="Where the trained checkpoint goes (written at the end, all at once)."),

@@ -1,4 +1,6 @@
-"""Training data: JSON Lines / JSON / CSV / Parquet files with a text and a summary column.
+"""Training data: JSON Lines / JSON / CSV / Parquet files with a text and a summary column, or folders
+of documents (text, Markdown, EPUB, PDF) each with its summary beside it (``moby.epub`` and
+``moby.summary.txt`` or ``moby.summary.md``).
 
 Each file is read with the ``datasets`` library and checked before any model loads: the columns
 exist, every text and summary is a non-empty string. Problems are one line naming the file and the
@@ -43,11 +45,49 @@ def _bad_json_line(path: Path) -> str | None:
     return None
 
 
+SUMMARY_SUFFIXES = (".summary.txt", ".summary.md")  # a document's summary beside it: moby.epub -> moby.summary.txt
+
+
+def read_folder(folder: Path):
+    """A folder of documents with their summaries beside them, as a ``datasets.Dataset`` (text, summary,
+    source, row); every document is read with unlimisum's readers and must have its summary."""
+    import datasets
+
+    from unlimisum.errors import InputError
+    from unlimisum.ingest import read_document
+    from unlimisum.ingest.paths import expand_paths
+
+    documents = [path for path in expand_paths([folder])
+                 if isinstance(path, Path) and path.is_file() and not path.name.lower().endswith(SUMMARY_SUFFIXES)]
+    if not documents:
+        raise TrainingDataError("holds no documents (text, Markdown, EPUB or PDF files)", source=folder)
+    columns = {"text": [], "summary": [], "source": [], "row": []}
+    for number, document in enumerate(documents, 1):
+        stem = document.name[: -len(document.suffix)] if document.suffix else document.name
+        candidates = [document.with_name(stem + suffix) for suffix in SUMMARY_SUFFIXES]
+        summary = next((candidate for candidate in candidates if candidate.is_file()), None)
+        if summary is None:
+            raise TrainingDataError(f"no summary beside it (expected {candidates[0].name} or {candidates[1].name})",
+                                    source=document)
+        try:
+            text, target = read_document(document).text, read_document(summary).text
+        except InputError as error:
+            raise TrainingDataError(error.problem, source=error.source or document) from None
+        columns["text"].append(text)
+        columns["summary"].append(target)
+        columns["source"].append(str(document))
+        columns["row"].append(number)
+    return datasets.Dataset.from_dict(columns)
+
+
 def read_rows(path: str | Path, config: TrainConfig, cache_dir: str | Path):
-    """One data file as a ``datasets.Dataset`` with columns text, summary, source, row; checked row by row."""
+    """One data file (or folder of documents) as a ``datasets.Dataset`` with columns text, summary, source,
+    row; checked row by row."""
     import datasets
 
     path = Path(path)
+    if path.is_dir():
+        return read_folder(path)
     builder = _builder(path)
     if not path.is_file():
         raise TrainingDataError("no such file", source=path)
