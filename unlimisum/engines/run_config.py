@@ -18,8 +18,13 @@ a value the option refuses is a usage error naming the file and the key.
 
 from __future__ import annotations
 
-import tomllib
+import sys
 from pathlib import Path
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # the same parser, before it joined the standard library
+    import tomli as tomllib
 
 from unlimisum.errors import ConfigError
 
