@@ -14,6 +14,35 @@ from torch import nn
 from unlimisum.models.architectures import Architecture, AttentionSite
 
 
+class CrossAttentionWrapper(nn.Module):
+    """A decoder cross-attention wrapped: the original is the child ``original`` and its projections
+    are read through the architecture's row. Without a ``session`` it is the original module; with
+    one, ``forward`` returns ``attend(hidden_states, session)`` in the original's return tuple."""
+
+    def __init__(self, original: nn.Module, architecture: Architecture, layer_index: int):
+        super().__init__()
+        self.original = original
+        self.architecture = architecture
+        self.layer_index = layer_index
+        self.session = None  # set by the context that installs the wrappers
+        site = architecture.cross_attention
+        self.num_heads = getattr(original, site.heads_attribute)
+        self.head_dim = getattr(original, site.head_dim_attribute)
+        self.scaling = float(getattr(original, "scaling", architecture.default_scaling(self.head_dim)))
+
+    def _projection(self, role: str) -> nn.Linear:
+        return getattr(self.original, getattr(self.architecture.cross_attention, role))
+
+    def forward(self, hidden_states, *args, **kwargs):
+        """The original module's call signature and return tuple; ``attend`` when a session is active."""
+        if self.session is None:
+            return self.original(hidden_states, *args, **kwargs)
+        return self.architecture.pack_output(self.attend(hidden_states, self.session), kwargs)
+
+    def attend(self, hidden_states, session):
+        raise NotImplementedError
+
+
 def _sites(model: nn.Module, architecture: Architecture, site: AttentionSite):
     for index, layer in enumerate(architecture.decoder_layers(model)):
         parent, attribute = site.locate(layer)

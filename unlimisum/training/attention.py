@@ -67,30 +67,13 @@ class TrainingSession:
         return self.picks[layer_index]
 
 
-class TrainingCrossAttention(nn.Module):
-    """Wraps one decoder cross-attention; with a session each head attends to k encoded states."""
+class TrainingCrossAttention(wrapping.CrossAttentionWrapper):
+    """Wraps one decoder cross-attention; with a ``TrainingSession`` each head attends to k encoded states."""
 
     def __init__(self, original: nn.Module, architecture: Architecture, layer_index: int):
-        super().__init__()
-        self.original = original
-        self.architecture = architecture
-        self.layer_index = layer_index
-        self.session: TrainingSession | None = None
-        site = architecture.cross_attention
-        self.num_heads = getattr(original, site.heads_attribute)
-        self.head_dim = getattr(original, site.head_dim_attribute)
-        self.scaling = float(getattr(original, "scaling", architecture.default_scaling(self.head_dim)))
+        super().__init__(original, architecture, layer_index)
         dropout = getattr(original, "dropout", 0.0)  # BART-like: a float; T5: a float too (its rate)
         self.dropout = float(dropout) if isinstance(dropout, (int, float)) else 0.0
-
-    def _projection(self, role: str) -> nn.Linear:
-        return getattr(self.original, getattr(self.architecture.cross_attention, role))
-
-    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
-        """The original module's call signature and return tuple; k-state attention when a session is active."""
-        if self.session is None:
-            return self.original(hidden_states, *args, **kwargs)
-        return self.architecture.pack_output(self.attend(hidden_states, self.session), kwargs)
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
         batch, length, _ = x.shape

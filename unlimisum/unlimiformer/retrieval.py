@@ -42,31 +42,11 @@ class RetrievalSession:
     coverage: Sequence | None = None
 
 
-class RetrievalCrossAttention(nn.Module):
+class RetrievalCrossAttention(wrapping.CrossAttentionWrapper):
     """Wraps one decoder cross-attention module; the original stays as the child ``original``.
 
-    Without an active session it is the original module, unchanged.
+    Without an active ``RetrievalSession`` it is the original module, unchanged.
     """
-
-    def __init__(self, original: nn.Module, architecture: Architecture, layer_index: int):
-        super().__init__()
-        self.original = original
-        self.architecture = architecture
-        self.layer_index = layer_index
-        self.session: RetrievalSession | None = None
-        site = architecture.cross_attention
-        self.num_heads = getattr(original, site.heads_attribute)
-        self.head_dim = getattr(original, site.head_dim_attribute)
-        self.scaling = float(getattr(original, "scaling", architecture.default_scaling(self.head_dim)))
-
-    def _projection(self, role: str) -> nn.Linear:
-        return getattr(self.original, getattr(self.architecture.cross_attention, role))
-
-    def forward(self, hidden_states: torch.Tensor, *args, **kwargs):
-        """The original module's call signature and return tuple; retrieval when a session is active."""
-        if self.session is None:
-            return self.original(hidden_states, *args, **kwargs)
-        return self.architecture.pack_output(self.attend(hidden_states, self.session), kwargs)
 
     def attend(self, hidden_states: torch.Tensor, session: RetrievalSession) -> torch.Tensor:
         """Retrieval attention for decoder states [R, T, d_model]; rows are documents x beams."""
