@@ -55,6 +55,20 @@ def format_seconds(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{secs:02d}s"
 
 
+@contextmanager
+def off_screen(progress: Progress, live: bool) -> Iterator[None]:
+    """Within the block a live transient ``progress`` is off the screen (stopped, its lines erased),
+    so that stdout, which may be the same terminal, is not drawn over; it starts again after."""
+    if not live or not progress.live.is_started:
+        yield
+        return
+    progress.stop()  # transient: the display is erased and the cursor left where it was
+    try:
+        yield
+    finally:
+        progress.start()
+
+
 class MemoryProbe:
     """Live memory of this process: resident set size (psutil) and CUDA memory when on CUDA."""
 
@@ -165,14 +179,8 @@ class ProgressDisplay:
     def paused(self) -> Iterator[None]:
         """Within the block the live display is off the screen, so that what is written to stdout
         (which may be the same terminal) is not drawn over by the next redraw; it comes back after."""
-        if not self.live or not self._progress.live.is_started:
+        with off_screen(self._progress, self.live):
             yield
-            return
-        self._progress.stop()  # transient: the display is erased and the cursor left where it was
-        try:
-            yield
-        finally:
-            self._progress.start()
 
     def refresh(self) -> None:
         """Redraw now (the display also redraws by itself when ``auto_refresh``)."""

@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from unlimisum.cli.progress import ProgressDisplay, format_seconds
+from unlimisum.cli.progress import ProgressDisplay, format_seconds, off_screen
 
 
 class BatchProgress:
@@ -47,14 +47,8 @@ class BatchProgress:
     @contextmanager
     def paused(self) -> Iterator[None]:
         """The live row off the screen while stdout (maybe the same terminal) is written."""
-        if not self.display.live or not self._progress.live.is_started:
+        with off_screen(self._progress, self.display.live):
             yield
-            return
-        self._progress.stop()
-        try:
-            yield
-        finally:
-            self._progress.start()
 
     def status(self) -> str:
         """``2 running · 1 failed · 1,234 tokens/s · ETA 2m05s`` (parts shown when they mean something)."""
