@@ -53,3 +53,25 @@ def tiny_loaded(tiny_model_dir):
         return loaded[model_type]
 
     return load
+
+
+@pytest.fixture(scope="session")
+def _cached_loader():
+    from tests.cli_helpers import CachedLoader
+    from unlimisum import models
+
+    return CachedLoader(models.load_model)
+
+
+@pytest.fixture
+def loader(_cached_loader, monkeypatch, request):
+    """The real load_model behind a per-session cache, for the CLI tests; ``loader.calls`` counts the loads."""
+    from unlimisum import models
+
+    monkeypatch.setattr(models, "load_model", _cached_loader)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny models: threads only add contention on a shared machine
+    request.addfinalizer(lambda: torch.set_num_threads(threads))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("UNLIMISUM_MODEL", raising=False)
+    return _cached_loader

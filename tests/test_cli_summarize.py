@@ -13,9 +13,8 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from tests.cli_helpers import CachedLoader, write_small_books
+from tests.cli_helpers import write_small_books
 from tests.tiny_models import SAMPLE_TEXT
-from unlimisum import models
 from unlimisum.cli import app
 
 FAST = ["--device", "cpu", "--max-new-tokens", "6", "--min-new-tokens", "3"]
@@ -23,22 +22,6 @@ STATS_KEYS = {
     "model", "input_tokens", "windows", "window", "index_kind", "index_device", "retrieval_k", "datastore_bytes",
     "generated_tokens", "timings", "peak_rss_bytes", "peak_gpu_bytes", "tensor_cache_bytes", "cached", "model_dtype",
 }
-_LOADER: CachedLoader | None = None
-
-
-@pytest.fixture
-def loader(monkeypatch, request):
-    """The real load_model behind a per-session cache; ``loader.calls`` counts the CLI's loads."""
-    global _LOADER
-    if _LOADER is None:
-        _LOADER = CachedLoader(models.load_model)
-    monkeypatch.setattr(models, "load_model", _LOADER)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only add contention on a shared machine
-    request.addfinalizer(lambda: torch.set_num_threads(threads))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.delenv("UNLIMISUM_MODEL", raising=False)
-    return _LOADER
 
 
 @pytest.fixture

@@ -5,28 +5,17 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
-from tests.cli_helpers import CachedLoader
 from tests.tiny_models import SAMPLE_TEXT
-from unlimisum import models
 from unlimisum.cli import app
 
 FAST = ["--device", "cpu", "--min-new-tokens", "3"]
-_LOADER: CachedLoader | None = None
 
 
 @pytest.fixture
-def summarize(monkeypatch, tiny_model_dir):
+def summarize(loader, tiny_model_dir):
     """``summarize(*args)`` -> click Result of `unlimisum summarize -m <tiny BART> <FAST> *args`, one load per session."""
-    global _LOADER
-    if _LOADER is None:
-        _LOADER = CachedLoader(models.load_model)
-    monkeypatch.setattr(models, "load_model", _LOADER)
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    monkeypatch.delenv("UNLIMISUM_MODEL", raising=False)
-    torch.set_num_threads(1)
     model = str(tiny_model_dir("bart"))
     return lambda *args: CliRunner().invoke(app, ["summarize", "-m", model, *FAST, *map(str, args)])
 
