@@ -8,8 +8,9 @@ and k=N. In the same process and run:
 
 - the truncated baseline: the model's own generate() over the first 1,024 encoded states
   (plain cross-attention, no unlimisum), decode only;
-- the floor of an exact step: L decoder layers x one scores matmul of the 12 head queries
-  against the whole store (the kernel unlimisum chose), plus the baseline's own step;
+- the floor of an exact step: L decoder layers x one scores pass of the 12 head queries over the
+  whole store by the fastest way this machine has (16-bit matmul, or fp32-widened blocks), plus the
+  baseline's own step;
 - 4 beams at the first N, per-step time against greedy;
 - LED-base's shape (d=768, 6+6 layers, 16,384-token window) at 100k tokens with the paper's
   default k (the window) and unlimisum's (1,024), unless --quick.
@@ -68,12 +69,16 @@ def unlimisum_seconds_per_token(loaded, store, k: int, new_tokens: int, beams: i
 
 
 def scores_matmul_seconds(store, n_queries: int) -> float:
-    """Best of 3 runs of the faster orientation: one scores matmul of ``n_queries`` queries over the whole
-    store in its dtype (queries x states^T or states x queries^T), the floor of an exact step's read."""
+    """Best of 3 runs of the fastest way this machine has to score ``n_queries`` queries against the whole
+    store once: a matmul in the storage dtype (queries x states^T or states x queries^T), or blocks widened
+    to fp32 (the float32 kernel, at the block size calibrated). The floor of an exact step's read."""
     states = store.states()
-    queries = torch.randn(n_queries, store.dim).to(states.dtype)
+    queries = torch.randn(n_queries, store.dim)
+    queries16 = queries.to(states.dtype)
+    block = store.kernel().block_rows
     best = float("inf")
-    for matmul in (lambda: queries @ states.T, lambda: states @ queries.T):
+    for matmul in (lambda: queries16 @ states.T, lambda: states @ queries16.T,
+                   lambda: kernels.float32_scores(states, queries, block)):
         matmul()
         for _ in range(3):
             started = time.perf_counter()

@@ -1,9 +1,10 @@
 """Where a decoding step's time goes: cProfile over generation at N input tokens.
 
-    python -m bench.profile [--tokens 100000] [--kind exact] [--new-tokens 4]
+    python -m bench.profile [--tokens 100000] [--kind exact] [--new-tokens 4] [--retrieval-k K]
 
 Prints the functions with the most cumulative time and the shares of the exact step's parts
-(the scores matmul, the top-k selection, the weighted sum of states: gathered or a dense pass)
+(the scores matmul, the top-k selection, the weighted sum of states: gathered or a dense pass; or the
+one-pass dense attention at k >= N)
 and everything else in generate(); writes bench/results/profile.json.
 """
 
@@ -16,7 +17,7 @@ import pstats
 from bench.common import print_table, random_model, write_result
 from bench.decoding import build_store
 from bench.index_choice import synthetic_states
-from unlimisum.config import GenerationOptions
+from unlimisum.config import GenerationOptions, RetrievalConfig
 from unlimisum.summarizer import Summarizer
 
 # (label, file fragment, function name) of the parts a step is made of
@@ -28,6 +29,7 @@ PARTS = [
     ("top-k selection", "kernels.py", "top_k_tokens_major"),
     ("weighted sum (gather)", "kernels.py", "gathered_attention"),
     ("weighted sum (dense pass)", "kernels.py", "dense_values"),
+    ("dense attention, one pass (k >= N)", "kernels.py", "dense_attention"),
     ("retrieval attention, total", "retrieval.py", "attend"),  # the wrapper: projections and the kernels
     ("generate, total", "summarizer.py", "generate"),
 ]  # none of the parts calls another, so their cumulative times add up
@@ -40,12 +42,14 @@ def main(argv=None) -> dict:
     parser.add_argument("--kind", default="exact")
     parser.add_argument("--new-tokens", type=int, default=4)
     parser.add_argument("--size", default="bart-base")
+    parser.add_argument("--retrieval-k", type=int, default=None, help="default: unlimisum's (the window, <= 1,024)")
     args = parser.parse_args(argv)
     n_tokens = args.tokens or (20_000 if args.quick else 100_000)
     loaded = random_model(args.size)
     store, _ = build_store(synthetic_states(n_tokens, loaded.model.config.d_model), args.kind)
     generation = GenerationOptions(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
-    summarizer = Summarizer(loaded, generation=generation)
+    retrieval_config = RetrievalConfig(retrieval_k=args.retrieval_k) if args.retrieval_k else RetrievalConfig()
+    summarizer = Summarizer(loaded, generation=generation, retrieval=retrieval_config)
     summarizer.generate([store])  # warm-up
     profiler = cProfile.Profile()
     profiler.enable()
@@ -72,7 +76,7 @@ def main(argv=None) -> dict:
     print_table(["seconds", "function"],
                 [[f"{item[1][3]:.3f}", f"{item[0][0].split('/')[-1]}:{item[0][2]}"] for item in top])
     result = dict(size=args.size, n_tokens=n_tokens, kind=args.kind, new_tokens=args.new_tokens,
-                  seconds_per_token=total / args.new_tokens, shares=shares)
+                  retrieval_k=args.retrieval_k, seconds_per_token=total / args.new_tokens, shares=shares)
     print("wrote", write_result("profile", result))
     return result
 

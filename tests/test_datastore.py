@@ -43,12 +43,14 @@ def build(states: torch.Tensor, plan: IndexPlan = CPU, config: IndexConfig = Ind
 @pytest.fixture(params=["native", "native-tokens-major", "float32"])
 def kernel(request, monkeypatch):
     """Every exact test runs with both score kernels and both selection layouts, whichever this machine
-    would pick."""
+    would pick, and with blocks and gathers small enough that the stores here take several of each."""
     name = request.param.split("-")[0]
     monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", name)
     real = kernels.kernel_for
     layout = request.param.endswith("tokens-major")
-    monkeypatch.setattr(kernels, "kernel_for", lambda *args: dataclasses.replace(real(*args), tokens_major=layout))
+    monkeypatch.setattr(kernels, "kernel_for",
+                        lambda *args: dataclasses.replace(real(*args), tokens_major=layout, block_rows=384))
+    monkeypatch.setattr(kernels, "GATHER_ROWS", 700)
     return name
 
 
@@ -183,7 +185,7 @@ def test_dense_attention_in_slices_when_the_scores_do_not_fit(monkeypatch):
 def test_kernel_choice_is_measured_and_can_be_forced(monkeypatch):
     monkeypatch.delenv("UNLIMISUM_SCORE_KERNEL", raising=False)
     choice = kernels.calibrate(torch.device("cpu"), torch.bfloat16, 64, rows=2048)
-    assert choice.scores in kernels.SCORE_KERNELS and choice.block_rows in kernels.FLOAT32_BLOCK_CHOICES
+    assert choice.scores in kernels.SCORE_KERNELS and choice.block_rows in kernels.BLOCK_CHOICES
     assert choice.gather_row_cost > 0 and choice.dense_row_cost > 0 and "measured" in choice.reason
     forced = kernels.calibrate(torch.device("cpu"), torch.bfloat16, 64, rows=2048, force="float32")
     assert forced.scores == "float32" and "forced" in forced.reason
@@ -208,9 +210,10 @@ def test_weighted_sum_equals_dense_reference(monkeypatch):
     weights = torch.softmax(torch.randn(9, 300, generator=g), dim=1)
     dense = torch.einsum("qk,qkd->qd", weights, store.states().float()[ids])
     torch.testing.assert_close(store.weighted_sum(ids, weights), dense)
-    # tiny chunk budget: steps over rows and over k give the same answer
-    monkeypatch.setattr(store, "_chunk_bytes", 40 * 6 * 50)
-    torch.testing.assert_close(store.weighted_sum(ids, weights), dense)
+    # tiny gather budgets: steps over rows, and over slices of one row's k, give the same answer
+    for rows in (50, 700):
+        monkeypatch.setattr(kernels, "GATHER_ROWS", rows)
+        torch.testing.assert_close(store.weighted_sum(ids, weights), dense)
 
 
 def test_exact_cpu_store_is_one_16_bit_copy():

@@ -34,7 +34,7 @@ from unlimisum.unlimiformer.placement import APPROXIMATE_KINDS, IndexPlan, plan_
 __all__ = ["IndexPlan", "plan_index", "DatastoreBuilder", "Datastore", "attention_mass_recall",
            "TorchExactDatastore", "FaissDatastore", "IVFDatastore", "HNSWDatastore"]
 
-# Bound on the temporaries of one search or weighted_sum step (fp32 upcasts, gathers).
+# Bound on the temporaries of one search step of the approximate kinds and of building a store (fp32 upcasts).
 CHUNK_BYTES_CPU = 64 * 2**20
 # IVF: nlist ~ 4 sqrt(N) (faiss' usual range), trained with faiss' minimum of 39 points per list on
 # at most a quarter of the states, so the fp32 training sample stays under half the fp16 store.
@@ -60,7 +60,6 @@ class Datastore:
         self.device = device
         self.storage_dtype = states.dtype
         self.nbytes = nbytes  # states + index structures
-        self._chunk_bytes = CHUNK_BYTES_CPU  # weighted_sum serves the approximate kinds, which live on the CPU
         self._owner = None  # the datastore a view was taken from, kept alive with it
 
     def __repr__(self) -> str:
@@ -113,29 +112,15 @@ class Datastore:
     def weighted_sum(self, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """sum_j weights[i, j] * state[ids[i, j]]: ids [nq, k] int64, weights [nq, k] -> [nq, d] float32.
 
-        The result is on the weights' device. Gathers in bounded steps (rows of nq, and slices of k
-        when one row is too big), never materialising [nq, k, d].
+        The result is on the weights' device. Gathers in bounded steps (kernels.gathered_attention), summed
+        in fp32, never materialising [nq, k, d].
         """
         if ids.shape != weights.shape or ids.dim() != 2:
             raise ValueError(f"ids and weights must both be [nq, k], got {list(ids.shape)} and {list(weights.shape)}")
         out_device = weights.device
         ids = ids.to(self._states.device)
         weights = weights.to(self._states.device, torch.float32)
-        out = torch.zeros(ids.shape[0], self.dim, dtype=torch.float32, device=self._states.device)  # [nq, d]
-        for rows, cols in self._gather_steps(*ids.shape):
-            gathered = self._states[ids[rows, cols]].float()  # [r, c, d]
-            out[rows] += torch.bmm(weights[rows, cols].unsqueeze(1), gathered).squeeze(1)  # [r, d]
-        return out.to(out_device)
-
-    def _gather_steps(self, nq: int, k: int):
-        """(row slice, column slice) blocks of an [nq, k] id matrix whose gathered states, 16-bit plus
-        their fp32 upcast, fit in the chunk budget: rows of nq, and slices of k when one row is too big."""
-        bytes_per_state = self.dim * (self._states.element_size() + 4)
-        k_step = max(1, min(k, self._chunk_bytes // bytes_per_state))
-        row_step = max(1, self._chunk_bytes // (k_step * bytes_per_state))
-        for r in range(0, nq, row_step):
-            for c in range(0, k, k_step):
-                yield slice(r, r + row_step), slice(c, c + k_step)
+        return kernels.gathered_attention(self._states, ids, weights, widen=True).to(out_device)
 
 
 class TorchExactDatastore(Datastore):

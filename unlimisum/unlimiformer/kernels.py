@@ -2,10 +2,13 @@
 
 One decoder layer's step is one call for every query of that step (every head, beam and row
 of one document): ``attend(states [N, d], queries [nq, d], k)`` returns, per query, the softmax-
-weighted sum of its top-k stored states. The store is read once to score all queries at
-once; then either the k winners are gathered (k small next to N), or a second dense pass
-sums the masked softmax over every state (k a large share of N), or, with k >= N, there is no
-top-k at all: plain dense attention.
+weighted sum of its top-k stored states. How the store is read:
+
+- k >= N (dense attention): one pass, block by block; each block is scored and, while it is
+  still in cache, summed into the output under an online softmax (running maxima and sums).
+- k < N: one pass scores every query against the whole store, the top-k are selected, then
+  either the k winners are gathered (k small next to N) or a second dense pass sums the masked
+  softmax over every state (k a large share of N).
 
 Two score kernels, the same result within the documented precision:
 
@@ -13,13 +16,13 @@ Two score kernels, the same result within the documented precision:
   matmul runs in that dtype with fp32 accumulation; the scores come out rounded to the
   storage dtype (rounding error up to 2^-8 relative in bf16, 2^-11 in fp16). Fast where the CPU or GPU has 16-bit
   units (AVX512-BF16/AMX, tensor cores).
-- ``float32``: blocks of the store are widened to fp32 and multiplied with the fp32 query:
-  exact fp32 scores; faster on CPUs without 16-bit units.
+- ``float32``: blocks of the store are widened to fp32 into a reused buffer that stays in cache
+  and multiplied with the fp32 query: exact fp32 scores; faster on CPUs without 16-bit units.
 
 Which one runs, the block size, the layout the top-k is selected in ([nq, N] scores, or
 [N, nq] from ``states @ queries^T``, the faster matmul orientation on some CPUs), and when a
 dense pass beats gathering are measured on the machine that runs (``calibrate``, once per
-process, device, dtype and width, ~0.3 s), never assumed.
+process, device, dtype and width, well under a second), never assumed.
 The attention weights are the softmax of the kernel's scores in every path; the weighted sum
 of states runs in the storage dtype with the native kernel, in fp32 with the float32 kernel.
 """
@@ -27,19 +30,22 @@ of states runs in the storage dtype with the native kernel, in fp32 with the flo
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 
 import torch
 
 SCORE_KERNELS = ("native", "float32")
-# Calibration store: large enough to leave the caches (as real stores do), small enough to time in ~0.1 s.
+# Calibration store: large enough to leave the caches (as real stores do), small enough to time quickly.
 CALIBRATION_ROWS = 32_768
 CALIBRATION_QUERIES = 12  # one greedy step of a 12-head layer, the common case
 CALIBRATION_GATHER_ROWS = 8_192
-FLOAT32_BLOCK_CHOICES = (2_048, 8_192)  # rows widened to fp32 at a time (the temporary stays in cache)
+BLOCK_CHOICES = (512, 2_048, 8_192)  # rows per block of the blocked passes (widened, or scored and summed at once)
 # Bound on the fp32 scores buffer [nq, N]; beyond it the store is scored in slices with a running top-k.
 MAX_SCORE_BYTES = 256 * 2**20
+# Rows gathered at a time (16-bit rows plus their fp32 widening stay in a reused buffer of a few MB).
+GATHER_ROWS = 2_048
 # top_k: columns per block of the block-maxima pre-selection (rows shorter than 4 k blocks use torch.topk).
 TOPK_BLOCK = 16
 
@@ -49,11 +55,16 @@ class KernelChoice:
     """How exact retrieval runs on one device for one storage dtype and width (see ``calibrate``)."""
 
     scores: str  # "native" | "float32"
-    block_rows: int  # float32 kernel: rows widened per step
+    block_rows: int  # rows per block of the blocked passes (float32 widening, the one-pass dense attention)
     tokens_major: bool  # native top-k selection scores as states @ queries^T ([N, nq]), measured faster
     gather_row_cost: float  # seconds per gathered state (gather + the weighted sum)
     dense_row_cost: float  # seconds per stored state for one dense pass over the store
     reason: str = ""  # what was measured, for `unlimisum info` and the benchmarks
+
+    @property
+    def widens(self) -> bool:
+        """The float32 kernel: 16-bit blocks are widened to fp32 before every matmul."""
+        return self.scores != "native"
 
     def dense_is_cheaper(self, n_queries: int, k: int, n_tokens: int) -> bool:
         """Gathering nq*k states costs more than a second dense pass over all N states."""
@@ -81,58 +92,105 @@ def kernel_for(device: torch.device, dtype: torch.dtype, dim: int) -> KernelChoi
 
 def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str | None = None,
               rows: int = CALIBRATION_ROWS) -> KernelChoice:
-    """Time both score kernels, the float32 block sizes, a gather and a dense pass on a synthetic store."""
+    """Time both score kernels and their block sizes, the one-pass dense attention, a gather and a dense
+    values pass on a synthetic store, and choose the kernel whose scores and dense pass cost least."""
     device = torch.device(device)
     generator = torch.Generator(device="cpu").manual_seed(0)
     states = torch.randn(rows, dim, generator=generator).to(device, dtype)  # [rows, d]
     queries = torch.randn(CALIBRATION_QUERIES, dim, generator=generator).to(device)  # [nq, d] fp32
-    timings = {}
-    if dtype != torch.float32:
-        timings["native"] = _best_time(lambda: native_scores(states, queries), device)
-    for block in FLOAT32_BLOCK_CHOICES:
-        timings[f"float32/{block}"] = _best_time(lambda: float32_scores(states, queries, block), device)
-    block = min(FLOAT32_BLOCK_CHOICES, key=lambda b: timings[f"float32/{b}"])
-    if force is not None:
-        kernel = "native" if force == "native" and dtype != torch.float32 else "float32"
-    else:
-        kernel = "native" if timings.get("native", float("inf")) < timings[f"float32/{block}"] else "float32"
+    sixteen_bit = dtype != torch.float32
+    plain = {kernel: KernelChoice(kernel, BLOCK_CHOICES[1], False, 0.0, 0.0) for kernel in SCORE_KERNELS}
+    score_runs = {f"float32/{block}": (lambda b=block: float32_scores(states, queries, b)) for block in BLOCK_CHOICES}
+    if sixteen_bit:
+        score_runs["native"] = lambda: native_scores(states, queries)
+    timings = _race(score_runs, device)
+    block = min(BLOCK_CHOICES, key=lambda b: timings[f"float32/{b}"])
+    plain["float32"] = KernelChoice("float32", block, False, 0.0, 0.0)
+    kernel = "float32"
+    if sixteen_bit and force != "float32":
+        dense = _race({f"dense/{name}": (lambda c=plain[name]: dense_attention(states, queries, c))
+                       for name in SCORE_KERNELS}, device)
+        timings.update(dense)
+        cost = {name: timings[score] + dense[f"dense/{name}"]
+                for name, score in (("native", "native"), ("float32", f"float32/{block}"))}
+        kernel = "native" if force == "native" or cost["native"] < cost["float32"] else "float32"
     tokens_major = False
-    if kernel == "native":  # which layout selects the top-k faster: [nq, N] or [N, nq] scores
+    if kernel == "native":
         k = max(1, rows // (8 * TOPK_BLOCK))
-        for layout in (False, True):
-            choice = KernelChoice("native", block, layout, 0.0, 0.0)
-            timings[f"select/{'tokens' if layout else 'queries'}-major"] = _best_time(
-                lambda: select(states, queries, k, choice), device)
-        tokens_major = timings["select/tokens-major"] < timings["select/queries-major"]
+        layouts = _race({f"select/{'tokens' if layout else 'queries'}-major":
+                         (lambda c=KernelChoice("native", block, layout, 0.0, 0.0): select(states, queries, k, c))
+                         for layout in (False, True)}, device)
+        tokens_major = layouts["select/tokens-major"] < layouts["select/queries-major"]
+        blocks = _race({f"dense/native/{candidate}":
+                        (lambda c=KernelChoice("native", candidate, tokens_major, 0.0, 0.0):
+                         dense_attention(states, queries, c)) for candidate in BLOCK_CHOICES}, device)
+        timings.update(layouts, **blocks)
+        block = min(BLOCK_CHOICES, key=lambda b: blocks[f"dense/native/{b}"])
+    choice = KernelChoice(kernel, block, tokens_major, 0.0, 0.0)
     ids = torch.randint(0, rows, (CALIBRATION_QUERIES, CALIBRATION_GATHER_ROWS // CALIBRATION_QUERIES),
                         generator=generator).to(device)
     weights = torch.rand(ids.shape, generator=generator).to(device)
-    gather_seconds = _best_time(lambda: gathered_attention(states, ids, weights, kernel), device)
-    dense_seconds = _best_time(lambda: dense_values(states, weights.new_zeros(CALIBRATION_QUERIES, rows), kernel,
-                                                    block), device)
-    del weights
-    measured = ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in timings.items())
-    reason = (f"{kernel} scores{' (forced)' if force else ''}; measured on {rows:,} x {dim} {str(dtype)[6:]} "
-              f"for {CALIBRATION_QUERIES} queries: {measured}")
+    costs = _race({"gather": lambda: gathered_attention(states, ids, weights, choice.widens),
+                   "dense values": lambda: dense_values(states, weights.new_zeros(CALIBRATION_QUERIES, rows), choice)},
+                  device)
+    measured = ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in timings.items()
+                         if seconds < float("inf"))
+    reason = (f"{kernel} scores{' (forced)' if force else ''}, blocks of {block:,} rows; measured on {rows:,} x {dim} "
+              f"{str(dtype)[6:]} for {CALIBRATION_QUERIES} queries: {measured}")
     return KernelChoice(
         scores=kernel, block_rows=block, tokens_major=tokens_major,
-        gather_row_cost=gather_seconds / ids.numel(), dense_row_cost=dense_seconds / rows,
+        gather_row_cost=costs["gather"] / ids.numel(), dense_row_cost=costs["dense values"] / rows,
         reason=reason,
     )
 
 
-def _best_time(run, device: torch.device, repeats: int = 3) -> float:
-    run()  # warm up: first calls allocate and pick kernels
-    best = float("inf")
+def _race(runs: dict, device: torch.device, repeats: int = 3, give_up: float = 4.0) -> dict[str, float]:
+    """Best time of each run, measured in turns (a b c a b c ...) so that a busy moment of a shared
+    machine falls on all of them alike; a run already ``give_up`` times slower than the fastest is
+    not repeated (its time stays the slow one: it is not chosen)."""
+    best = {name: _timed(run, device) for name, run in runs.items()}  # the first call also warms up
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - started)
+        leader = min(best.values())
+        for name, run in runs.items():
+            if best[name] <= give_up * leader:
+                best[name] = min(best[name], _timed(run, device))
     return best
+
+
+def _timed(run, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    run()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - started
+
+
+# --- reused buffers ---------------------------------------------------------------------------
+
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A [rows, cols] buffer kept per thread and reused by every call: a fresh tensor of a few MB would be
+    page-faulted in on every block of every step, which costs more than the matmul it feeds."""
+    buffers = getattr(_SCRATCH, "buffers", None)
+    if buffers is None:
+        buffers = _SCRATCH.buffers = {}
+    key = (name, dtype, device)
+    buffer = buffers.get(key)
+    if buffer is None or buffer.shape[0] < rows or buffer.shape[1] != cols:
+        buffer = buffers[key] = torch.empty(max(rows, 0 if buffer is None else buffer.shape[0]), cols, dtype=dtype,
+                                            device=device)
+    return buffer[:rows]
+
+
+def _widened(rows: torch.Tensor, name: str = "widened") -> torch.Tensor:
+    """[b, d] fp32 copy of 16-bit rows in a reused buffer (fp32 rows are returned as they are)."""
+    if rows.dtype == torch.float32:
+        return rows
+    return _scratch(name, rows.shape[0], rows.shape[1], torch.float32, rows.device).copy_(rows)
 
 
 # --- the kernels ------------------------------------------------------------------------------
@@ -155,7 +213,7 @@ def float32_scores(states: torch.Tensor, queries: torch.Tensor, block_rows: int,
     if out is None:
         out = queries.new_empty(queries.shape[0], n)  # [nq, N]
     for start in range(0, n, block_rows):
-        block = states[start:start + block_rows].float()  # [b, d] fp32, stays in cache
+        block = _widened(states[start:start + block_rows])  # [b, d] fp32, stays in cache
         torch.mm(queries, block.T, out=out[:, start:start + block.shape[0]])
     return out
 
@@ -167,23 +225,32 @@ def scores(states: torch.Tensor, queries: torch.Tensor, choice: KernelChoice) ->
     return float32_scores(states, queries, choice.block_rows)
 
 
-def gathered_attention(states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, kernel: str) -> torch.Tensor:
+def gathered_attention(states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, widen: bool) -> torch.Tensor:
     """sum_j weights[i, j] * states[ids[i, j]]: ids, weights [nq, k] -> [nq, d] fp32.
 
-    The native kernel sums the gathered 16-bit states in their dtype (fp32 accumulation), the
-    float32 kernel widens them first.
+    Gathers at most GATHER_ROWS states at a time into reused buffers (whole queries while they fit,
+    slices of one query's k beyond). ``widen`` sums in fp32 (float32 kernel and the approximate
+    stores); otherwise the 16-bit states are summed in their dtype with fp32 accumulation.
     """
     nq, k = ids.shape
-    per_query = k * states.shape[1] * (states.element_size() + (4 if kernel != "native" else 0))
-    rows_per_step = max(1, MAX_SCORE_BYTES // per_query)  # the gathered states stay bounded
-    out = torch.empty(nq, states.shape[1], dtype=torch.float32, device=states.device)
-    for first in range(0, nq, rows_per_step):
-        part = slice(first, first + rows_per_step)
-        rows = states.index_select(0, ids[part].reshape(-1)).view(-1, k, states.shape[1])  # [r, k, d]
-        if kernel == "native" and states.dtype != torch.float32:
-            out[part] = torch.bmm(weights[part].to(states.dtype).unsqueeze(1), rows).squeeze(1).float()
-        else:
-            out[part] = torch.bmm(weights[part].float().unsqueeze(1), rows.float()).squeeze(1)
+    d = states.shape[1]
+    widen = widen or states.dtype == torch.float32
+    out = torch.zeros(nq, d, dtype=torch.float32, device=states.device)
+    queries_per_step = max(1, GATHER_ROWS // k)
+    k_step = min(k, GATHER_ROWS)
+    for first in range(0, nq, queries_per_step):
+        part = slice(first, first + queries_per_step)
+        for column in range(0, k, k_step):
+            columns = slice(column, column + k_step)
+            chosen = ids[part, columns]  # [r, c]
+            r, c = chosen.shape
+            rows = _scratch("gathered", r * c, d, states.dtype, states.device)
+            torch.index_select(states, 0, chosen.reshape(-1), out=rows)
+            if widen:
+                summed = torch.bmm(weights[part, columns].float().unsqueeze(1), _widened(rows).view(r, c, d))
+            else:
+                summed = torch.bmm(weights[part, columns].to(states.dtype).unsqueeze(1), rows.view(r, c, d)).float()
+            out[part] += summed.squeeze(1)  # [r, d]
     return out
 
 
@@ -196,26 +263,8 @@ def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return logits.topk(k, dim=1)
     usable = n - n % block
     maxima = logits[:, :usable].view(nq, -1, block).amax(dim=2)  # [nq, n / block]
-    tail = logits[:, usable:]  # the last, partial block always takes part
     _, blocks = maxima.topk(k, dim=1)  # [nq, k]
-    columns = (blocks.unsqueeze(2) * block + torch.arange(block, device=logits.device)).view(nq, -1)  # [nq, k*block]
-    candidates = logits.gather(1, columns)
-    if tail.shape[1]:
-        candidates = torch.cat([candidates, tail], 1)
-        columns = torch.cat([columns, torch.arange(usable, n, device=logits.device).expand(nq, -1)], 1)
-    values, order = candidates.topk(k, dim=1)
-    return values, columns.gather(1, order)
-
-
-def dense_values(states: torch.Tensor, weights: torch.Tensor, kernel: str, block_rows: int) -> torch.Tensor:
-    """weights [nq, N] @ states [N, d] -> [nq, d] fp32: the second dense pass."""
-    if kernel == "native" and states.dtype != torch.float32:
-        return (weights.to(states.dtype) @ states).float()
-    out = weights.new_zeros(weights.shape[0], states.shape[1])  # [nq, d]
-    for start in range(0, states.shape[0], block_rows):
-        block = states[start:start + block_rows].float()  # [b, d]
-        out.addmm_(weights[:, start:start + block.shape[0]], block)
-    return out
+    return _top_k_of_blocks(logits, blocks, k, usable)
 
 
 def top_k_tokens_major(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -229,12 +278,71 @@ def top_k_tokens_major(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torc
     usable = n - n % block
     maxima = logits[:usable].view(-1, block, nq).amax(dim=1).T.contiguous()  # [nq, n / block]
     _, blocks = maxima.topk(k, dim=1)  # [nq, k]
-    rows = (blocks.unsqueeze(2) * block + torch.arange(block, device=logits.device)).view(nq, -1)  # [nq, k*block]
+    return _top_k_of_blocks(logits.T, blocks, k, usable)
+
+
+def _top_k_of_blocks(logits: torch.Tensor, blocks: torch.Tensor, k: int, usable: int):
+    """The top-k of ``logits`` [nq, n] among the columns of ``blocks`` [nq, k] and the last, partial block."""
+    nq, n = logits.shape
+    columns = (blocks.unsqueeze(2) * TOPK_BLOCK + torch.arange(TOPK_BLOCK, device=logits.device)).view(nq, -1)
     if usable < n:  # the last, partial block always takes part
-        rows = torch.cat([rows, torch.arange(usable, n, device=logits.device).expand(nq, -1)], 1)
-    candidates = logits.T.gather(1, rows)
-    values, order = candidates.topk(k, dim=1)
-    return values, rows.gather(1, order)
+        columns = torch.cat([columns, torch.arange(usable, n, device=logits.device).expand(nq, -1)], 1)
+    values, order = logits.gather(1, columns).topk(k, dim=1)
+    return values, columns.gather(1, order)
+
+
+def dense_values(states: torch.Tensor, weights: torch.Tensor, choice: KernelChoice) -> torch.Tensor:
+    """weights [nq, N] @ states [N, d] -> [nq, d] fp32: the second dense pass."""
+    if not choice.widens and states.dtype != torch.float32:
+        return (weights.to(states.dtype) @ states).float()
+    out = weights.new_zeros(weights.shape[0], states.shape[1])  # [nq, d]
+    for start in range(0, states.shape[0], choice.block_rows):
+        block = _widened(states[start:start + choice.block_rows])  # [b, d]
+        out.addmm_(weights[:, start:start + block.shape[0]], block)
+    return out
+
+
+def dense_attention(states: torch.Tensor, queries: torch.Tensor, choice: KernelChoice,
+                    coverage: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax over every stored state times the states, in one pass: each block of the store is scored
+    and summed while it is in cache, under running maxima and sums (the online softmax).
+
+    queries [nq, d] fp32 -> [nq, d] fp32. ``coverage`` [N] gets every query's weights added; it reuses the
+    scores when they fit in MAX_SCORE_BYTES, else a second scoring pass computes them.
+    """
+    n, nq = states.shape[0], queries.shape[0]
+    native = not choice.widens and states.dtype != torch.float32
+    keep_scores = coverage is not None and nq * n * 4 <= MAX_SCORE_BYTES
+    kept = queries.new_empty(nq, n) if keep_scores else None  # [nq, N]
+    q16 = queries.to(states.dtype) if native else None
+    peak = queries.new_full((nq, 1), float("-inf"))  # running maximum score per query
+    total = queries.new_zeros(nq, 1)  # running sum of exp(score - peak)
+    out = queries.new_zeros(nq, states.shape[1])  # running sum of exp(score - peak) * state
+    for start in range(0, n, choice.block_rows):
+        rows = states[start:start + choice.block_rows]  # [b, d]
+        if native:
+            logits = (q16 @ rows.T).float()  # [nq, b]
+        else:
+            rows = _widened(rows)
+            logits = queries @ rows.T
+        if kept is not None:
+            kept[:, start:start + rows.shape[0]] = logits
+        new_peak = torch.maximum(peak, logits.amax(dim=1, keepdim=True))
+        rescale = torch.exp(peak - new_peak)  # [nq, 1]; 0 on the first block
+        weights = torch.exp(logits.sub_(new_peak))  # [nq, b]
+        total.mul_(rescale).add_(weights.sum(dim=1, keepdim=True))
+        if native:
+            out.mul_(rescale).add_((weights.to(states.dtype) @ rows).float())
+        else:
+            out.mul_(rescale).addmm_(weights, rows)
+        peak = new_peak
+    out.div_(total)
+    if coverage is not None:
+        for start in range(0, n, choice.block_rows if kept is None else n):
+            logits = kept if kept is not None else scores(states[start:start + choice.block_rows], queries,
+                                                           choice).float()
+            coverage[start:start + logits.shape[1]] += torch.exp(logits - peak).div_(total).sum(dim=0)
+    return out
 
 
 def attend(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelChoice,
@@ -246,51 +354,21 @@ def attend(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelCh
     """
     n, nq = states.shape[0], queries.shape[0]
     queries = queries.to(states.device, torch.float32)
-    fits = nq * n * 4 <= MAX_SCORE_BYTES
-    if k >= n and not fits:
-        return _dense_in_slices(states, queries, choice, coverage)
     if k >= n:
-        weights = torch.softmax(scores(states, queries, choice), dim=1, dtype=torch.float32)  # [nq, N]
-    elif fits and choice.dense_is_cheaper(nq, k, n):
+        return dense_attention(states, queries, choice, coverage)
+    if nq * n * 4 <= MAX_SCORE_BYTES and choice.dense_is_cheaper(nq, k, n):
         logits = scores(states, queries, choice)  # [nq, N]
         keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
         keep.scatter_(1, top_k(logits, k)[1], True)  # exactly the k ids the gather path would take
         weights = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=1, dtype=torch.float32)
-    else:
-        logits, ids = select(states, queries, min(k, n), choice)
-        weights = torch.softmax(logits, dim=1, dtype=torch.float32)  # [nq, k]
         if coverage is not None:
-            coverage.index_add_(0, ids.reshape(-1), weights.reshape(-1))
-        return gathered_attention(states, ids, weights, choice.scores)
+            coverage += weights.sum(dim=0)
+        return dense_values(states, weights, choice)
+    logits, ids = select(states, queries, k, choice)
+    weights = torch.softmax(logits, dim=1, dtype=torch.float32)  # [nq, k]
     if coverage is not None:
-        coverage += weights.sum(dim=0)
-    return dense_values(states, weights, choice.scores, choice.block_rows)
-
-
-def _dense_in_slices(states, queries, choice, coverage) -> torch.Tensor:
-    """Dense attention over a store whose [nq, N] scores do not fit in MAX_SCORE_BYTES: slices of it,
-    combined by their softmax maxima and sums (the online softmax); coverage needs a second pass."""
-    n, nq = states.shape[0], queries.shape[0]
-    step = max(1, MAX_SCORE_BYTES // (nq * 4))
-    maxima, sums, parts = [], [], []
-    for start in range(0, n, step):
-        block = states[start:start + step]
-        logits = scores(block, queries, choice).float()  # [nq, <=step]
-        peak = logits.amax(dim=1, keepdim=True)  # [nq, 1]
-        weights = torch.exp(logits - peak)
-        maxima.append(peak)
-        sums.append(weights.sum(dim=1, keepdim=True))
-        parts.append(dense_values(block, weights, choice.scores, choice.block_rows))  # [nq, d] unnormalised
-    peaks = torch.cat(maxima, dim=1)  # [nq, slices]
-    scale = torch.exp(peaks - peaks.amax(dim=1, keepdim=True))  # [nq, slices]
-    total = (torch.cat(sums, dim=1) * scale).sum(dim=1, keepdim=True)  # [nq, 1]
-    out = sum(part * scale[:, i:i + 1] for i, part in enumerate(parts)) / total
-    if coverage is not None:
-        overall = peaks.amax(dim=1, keepdim=True)
-        for start in range(0, n, step):
-            logits = scores(states[start:start + step], queries, choice).float()
-            coverage[start:start + step] += (torch.exp(logits - overall) / total).sum(dim=0)
-    return out
+        coverage.index_add_(0, ids.reshape(-1), weights.reshape(-1))
+    return gathered_attention(states, ids, weights, choice.widens)
 
 
 def select(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelChoice):
