@@ -155,3 +155,21 @@ def test_gradient_checkpointing_recomputes_the_same_attention(tiny_model_dir, da
                         progress=reports.append, **FAST)
         runs.append(torch.tensor(_losses(reports)))
     torch.testing.assert_close(runs[1], runs[0])
+
+
+@pytest.mark.parametrize("method", ["truncated", "retrieval"])
+def test_gradient_accumulation_averages_the_loss_instead_of_summing_it(tiny_model_dir, tmp_path, method):
+    """Two identical rows: one batch of 2 and two accumulated batches of 1 see the same examples, so the
+    first step's loss is the same. (BART's loss ignores num_items_in_batch, and transformers' Trainer would
+    then sum the accumulated batches' mean losses: a loss, and gradients, twice as large.)"""
+    path = tmp_path / "same.jsonl"
+    path.write_text(json.dumps({"text": SAMPLE_TEXT * 2, "summary": SUMMARY}) + "\n" +
+                    json.dumps({"text": SAMPLE_TEXT * 2, "summary": SUMMARY}) + "\n")
+    first = {}
+    for accumulation, batch in ((1, 2), (2, 1)):
+        reports = []
+        unlimisum.train(path, model=str(tiny_model_dir("bart")), output_dir=tmp_path / f"out{accumulation}",
+                        method=method, max_steps=1, gradient_accumulation_steps=accumulation,
+                        **{**FAST, "batch_size": batch}, progress=reports.append)  # the loss before the update
+        first[accumulation] = _losses(reports)[0]
+    assert first[2] == pytest.approx(first[1], rel=1e-4)

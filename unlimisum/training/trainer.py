@@ -73,6 +73,10 @@ class UnlimiformerTrainer(Seq2SeqTrainer):
 
     def __init__(self, *args, setup: MethodSetup, validation_rows=None, **kwargs):
         super().__init__(*args, **kwargs)
+        # The seq2seq models' losses are the mean over their own batch and ignore num_items_in_batch (BART, T5,
+        # PEGASUS...), though their forward takes **kwargs; told otherwise, the Trainer would sum the mean
+        # losses of accumulated batches (a loss and gradients gradient_accumulation_steps times too large).
+        self.model_accepts_loss_kwargs = False
         self.setup = setup
         self.validation_rows = validation_rows  # rows with text and summary, or None
         self.modes: list[str | None] = []  # attention mode of every training batch, in order
