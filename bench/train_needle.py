@@ -140,10 +140,12 @@ def document(n_words: int, position: float, rng: random.Random) -> tuple[str, st
     return " ".join(words), " ".join(content)
 
 
-def training_batch(batch_size: int, rng: random.Random, vocab: dict, length: int = WINDOW, anywhere: bool = False):
+def training_batch(batch_size: int, rng: random.Random, vocab: dict, length: int = WINDOW, anywhere: bool = False,
+                   label_bos: bool = False):
     """[B, WINDOW] inputs, their attention mask, and [B, 9] labels (the marked span + </s>, padded
     with -100). Each row shows ``length`` words, at the window's start or (``anywhere``) at a random
-    offset, padding elsewhere (masked)."""
+    offset, padding elsewhere (masked). ``label_bos``: the labels start with <s>, as the tokenizer
+    writes targets (``unlimisum train`` and the usual BART fine-tuning); [B, 10] then."""
     filler_ids = [vocab[w] for w in FILLER]
     bos, eos, pad = vocab["<s>"], vocab["</s>"], vocab["<pad>"]
     inputs, masks, labels = [], [], []
@@ -159,8 +161,8 @@ def training_batch(batch_size: int, rng: random.Random, vocab: dict, length: int
         offset = rng.randint(0, WINDOW - length) if anywhere else 0
         inputs.append([pad] * offset + [bos] * starts_doc + words + [eos] * ends_doc + [pad] * (WINDOW - length - offset))
         masks.append([0] * offset + [1] * length + [0] * (WINDOW - length - offset))
-        target = [vocab[w] for w in span] + [eos]
-        labels.append(target + [-100] * (max(CONTENT_LENGTHS) + 3 - len(target)))
+        target = [bos] * label_bos + [vocab[w] for w in span] + [eos]
+        labels.append(target + [-100] * (max(CONTENT_LENGTHS) + 3 + label_bos - len(target)))
     return torch.tensor(inputs), torch.tensor(masks), torch.tensor(labels)
 
 
@@ -208,7 +210,8 @@ def step_loss(model, inputs, mask, labels, other_windows: int, needle_ids: torch
     return model(encoder_outputs=(memory,), attention_mask=memory_mask, labels=labels).loss
 
 
-def train(steps: int, batch_size: int, lr: float, seed: int, other_windows: int = 0, log_every: int = 100):
+def train(steps: int, batch_size: int, lr: float, seed: int, other_windows: int = 0, log_every: int = 100,
+          label_bos: bool = False):
     torch.manual_seed(seed)
     rng = random.Random(seed)
     tokenizer = build_tokenizer()
@@ -220,10 +223,11 @@ def train(steps: int, batch_size: int, lr: float, seed: int, other_windows: int 
     warmup = max(1, steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min((s + 1) / warmup, 0.5 * (1 + math.cos(math.pi * min(1.0, s / steps)))))
-    held_out = training_batch(256, random.Random(seed + 1), vocab)
+    held_out = training_batch(256, random.Random(seed + 1), vocab, label_bos=label_bos)
     started = time.perf_counter()
     for step in range(1, steps + 1):
-        inputs, mask, labels = training_batch(batch_size, rng, vocab, *window_length(step, steps, rng))
+        inputs, mask, labels = training_batch(batch_size, rng, vocab, *window_length(step, steps, rng),
+                                              label_bos=label_bos)
         loss = step_loss(model, inputs, mask, labels, other_windows if step >= 0.6 * steps else 0, needle_ids)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
