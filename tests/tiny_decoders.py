@@ -61,3 +61,50 @@ def tiny_decoder(family: str, *, seed: int = 0, **config_overrides) -> torch.nn.
             if parameter.dim() == 2 and "embed" not in name:
                 parameter.normal_(0.0, 0.25)
     return model
+
+
+# A chat template in the usual shape: BOS, one <|role|> ... <|end|> turn per message, then the assistant's turn.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|{{ message['role'] }}|>{{ message['content'] }}<|end|>"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+DECODER_SPECIALS = ["<|begin|>", "<|end|>", "<pad>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
+
+
+def build_decoder_tokenizer(folder, *, chat_template: bool = True, vocab_size: int = 320):
+    """A byte-level BPE tokenizer trained on SAMPLE_TEXT that puts a BOS before a text (and no EOS after)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.tiny_models import SAMPLE_TEXT
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=DECODER_SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator([SAMPLE_TEXT] * 20, trainer=trainer)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="<|begin|> $A", special_tokens=[("<|begin|>", tokenizer.token_to_id("<|begin|>"))])
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, bos_token="<|begin|>", eos_token="<|end|>", pad_token="<pad>", unk_token="<unk>",
+        extra_special_tokens=["<|system|>", "<|user|>", "<|assistant|>"], model_max_length=1_000_000,
+    )
+    if chat_template:
+        fast.chat_template = CHAT_TEMPLATE
+    folder.mkdir(parents=True, exist_ok=True)
+    fast.save_pretrained(folder)
+    return fast
+
+
+def build_tiny_decoder_dir(folder, family: str = "qwen2", *, chat_template: bool = True, max_positions: int = 4096,
+                           seed: int = 0):
+    """Save a tiny random ``family`` model and its tokenizer to ``folder`` (as a checkpoint on the hub is)."""
+    tokenizer = build_decoder_tokenizer(folder, chat_template=chat_template)
+    model = tiny_decoder(family, seed=seed, vocab_size=len(tokenizer), max_positions=max_positions,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(folder)
+    return folder

@@ -32,6 +32,13 @@ from unlimisum.decoder_only.store import LayerStore
 from unlimisum.unlimiformer import kernels
 
 
+def _gather(stored: torch.Tensor, ids: torch.Tensor, device) -> torch.Tensor:
+    """stored [G, n, D], ids [..., G, m] (per KV head) -> [..., G, m, D] on ``device``, gathered where stored lives."""
+    ids = ids.to(stored.device)
+    heads = torch.arange(stored.shape[0], device=stored.device).view(-1, 1)
+    return stored[heads, ids].to(device)
+
+
 class RetrievalLayer(CacheLayerMixin):
     """One full-attention layer: the prompt in a store, generated tokens in a per-row tail."""
 
@@ -198,10 +205,8 @@ class RetrievalLayer(CacheLayerMixin):
             first = max(self.blocks.end, far_start)
             self.blocks.add(first, store.keys[:, first:far_end].to(self.device), self.received[:, first:far_end])
         ids, valid = self.blocks.select(q_far, plan.retrieval_k)
-        ids_stored = ids - far_start
-        heads = torch.arange(ids.shape[0], device=ids.device).view(-1, 1)
-        return Part(keys.to(self.device)[heads, ids_stored], values.to(self.device)[heads, ids_stored], "shared",
-                    mask=valid.view(1, valid.shape[0], 1, 1, -1), queries=q_far)
+        return Part(_gather(keys, ids - far_start, self.device), _gather(values, ids - far_start, self.device),
+                    "shared", mask=valid.view(1, valid.shape[0], 1, 1, -1), queries=q_far)
 
     def _decode(self, q, scaling, softcap) -> torch.Tensor:
         plan, store = self.plan, self.store
@@ -240,11 +245,8 @@ class RetrievalLayer(CacheLayerMixin):
             return Part(keys.to(self.device), values.to(self.device), "shared", queries=q_far), None
         b, heads, group, n_queries, dim = q_far.shape
         rows = q_far.reshape(b, heads, group * n_queries, dim).to(keys.device)  # every query of the step selects
-        ids = selection.decode_ids(keys, rows.float(), plan.retrieval_k, self.choice)  # [B, G, k]: the kernel's fp32
-        head_index = torch.arange(heads, device=ids.device).view(1, -1, 1)
-        far_keys = keys[head_index, ids].to(self.device)  # [B, G, k, D]
-        value_ids = ids.to(values.device)
-        far_values = values[head_index.to(values.device), value_ids].to(self.device)
+        ids = selection.decode_ids(keys, rows.float(), plan.retrieval_k, self.choice)  # [B, G, k]
+        far_keys, far_values = _gather(keys, ids, self.device), _gather(values, ids, self.device)  # [B, G, k, D]
         return Part(far_keys, far_values, "batched", queries=q_far), ids.to(self.device) + far_start
 
     def _add_coverage(self, weights, sink_end: int, far_ids, first_local: int, prompt: int) -> None:

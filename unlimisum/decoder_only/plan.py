@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from unlimisum.config import DecoderOnlyConfig
+from unlimisum.config import DecoderOnlyConfig, IndexConfig
 from unlimisum.errors import ConfigError
 
 DEFAULT_WINDOW = 4096  # exact local window: a few thousand tokens, at most a quarter of the model's positions
@@ -84,3 +84,31 @@ def plan_retrieval(*, prompt_tokens: int, text_start: int, max_new_tokens: int, 
         fixed_distance=fixed_distance, storage_dtype=storage_dtype, keys_device=torch.device(keys_device),
         values_device=torch.device(values_device),
     )
+
+
+def store_devices(keys_bytes: int, values_bytes: int, index: IndexConfig, model_device: torch.device,
+                  cuda_free_bytes: int | None = None) -> tuple[torch.device, torch.device, str]:
+    """(keys device, values device, reason) for a store of that many bytes, by ``index.device``.
+
+    auto: with the model on a GPU, keys and values there when both fit in ``gpu_memory_fraction`` of its free
+    memory; else only the keys (the search runs there; the k values of each step come from the CPU); else the
+    CPU. "cpu" and "gpu" say where both go.
+    """
+    model_device = torch.device(model_device)
+    cpu = torch.device("cpu")
+    if index.device == "cpu":
+        return cpu, cpu, "on the CPU, as asked"
+    if index.device == "gpu":
+        if not torch.cuda.is_available():
+            raise ConfigError("--index-device gpu asked for, but CUDA is not available on this machine")
+        gpu = model_device if model_device.type == "cuda" else torch.device("cuda")
+        return gpu, gpu, "on the GPU, as asked"
+    if model_device.type != "cuda":
+        return cpu, cpu, "on the CPU, with the model"
+    free = cuda_free_bytes if cuda_free_bytes is not None else torch.cuda.mem_get_info(model_device)[0]
+    budget = index.gpu_memory_fraction * free
+    if keys_bytes + values_bytes <= budget:
+        return model_device, model_device, "keys and values on the GPU"
+    if keys_bytes <= budget:
+        return model_device, cpu, "keys on the GPU, values on the CPU (both do not fit)"
+    return cpu, cpu, "on the CPU: the keys do not fit in the GPU's free memory"
