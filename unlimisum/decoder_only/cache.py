@@ -54,7 +54,7 @@ class RetrievalLayer(CacheLayerMixin):
         self.blocks = selection.BlockIndex(plan.block_size, plan.block_representatives)
         self.received: torch.Tensor | None = None  # [G, N] fp32: attention drawn while local (block mode)
         self.tail_keys = self.tail_values = None  # [B, G, T, D] in the model's dtype
-        self.prompt_window: torch.Tensor | None = None  # [G, W, D] post-rotary keys of the prompt's window
+        self.prompt_window = None  # (keys, values) [G, W, D] of the prompt's window while generating, post-rotary
         self.coverage: torch.Tensor | None = None  # [N] fp32, set by the caller: attention mass while generating
         self.search_seconds = 0.0
         self.choice: kernels.KernelChoice | None = None
@@ -217,8 +217,9 @@ class RetrievalLayer(CacheLayerMixin):
         sink_end, far_start, far_end = self._ranges(first_local)
         positions = torch.arange(prompt + tail - n_queries, prompt + tail)
         q_far, q_sink = self._far_queries(q, positions)
-        if self.prompt_window is None:
-            self.prompt_window = self._window_keys(first_local, prompt)
+        if self.prompt_window is None:  # the same for every step: converted once
+            self.prompt_window = (self._window_keys(first_local, prompt).to(self.compute_dtype),
+                                  store.values[:, first_local:prompt].to(self.device, self.compute_dtype))
 
         started = time.perf_counter()
         far_part, far_ids = self._decode_far(q_far, far_start, far_end)
@@ -227,7 +228,7 @@ class RetrievalLayer(CacheLayerMixin):
             Part(store.keys[:, :sink_end].to(self.device), store.values[:, :sink_end].to(self.device), "shared",
                  queries=q_sink),
             far_part,
-            Part(self.prompt_window, store.values[:, first_local:prompt].to(self.device), "shared"),
+            Part(*self.prompt_window, "shared"),
             Part(self.tail_keys, self.tail_values, "batched",
                  mask=causal(tail - n_queries, n_queries, 0, tail, self.device)),
         ]
