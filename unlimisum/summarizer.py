@@ -262,6 +262,8 @@ class Summarizer:
 
     def encode(self, document: Document) -> EncodedDocument:
         """The document's tokens, encoder states (one store), windows and chapter token ranges."""
+        if self._decoder_only is not None:
+            raise ConfigError(f"model '{self.loaded.name}' is decoder-only: it reads a prompt, it has no encoder")
         return self._encoder().encode(document)
 
     def tokenize(self, document: Document) -> torch.Tensor:
