@@ -20,7 +20,9 @@ class EncodingConfig:
     overlap: float = 0.5
     # Windows per encoder forward pass; None picks from the window length and the device.
     batch_size: int | None = None
-    # Window length in tokens; None reads the model's own maximum source length.
+    # Window length in tokens; None reads the model's own maximum source length. For a decoder-only model it is
+    # the exact local window (the end of the text, the request and everything generated): None is
+    # decoder_only.plan.DEFAULT_WINDOW tokens, bounded by the model's positions.
     window: int | None = None
 
 
@@ -115,3 +117,35 @@ class ModelConfig:
     dtype: str = "auto"
     # Off unless the user asks: remote code runs arbitrary Python from the hub.
     trust_remote_code: bool = False
+
+
+# What a decoder-only model is asked, when no --prompt is given: the instruction at the start (it is kept
+# exactly, as sink tokens) and the request again at the end (in the exact local window, next to the answer).
+DEFAULT_PROMPT = "Summarize the following text.\n\n{text}\n\nWrite a summary of the text above."
+
+
+@dataclass(frozen=True)
+class PromptConfig:
+    """How a decoder-only model is asked for the summary: its chat template with this instruction."""
+
+    # The user message, where {text} is the document; without a chat template, the whole prompt.
+    template: str = DEFAULT_PROMPT
+    # A system message for chat templates that take one; None: the template's own default.
+    system: str | None = None
+
+
+@dataclass(frozen=True)
+class DecoderOnlyConfig:
+    """How a decoder-only model reads a long prompt: which past tokens each query attends to exactly."""
+
+    # Sink tokens attended exactly by every query: None is the prompt's start up to the text (the instruction),
+    # at least 4 tokens (the first tokens draw attention mass whatever they say, as StreamingLLM found).
+    sinks: int | None = None
+    # Prefill selects far tokens by blocks of this many tokens (InfLLM's memory units, 128 there).
+    block_size: int = 128
+    # Keys per block that stand for it in the block search: those that drew the most attention while they were
+    # in the exact window (InfLLM's representative tokens, 4 there).
+    block_representatives: int = 4
+    # "blocks": prefill selects whole blocks per chunk and key-value head (linear in the prompt); "tokens": every
+    # prompt query selects its own top-k tokens (exact, quadratic: for tests). Generation always selects tokens.
+    prefill_selection: str = "blocks"

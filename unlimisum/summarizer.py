@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import resource
 import time
+import warnings
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable, Sequence
@@ -14,7 +15,8 @@ from unlimisum.models import compat
 from unlimisum.unlimiformer import coverage
 from unlimisum.unlimiformer.retrieval import RetrievalSession, retrieval
 from unlimisum.config import (
-    DEFAULT_RETRIEVAL_K, EncodingConfig, GenerationOptions, IndexConfig, ModelConfig, RetrievalConfig,
+    DEFAULT_RETRIEVAL_K, DecoderOnlyConfig, EncodingConfig, GenerationOptions, IndexConfig, ModelConfig, PromptConfig,
+    RetrievalConfig,
 )
 from unlimisum.unlimiformer.coverage import CoverageSpan
 from unlimisum.unlimiformer.datastore import Datastore
@@ -34,10 +36,12 @@ CHAPTERS_PER_BATCH = 8
 
 @dataclass(frozen=True)
 class ProgressEvent:
-    """One progress report: ``stage`` is cache, tokenize, encode, index, generate or chapter.
+    """One progress report: ``stage`` is cache, tokenize, encode, index, prefill, generate or chapter.
 
     ``cache`` (with a cache of encoded books): 0/1 when it is looked up, 1/1 when the encoded
     document came from it (then no tokenize/encode/index events follow).
+    ``prefill`` (decoder-only models, instead of encode and index): ``completed`` of ``total`` chunks of the
+    prompt read, ``info["tokens"]`` and ``info["window"]``.
     ``chapter`` (``summarize(per_chapter=True)``, after the whole-document summary): before each
     batch of chapters, ``completed`` chapters of ``total`` are summarized and ``document`` is the
     title of the next one (``info["titles"]``: the titles of the batch, generated together from
@@ -73,6 +77,7 @@ class SummaryStats:
     tensor_cache_bytes: int | None = None  # decoder self-attention state retained, with --tensor-cache
     cached: bool = False  # the encoded document came from the cache of encoded books
     model_dtype: str = ""  # the weights' dtype ("--dtype auto" chooses bfloat16 where measured faster)
+    positions: str | None = None  # decoder-only: "true", or "fixed distance W" when prompt + summary exceed them
 
 
 @dataclass(frozen=True)
@@ -173,10 +178,13 @@ class Summarizer:
         tensor_cache=None,
         cache: EncodedCache | None = None,
         progress: ProgressCallback | None = None,
+        decoder: DecoderOnlyConfig = DecoderOnlyConfig(),
+        prompt: PromptConfig = PromptConfig(),
     ):
         """``tensor_cache``: a ``unlimisum.tensor_cache.TensorCacheSettings`` to bound the decoder's
         self-attention memory, or None for the model's ordinary cache. ``cache``: an ``EncodedCache``
-        of encoded books (None: every document is encoded)."""
+        of encoded books (None: every document is encoded). ``decoder`` and ``prompt``: how a
+        decoder-only model reads (sinks, blocks) and what it is asked (unlimisum/decoder_only/)."""
         if isinstance(model, str):
             model = ModelConfig(name=model)
         self.loaded = model if isinstance(model, LoadedModel) else load_model(model)
@@ -195,6 +203,28 @@ class Summarizer:
                 f"max_new_tokens {wanted} exceeds the {limit} positions the decoder of model "
                 f"'{self.loaded.name}' has"
             )
+        window = encoding.window
+        if not self.loaded.is_decoder_only and window is not None and window > self.loaded.max_source_length:
+            raise ConfigError(f"window {window} exceeds the {self.loaded.max_source_length}-token encoder window of "
+                              f"model '{self.loaded.name}'")
+        self._decoder_only = self._decoder_only_summarizer(decoder, prompt) if self.loaded.is_decoder_only else None
+
+    def _decoder_only_summarizer(self, decoder: DecoderOnlyConfig, prompt: PromptConfig):
+        """Decoder-only models summarize through unlimisum/decoder_only/: the seq2seq stages below do not apply."""
+        from unlimisum.decoder_only.prompting import check_template
+        from unlimisum.decoder_only.summarize import DecoderOnlySummarizer
+
+        if self.tensor_cache is not None:
+            raise ConfigError("the Tensor Cache bounds an encoder-decoder model's decoder; "
+                              f"'{self.loaded.name}' is decoder-only (its summary tokens stay in the exact window)")
+        if self.cache is not None:
+            warnings.warn("the cache of encoded books holds encoder states; decoder-only models read the prompt "
+                          "each time", stacklevel=3)
+        check_template(prompt)
+        return DecoderOnlySummarizer(
+            self.loaded, window=self.encoding.window, index=self.index, retrieval_k=self.retrieval.retrieval_k,
+            generation=self.generation, decoder=decoder, prompt=prompt, progress=self.progress,
+        )
 
     # -- public -------------------------------------------------------------------------
 
@@ -205,6 +235,8 @@ class Summarizer:
         the chapter's tokens, which kept the context of their neighbours that the windows gave them.
         """
         document = item if isinstance(item, Document) else Document.from_text(item)
+        if self._decoder_only is not None:
+            return self._decoder_only.summarize(document, per_chapter=per_chapter)
         encoded = self.encode(document)
         whole = self._summarize_parts([_Part(document.title, document.source, encoded)])[0]
         chapters = encoded.chapters
@@ -224,10 +256,14 @@ class Summarizer:
     def summarize_many(self, items: Sequence[str | Document]) -> list[Summary]:
         """Summarize several documents in one generation batch (each has its own datastore)."""
         documents = [item if isinstance(item, Document) else Document.from_text(item) for item in items]
+        if self._decoder_only is not None:  # one prompt at a time
+            return [self._decoder_only.summarize(document) for document in documents]
         return self._summarize_parts([_Part(d.title, d.source, self.encode(d)) for d in documents])
 
     def encode(self, document: Document) -> EncodedDocument:
         """The document's tokens, encoder states (one store), windows and chapter token ranges."""
+        if self._decoder_only is not None:
+            raise ConfigError(f"model '{self.loaded.name}' is decoder-only: it reads a prompt, it has no encoder")
         return self._encoder().encode(document)
 
     def tokenize(self, document: Document) -> torch.Tensor:
@@ -349,9 +385,11 @@ def summarize(
 
     Keyword options: ``tokenizer, device, dtype`` (model); ``overlap, encode_batch, window``
     (encoding); ``index, index_device, exact_max_tokens, storage_dtype`` (datastore);
-    ``retrieval_k`` (input tokens each cross-attention head retrieves per step); and any
-    ``generate()`` option, meaning what it means there: ``max_new_tokens``, ``num_beams``,
-    ``no_repeat_ngram_size``, ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``.
+    ``retrieval_k`` (input tokens each cross-attention head retrieves per step); for decoder-only
+    models ``prompt`` (a template with ``{text}``), ``system``, ``window`` (the exact local window),
+    ``sinks, block_size, block_representatives, prefill_selection``; and any ``generate()`` option,
+    meaning what it means there: ``max_new_tokens``, ``num_beams``, ``no_repeat_ngram_size``,
+    ``do_sample``, ``temperature``, ``top_k``, ``top_p``, ``seed``.
     """
     configs = configs_from_options(model, options)
     summarizer = Summarizer(configs.pop("model_config", model), progress=progress, **configs)
@@ -372,11 +410,16 @@ def configs_from_options(model, options: dict) -> dict:
         raise ConfigError("top_k is sampling's top-k, as in generate(), and needs do_sample=True; the number of "
                           "input tokens each head retrieves is retrieval_k")
     retrieval_config = RetrievalConfig(retrieval_k=options.pop("retrieval_k", None))
+    prompt = {name: options.pop(key) for key, name in {"prompt": "template", "system": "system"}.items()
+              if key in options}
+    decoder = {name: options.pop(name) for name in ("sinks", "block_size", "block_representatives", "prefill_selection")
+               if name in options}
     generation_names = set(GenerationOptions.__dataclass_fields__) - {"extra"}
     generation = {name: options.pop(name) for name in list(options) if name in generation_names}
     generation = GenerationOptions(**generation, extra=options)  # the rest goes to generate() as is
     configs = dict(encoding=EncodingConfig(**encoding), index=IndexConfig(**index),
-                   retrieval=retrieval_config, generation=generation)
+                   retrieval=retrieval_config, generation=generation, prompt=PromptConfig(**prompt),
+                   decoder=DecoderOnlyConfig(**decoder))
     if model_fields:
         if isinstance(model, LoadedModel):
             raise ConfigError("model options (" + ", ".join(model_fields) + ") need a model name, not a loaded model")

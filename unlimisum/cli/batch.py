@@ -29,7 +29,9 @@ from unlimisum.cli.output import (
     to_json_line,
 )
 from unlimisum.cli.progress import MemoryProbe, ProgressDisplay
-from unlimisum.config import EncodingConfig, GenerationOptions, IndexConfig, ModelConfig, RetrievalConfig
+from unlimisum.config import (
+    DecoderOnlyConfig, EncodingConfig, GenerationOptions, IndexConfig, ModelConfig, PromptConfig, RetrievalConfig,
+)
 from unlimisum.engines import manifest as run_manifest
 from unlimisum.engines.manifest import DONE, FAILED, SKIPPED, DocumentOutcome
 from unlimisum.errors import UnlimisumError
@@ -54,6 +56,8 @@ class SummarizeSettings:
     coverage: bool = False  # a coverage table in the Markdown output
     cache_dir: Path | None = None  # the cache of encoded books, None: off
     cache_max_bytes: int | None = None  # its size cap, None: none
+    prompt: PromptConfig = PromptConfig()  # decoder-only models: what they are asked
+    decoder: DecoderOnlyConfig = DecoderOnlyConfig()  # decoder-only models: sinks, blocks
 
 
 @dataclass
@@ -180,7 +184,10 @@ class BatchRunner:
         elif self.display.memory is None:
             self.display.set_memory_probe(MemoryProbe())
         cache = None
-        if settings.cache_dir is not None:
+        if settings.cache_dir is not None and loaded.is_decoder_only:
+            self.display.note("unlimisum: note: --cache-dir keeps encoder states; a decoder-only model reads the "
+                              "prompt each time")
+        elif settings.cache_dir is not None:
             from unlimisum.unlimiformer.cache import EncodedCache
 
             cache = EncodedCache(settings.cache_dir, max_bytes=settings.cache_max_bytes,
@@ -188,6 +195,7 @@ class BatchRunner:
         self.summarizer = Summarizer(
             loaded, encoding=settings.encoding, index=settings.index, retrieval=settings.retrieval,
             generation=settings.generation, tensor_cache=settings.tensor_cache, cache=cache, progress=self.display,
+            prompt=settings.prompt, decoder=settings.decoder,
         )
         if settings.tensor_cache is not None:
             self.display.note(tensor_cache_note(settings.tensor_cache, settings.generation.max_new_tokens))

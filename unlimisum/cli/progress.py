@@ -244,6 +244,17 @@ class ProgressDisplay:
         fraction = event.completed / event.total if event.total else 0.0
         self._advance(event.completed, rate_count=self._tokens * fraction)
 
+    def _on_prefill(self, event: ProgressEvent) -> None:
+        """A decoder-only model reads its prompt in chunks of its local window."""
+        self._tokens = int(event.info.get("tokens", 0))
+        if event.completed == 0:
+            self._stage("reading the prompt", total=event.total, units="tokens/s")
+            self.log(f"reading a prompt of {self._tokens:,} tokens in {event.total:,} chunks of "
+                     f"{event.info.get('window', 0):,}")
+            return
+        fraction = event.completed / event.total if event.total else 0.0
+        self._advance(event.completed, rate_count=self._tokens * fraction)
+
     def _on_index(self, event: ProgressEvent) -> None:
         if event.completed == 0:
             self._stage(f"building the index ({event.info.get('index')} on {event.info.get('index_device')})")

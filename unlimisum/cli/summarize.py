@@ -21,7 +21,10 @@ from unlimisum.cli.app import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, _click
 from unlimisum.cli.batch import BatchResult, BatchRunner, SummarizeSettings
 from unlimisum.cli.jobs import JSON_EXTENSION, MARKDOWN_EXTENSION, Job, plan_jobs
 from unlimisum.cli.progress import ProgressDisplay, make_stderr_console
-from unlimisum.config import DEFAULT_MODEL, EncodingConfig, GenerationOptions, IndexConfig, ModelConfig, RetrievalConfig
+from unlimisum.config import (
+    DEFAULT_MODEL, DEFAULT_PROMPT, EncodingConfig, GenerationOptions, IndexConfig, ModelConfig, PromptConfig,
+    RetrievalConfig,
+)
 from unlimisum.engines import manifest as run_manifest
 from unlimisum.engines.manifest import DocumentOutcome
 from unlimisum.errors import ConfigError, UnlimisumError
@@ -31,6 +34,7 @@ _DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
 MODEL_PANEL = "Model"
 INDEX_PANEL = "Reading, index and retrieval"
+DECODER_PANEL = "Decoder-only models"
 GENERATION_PANEL = "Generation"
 TENSOR_CACHE_PANEL = "Tensor Cache (bounded decoder memory)"
 OUTPUT_PANEL = "Output"
@@ -97,7 +101,8 @@ def summarize(
     # -- model
     model: str = typer.Option(
         DEFAULT_MODEL, "-m", "--model", envvar="UNLIMISUM_MODEL", show_envvar=True, metavar="NAME_OR_DIR",
-        help="Hub name or local folder of an encoder-decoder summarization model.", rich_help_panel=MODEL_PANEL,
+        help="Hub name or local folder: an encoder-decoder summarization model, or a decoder-only (instruct) model.",
+        rich_help_panel=MODEL_PANEL,
     ),
     tokenizer: Optional[str] = typer.Option(
         None, "--tokenizer", metavar="NAME_OR_DIR", help="Tokenizer hub name or folder (default: the model's own).",
@@ -154,6 +159,24 @@ def summarize(
     encode_batch: Optional[int] = typer.Option(
         None, "--encode-batch", min=1, metavar="N", help="Windows per encoder pass (default: chosen by device).",
         rich_help_panel=INDEX_PANEL,
+    ),
+    # -- decoder-only models
+    prompt: str = typer.Option(
+        DEFAULT_PROMPT, "--prompt", metavar="TEMPLATE",
+        help="What a decoder-only model is asked: {text} stands for the document (in the user message of the "
+        "model's chat template; without one, the whole prompt).",
+        rich_help_panel=DECODER_PANEL,
+    ),
+    system: Optional[str] = typer.Option(
+        None, "--system", metavar="TEXT", help="A system message for the chat template (default: the template's).",
+        rich_help_panel=DECODER_PANEL,
+    ),
+    window: Optional[int] = typer.Option(
+        None, "--window", min=1, metavar="N",
+        help="Tokens attended exactly: a decoder-only model's local window (the end of the text, the request, "
+        "the summary; default 4,096, at most a quarter of the model's positions), an encoder-decoder's encoder "
+        "window (default: the model's).",
+        rich_help_panel=DECODER_PANEL,
     ),
     # -- generation
     max_new_tokens: int = typer.Option(
@@ -304,6 +327,8 @@ def summarize(
                           ("--top-p", top_p)):
         if value is not None and value <= 0:
             raise fail(f"{option} must be greater than 0, got {value}", EXIT_USAGE)
+    if prompt.count("{text}") != 1:
+        raise fail(f"--prompt must contain {{text}} exactly once, where the document goes: {prompt!r}", EXIT_USAGE)
     if retrieval_k is not None and retrieval_k_alias is not None and retrieval_k != retrieval_k_alias:
         raise fail(f"--retrieval-k {retrieval_k} and --topk {retrieval_k_alias} disagree (--topk is its old name)",
                    EXIT_USAGE)
@@ -329,7 +354,7 @@ def summarize(
     do_sample = sample or temperature is not None or top_p is not None or top_k is not None
     settings = SummarizeSettings(
         model=ModelConfig(name=model, tokenizer=tokenizer, device=device, dtype=dtype, trust_remote_code=trust_remote_code),
-        encoding=EncodingConfig(overlap=overlap, batch_size=encode_batch),
+        encoding=EncodingConfig(overlap=overlap, batch_size=encode_batch, window=window),
         index=IndexConfig(kind=index, device=index_device, storage_dtype=storage_dtype),
         retrieval=RetrievalConfig(retrieval_k=retrieval_k if retrieval_k is not None else retrieval_k_alias),
         generation=GenerationOptions(
@@ -341,6 +366,7 @@ def summarize(
         per_chapter=per_chapter, as_json=as_json, output_dir=output_dir, skip_existing=skip_existing,
         password=password, keep_all=keep_all, tensor_cache=memory, coverage=coverage, cache_dir=cache_dir,
         cache_max_bytes=parse_size(cache_max_bytes) if cache_max_bytes else None,
+        prompt=PromptConfig(template=prompt, system=system),
     )
     display = ProgressDisplay(make_stderr_console(), show=not quiet, verbose=verbose)
     try:

@@ -2,18 +2,20 @@
 
 The retrieval wrapper (unlimiformer/retrieval.py) and the Tensor Cache wrapper (tensor_cache/self_attention.py)
 read only what a row tells them, so supporting a new encoder-decoder family means adding a
-row here, and nothing else.
+row here, and nothing else. Decoder-only families have their own rows (decoder_architectures.py);
+``architecture_for`` returns either kind, told apart by ``row.kind``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, ClassVar
 
 import torch
 from torch import nn
 
 from unlimisum.models import compat
+from unlimisum.models.decoder_architectures import BY_MODEL_TYPE as _DECODER_ONLY, DecoderOnlyArchitecture
 from unlimisum.errors import UnsupportedModelError
 
 # A tokenizer's model_max_length above this is transformers' "no limit" sentinel, not a limit.
@@ -68,6 +70,7 @@ _T5_NAMES = dict(query="q", key="k", value="v", output="o", heads_attribute="n_h
 class Architecture:
     """One model family: where its decoder attentions live and how they compute."""
 
+    kind: ClassVar[str] = "seq2seq"
     name: str
     model_types: tuple[str, ...]
     layers_attribute: str  # the decoder's list of layers: decoder.<layers_attribute>
@@ -135,29 +138,36 @@ _BY_MODEL_TYPE = {model_type: row for row in ARCHITECTURES for model_type in row
 
 
 def supported_model_types() -> list[str]:
-    """Every ``config.model_type`` with a row in the table."""
-    return sorted(_BY_MODEL_TYPE)
+    """Every ``config.model_type`` with a row in a table: encoder-decoder and decoder-only."""
+    return sorted({*_BY_MODEL_TYPE, *_DECODER_ONLY})
 
 
-def architecture_named(name: str) -> Architecture:
-    """The row for a row name ('BART') or a model type ('bart')."""
-    for row in ARCHITECTURES:
+def _supported() -> str:
+    return (", ".join(sorted(_BY_MODEL_TYPE)) + "; decoder-only: " + ", ".join(sorted(_DECODER_ONLY)))
+
+
+def architecture_named(name: str) -> Architecture | DecoderOnlyArchitecture:
+    """The row for a row name ('BART', 'Qwen2') or a model type ('bart', 'qwen2')."""
+    for row in (*ARCHITECTURES, *_DECODER_ONLY.values()):
         if name == row.name or name in row.model_types:
             return row
-    raise UnsupportedModelError(f"model type '{name}' is not supported; unlimisum supports " + ", ".join(supported_model_types()))
+    raise UnsupportedModelError(f"model type '{name}' is not supported; unlimisum supports " + _supported())
 
 
-def architecture_for(config) -> Architecture:
+def architecture_for(config) -> Architecture | DecoderOnlyArchitecture:
     """The table row for a model config; UnsupportedModelError names the type and the supported ones."""
     model_type = getattr(config, "model_type", None)
+    if model_type in _DECODER_ONLY:
+        row = _DECODER_ONLY[model_type]
+        row.layer_windows(config)  # a model without full-attention layers is refused here, before its weights
+        return row
     if not getattr(config, "is_encoder_decoder", False) and model_type not in _BY_MODEL_TYPE:
         raise UnsupportedModelError(
-            f"model type '{model_type}' is not an encoder-decoder model; unlimisum supports "
-            + ", ".join(supported_model_types())
+            f"model type '{model_type}' is neither an encoder-decoder model nor a decoder-only family unlimisum "
+            "knows; unlimisum supports " + _supported()
         )
     try:
         return _BY_MODEL_TYPE[model_type]
     except KeyError:
-        raise UnsupportedModelError(
-            f"model type '{model_type}' is not supported; unlimisum supports " + ", ".join(supported_model_types())
-        ) from None
+        raise UnsupportedModelError(f"model type '{model_type}' is not supported; unlimisum supports "
+                                    + _supported()) from None

@@ -32,3 +32,20 @@ def cache_from_kwargs(kwargs: dict):
 def cache_argument(model) -> str:
     """The keyword under which this release's ``forward``/``generate`` take a Cache."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def rope_types(config) -> list[str]:
+    """The rotary types of a decoder config ('default', 'dynamic', 'longrope', ...): one, or one per layer type
+    (Gemma 3). 5.x keeps them in ``rope_parameters`` (a dict, or a dict of dicts per layer type); older configs
+    in ``rope_scaling``."""
+    parameters = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    if not isinstance(parameters, dict):
+        return []
+    if "rope_type" in parameters or "type" in parameters:
+        return [parameters.get("rope_type", parameters.get("type"))]
+    return [value.get("rope_type", value.get("type")) for value in parameters.values() if isinstance(value, dict)]
+
+
+def rotary_takes_layer_type(rotary) -> bool:
+    """The rotary embedding's forward is (x, position_ids, layer_type) rather than (x, position_ids)."""
+    return "layer_type" in inspect.signature(rotary.forward).parameters

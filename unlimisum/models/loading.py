@@ -8,6 +8,7 @@ import torch
 
 from unlimisum.models import checkpoint
 from unlimisum.models.architectures import Architecture, architecture_for
+from unlimisum.models.decoder_architectures import DecoderOnlyArchitecture
 from unlimisum.models.precision import DtypeChoice, choose_auto_dtype
 from unlimisum.config import ModelConfig
 from unlimisum.errors import ConfigError, ModelError, TokenizerError
@@ -21,7 +22,7 @@ class LoadedModel:
 
     model: torch.nn.Module
     tokenizer: object
-    architecture: Architecture
+    architecture: Architecture | DecoderOnlyArchitecture  # ``architecture.kind``: "seq2seq" or "decoder-only"
     name: str
     tokenizer_name: str | None = None  # where the tokenizer came from, when not the model's own name
     fingerprint: str | None = None  # the revision: hub commit, or sizes and times of a local folder's files
@@ -39,8 +40,15 @@ class LoadedModel:
         return next(self.model.parameters()).dtype
 
     @property
+    def is_decoder_only(self) -> bool:
+        """A causal language model (Llama, Qwen...) rather than an encoder-decoder."""
+        return self.architecture.kind == "decoder-only"
+
+    @property
     def max_source_length(self) -> int:
-        """The encoder's window in tokens: the length of one encoded window."""
+        """The encoder's window in tokens: the length of one encoded window (decoder-only: its positions)."""
+        if self.is_decoder_only:
+            return self.architecture.max_positions(self.model.config)
         return self.architecture.max_source_length(self.model.config, self.tokenizer)
 
     @property
@@ -89,7 +97,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     Everything that can be checked without the weights is checked first (the folder, its config,
     the architecture, the tokenizer), and every expected failure is a one-line ModelError.
     """
-    from transformers import AutoConfig, AutoModelForSeq2SeqLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     from unlimisum.models.compat import quiet_transformers
 
@@ -112,7 +120,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
     tokenizer, tokenizer_name = _load_tokenizer(config, location, remote)
     checkpoint.check_tokenizer(tokenizer, getattr(model_config, "vocab_size", None), tokenizer_name)
     try:
-        model = AutoModelForSeq2SeqLM.from_pretrained(name, dtype=dtype, trust_remote_code=remote, weights_only=True)
+        auto = AutoModelForCausalLM if architecture.kind == "decoder-only" else AutoModelForSeq2SeqLM
+        model = auto.from_pretrained(name, dtype=dtype, trust_remote_code=remote, weights_only=True)
         model.to(device).eval()
     except OSError as error:
         if location.is_local:

@@ -1,0 +1,168 @@
+"""Decoder-only models through the Summarizer, summarize() and the CLI: prompts, chapters, stats, placement.
+
+Tiny random models saved as checkpoints (tests/tiny_decoders.py) with a locally trained tokenizer,
+one with a chat template and one without. With k at least the prompt and float32 storage, the
+summary is exactly what the model's own generate() gives after the same prompt.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tests.tiny_decoders import build_tiny_decoder_dir
+from tests.tiny_models import SAMPLE_TEXT
+from unlimisum import Chapter, Document, read_document
+from unlimisum.cli.app import app
+from unlimisum.config import (
+    EncodingConfig, GenerationOptions, IndexConfig, ModelConfig, PromptConfig, RetrievalConfig,
+)
+from unlimisum.decoder_only.plan import store_devices
+from unlimisum.decoder_only.prompting import build_prompt
+from unlimisum.errors import ConfigError
+from unlimisum.models import load_model
+from unlimisum.summarizer import Summarizer
+
+GREEDY = GenerationOptions(max_new_tokens=10, do_sample=False, num_beams=1)
+EXACT = dict(encoding=EncodingConfig(window=32), index=IndexConfig(storage_dtype="float32"),
+             retrieval=RetrievalConfig(retrieval_k=100_000), generation=GREEDY)
+BOOK = Document("A book", tuple(Chapter(f"Chapter {i}", f"Part {i}. " + SAMPLE_TEXT * 2) for i in range(1, 4)),
+                source="book.txt")
+
+
+@pytest.fixture(scope="module")
+def chat_dir(tmp_path_factory):
+    return build_tiny_decoder_dir(tmp_path_factory.mktemp("qwen2-chat"), "qwen2")
+
+
+@pytest.fixture(scope="module")
+def chat_model(chat_dir):
+    return load_model(ModelConfig(name=str(chat_dir), device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def plain_model(tmp_path_factory):
+    folder = build_tiny_decoder_dir(tmp_path_factory.mktemp("llama-plain"), "llama", chat_template=False,
+                                    max_positions=256)
+    return load_model(ModelConfig(name=str(folder), device="cpu"))
+
+
+def plain_continuation(loaded, prompt_ids: torch.Tensor) -> list[int]:
+    with torch.no_grad():
+        out = loaded.model.generate(prompt_ids.unsqueeze(0), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                                    **GREEDY.to_generate_kwargs())
+    return out[0, len(prompt_ids):].tolist()
+
+
+def test_the_summary_is_what_generate_gives_after_the_chat_prompt(chat_model):
+    tokenizer = chat_model.tokenizer
+    template = PromptConfig()
+    messages = [{"role": "user", "content": template.template.replace("{text}", BOOK.text)}]
+    expected_ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    prompt = build_prompt(tokenizer, BOOK.text, template)
+    assert prompt.ids.tolist() == list(expected_ids)
+    assert tokenizer.decode(prompt.ids[prompt.text_start:prompt.text_end]) == BOOK.text
+    summary = Summarizer(chat_model, **EXACT).summarize(BOOK)
+    assert list(summary.token_ids) == plain_continuation(chat_model, prompt.ids)
+    assert summary.text == tokenizer.decode(summary.token_ids, skip_special_tokens=True).strip()
+    assert len(prompt.ids) > 10 * 32  # the prompt is many windows long
+    stats = summary.stats
+    assert stats.input_tokens == len(prompt.ids) and stats.window == 32 and stats.positions == "true"
+    assert stats.windows == -(-(len(prompt.ids) - 1) // 32)
+    assert stats.datastore_bytes == (len(prompt.ids) - 1) * 2 * 2 * 2 * 16 * 4  # k+v x layers x KV heads x dim x fp32
+    assert [span.title for span in summary.coverage] == ["Chapter 1", "Chapter 2", "Chapter 3"]
+    assert abs(sum(span.share for span in summary.coverage) - 1) < 1e-9
+    assert set(stats.timings) == {"tokenize", "prefill", "generate", "search"}
+
+
+def test_a_system_message_goes_through_the_chat_template(chat_model):
+    config = PromptConfig(template="Sum up: {text}", system="Be brief.")
+    prompt = build_prompt(chat_model.tokenizer, "One line.", config)
+    rendered = chat_model.tokenizer.decode(prompt.ids)
+    assert rendered == "<|begin|><|system|>Be brief.<|end|><|user|>Sum up: One line.<|end|><|assistant|>"
+
+
+def test_without_a_chat_template_the_prompt_is_the_template_with_the_tokenizers_specials(plain_model):
+    tokenizer = plain_model.tokenizer
+    prompt = build_prompt(tokenizer, "The keeper wrote.", PromptConfig(template="Text: {text}\nSummary:"))
+    assert prompt.ids.tolist() == tokenizer("Text: The keeper wrote.\nSummary:")["input_ids"]
+    assert prompt.ids[0] == tokenizer.bos_token_id and prompt.ids[-1] != tokenizer.eos_token_id
+    assert tokenizer.decode(prompt.ids[prompt.text_start:prompt.text_end]).strip() == "The keeper wrote."
+    with pytest.raises(ConfigError, match="--system needs a model with a chat template"):
+        build_prompt(tokenizer, "x", PromptConfig(system="Be brief."))
+
+
+def test_sinks_are_the_prompt_up_to_the_text(chat_model):
+    summarizer = Summarizer(chat_model, **EXACT)
+    prompt = build_prompt(chat_model.tokenizer, BOOK.text, PromptConfig())
+    assert summarizer._decoder_only.plan(prompt).sinks == prompt.text_start > 4
+
+
+def test_per_chapter_summaries_read_each_chapter_in_its_own_prompt(chat_model):
+    summarizer = Summarizer(chat_model, **EXACT)
+    summary = summarizer.summarize(BOOK, per_chapter=True)
+    assert [part.title for part in summary.chapters] == ["Chapter 1", "Chapter 2", "Chapter 3"]
+    for part, chapter in zip(summary.chapters, BOOK.chapters):
+        prompt = build_prompt(chat_model.tokenizer, chapter.text, PromptConfig())
+        assert list(part.token_ids) == plain_continuation(chat_model, prompt.ids)
+        assert part.coverage[0].title == "window 1"
+
+
+def test_beyond_the_models_positions_far_tokens_sit_at_a_fixed_distance(plain_model):
+    """256 positions, a prompt of ~700 tokens: the far tokens are placed one window before every query."""
+    summarizer = Summarizer(plain_model, encoding=EncodingConfig(window=32), generation=GREEDY)
+    summary = summarizer.summarize(BOOK)
+    assert summary.stats.input_tokens > 256
+    assert summary.stats.positions == "fixed distance 32"
+    assert summary.stats.retrieval_k == 32  # the default: the window, at most 1,024
+    with pytest.raises(ConfigError, match="lower --window or --max-new-tokens"):
+        Summarizer(plain_model, encoding=EncodingConfig(window=200), generation=GREEDY).summarize(BOOK)
+
+
+def test_what_decoder_only_models_refuse(chat_model):
+    from unlimisum.tensor_cache import TensorCacheSettings
+
+    with pytest.raises(ConfigError, match="decoder-only"):
+        Summarizer(chat_model, tensor_cache=TensorCacheSettings(window=8))
+    with pytest.raises(ConfigError, match=r"\{text\} exactly once"):
+        Summarizer(chat_model, prompt=PromptConfig(template="no placeholder"))
+
+
+def test_summarize_takes_the_decoder_only_options_flat(chat_dir, chat_model):
+    import unlimisum
+
+    summary = unlimisum.summarize(BOOK.text, model=chat_model, window=32, retrieval_k=100_000,
+                                  storage_dtype="float32", prompt="Summarize: {text}", max_new_tokens=10,
+                                  do_sample=False, num_beams=1, sinks=6, prefill_selection="tokens")
+    prompt = build_prompt(chat_model.tokenizer, BOOK.text, PromptConfig(template="Summarize: {text}"))
+    assert list(summary.token_ids) == plain_continuation(chat_model, prompt.ids)
+
+
+def test_the_cli_summarizes_with_a_decoder_only_model(chat_dir, chat_model, tmp_path, loader):
+    book = tmp_path / "book.txt"
+    book.write_text(BOOK.text)
+    result = CliRunner().invoke(app, ["summarize", str(book), "-m", str(chat_dir), "--device", "cpu", "--window", "32",
+                                      "--prompt", "Summarize: {text}", "--max-new-tokens", "10", "--num-beams", "1",
+                                      "--storage-dtype", "float32", "--retrieval-k", "100000", "--json", "-q"])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    document = read_document(str(book))  # what the CLI read: chapters found by their headings
+    prompt = build_prompt(chat_model.tokenizer, document.text, PromptConfig(template="Summarize: {text}"))
+    expected = chat_model.tokenizer.decode(plain_continuation(chat_model, prompt.ids), skip_special_tokens=True).strip()
+    assert record["summary"] == expected
+    assert record["stats"]["positions"] == "true" and record["stats"]["window"] == 32
+    bad = CliRunner().invoke(app, ["summarize", str(book), "-m", str(chat_dir), "--prompt", "no text here"])
+    assert bad.exit_code == 2 and "{text}" in bad.stderr
+
+
+def test_the_store_goes_where_it_fits():
+    index = IndexConfig()
+    gpu, cpu = torch.device("cuda:0"), torch.device("cpu")
+    assert store_devices(100, 100, index, gpu, cuda_free_bytes=1000)[:2] == (gpu, gpu)
+    assert store_devices(300, 300, index, gpu, cuda_free_bytes=1000)[:2] == (gpu, cpu)  # values to the CPU
+    assert store_devices(600, 600, index, gpu, cuda_free_bytes=1000)[:2] == (cpu, cpu)
+    assert store_devices(1, 1, index, cpu)[:2] == (cpu, cpu)
+    assert store_devices(1, 1, IndexConfig(device="cpu"), gpu, cuda_free_bytes=10**12)[:2] == (cpu, cpu)

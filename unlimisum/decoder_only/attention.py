@@ -1,0 +1,59 @@
+"""The attention function unlimisum registers with transformers: every layer's attention, routed to its cache layer.
+
+transformers computes each layer's queries, keys and values (projections, norms, rotary), updates the
+Cache, and then calls the attention function named by ``config._attn_implementation`` from its
+``AttentionInterface``. unlimisum registers ``ATTENTION_NAME`` there; within ``reading()`` the model
+uses it and the function hands the layer's queries to the ``RetrievalCache`` being read, whose layer
+``module.layer_idx`` has just stored this call's keys and values (cache.py). No forward is patched.
+
+No attention mask is built for it (the name is not in the mask interface, so transformers passes the
+2-D mask through): the cache layers know every key's position and mask causally themselves.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator
+
+import torch
+from torch import nn
+
+ATTENTION_NAME = "unlimisum_retrieval"
+
+_ACTIVE: ContextVar = ContextVar("unlimisum_retrieval_cache", default=None)
+
+
+def retrieval_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                        attention_mask, scaling: float | None = None, dropout: float = 0.0,
+                        softcap: float | None = None, **kwargs):
+    """transformers' attention-function signature: query [B, H, C, D], key/value [B, G, C, D] ->
+    ([B, C, H, D], None)."""
+    cache = _ACTIVE.get()
+    if cache is None:
+        raise RuntimeError(f"the '{ATTENTION_NAME}' attention runs only while unlimisum reads a prompt")
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+        raise RuntimeError("unlimisum's decoder-only retrieval reads unpadded prompts only")
+    scaling = scaling if scaling is not None else module.scaling
+    return cache.layers[module.layer_idx].attend(query, key, value, scaling, softcap), None
+
+
+def register() -> None:
+    """Make ``ATTENTION_NAME`` known to transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, retrieval_attention)
+
+
+@contextmanager
+def reading(model: nn.Module, cache) -> Iterator[None]:
+    """Within the block, every attention of ``model`` reads through ``cache``; the model is restored after."""
+    register()
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(ATTENTION_NAME)
+    token = _ACTIVE.set(cache)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+        model.set_attn_implementation(previous)

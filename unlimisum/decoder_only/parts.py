@@ -1,0 +1,99 @@
+"""One softmax over the parts a query attends to: sinks, retrieved far tokens, the exact local window.
+
+Queries are laid out per key-value head, ``[B, G, g, C, D]`` (batch, KV heads, the g query heads
+sharing each KV head, queries, head dim). A part's keys and values come in one of three layouts:
+
+- ``shared`` ``[G, n, D]``: the same for every row and query (sinks, the prompt's local window);
+- ``batched`` ``[B, G, n, D]``: per row (the generated tokens, far tokens each beam retrieved);
+- ``per_query`` ``[B, G, C, n, D]``: per query (far tokens each prompt query retrieved, token mode).
+
+Each part may bring its own version of the queries (rotated to another position, see positions.py)
+and a boolean mask broadcast to ``[B, G, g, C, n]`` (True: attend). Scores are scaled, soft-capped
+when the model does (Gemma 2) and normalised by one softmax over all parts together, so attending
+to every past token through the parts is the model's own attention. Everything runs in float32
+(float64 for a float64 model), in blocks of queries that keep the scores under ``SCORE_BYTES``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SCORE_BYTES = 64 * 2**20  # float32 scores of one block of queries
+
+_SCORES = {"shared": "bghcd,gnd->bghcn", "batched": "bghcd,bgnd->bghcn", "per_query": "bghcd,bgcnd->bghcn"}
+_VALUES = {"shared": "bghcn,gnd->bghcd", "batched": "bghcn,bgnd->bghcd", "per_query": "bghcn,bgcnd->bghcd"}
+
+
+@dataclass
+class Part:
+    """Keys and values one query attends to, in one layout (see the module docstring)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    layout: str  # "shared" | "batched" | "per_query"
+    mask: torch.Tensor | None = None  # bool, broadcast to [B, G, g, C, n]; None: every key
+    queries: torch.Tensor | None = None  # [B, G, g, C, D]: this part's own queries; None: the common ones
+
+    @property
+    def size(self) -> int:
+        return self.keys.shape[-2]
+
+
+def attend(queries: torch.Tensor, parts: list[Part], scaling: float, softcap: float | None = None,
+           weights_out: list | None = None) -> torch.Tensor:
+    """queries [B, G, g, C, D] -> [B, G, g, C, D] (float32 or wider): softmax over all parts' keys, times their values.
+
+    ``weights_out``: when a list, it receives per part (in order, empty parts included) the attention
+    weights [B, G, g, C, n] (float32), for coverage and for choosing block representatives.
+    """
+    b, heads, group, n_queries, _ = queries.shape
+    dtype = torch.promote_types(queries.dtype, torch.float32)
+    total = sum(part.size for part in parts)
+    block = max(1, SCORE_BYTES // max(1, b * heads * group * total * 4))
+    out = queries.new_empty(queries.shape, dtype=dtype)
+    collected = [[] for _ in parts] if weights_out is not None else None
+    for start in range(0, n_queries, block):
+        rows = slice(start, start + block)
+        logits = []
+        for part in parts:
+            q = (part.queries if part.queries is not None else queries)[:, :, :, rows].to(dtype)
+            keys = part.keys[:, :, rows] if part.layout == "per_query" else part.keys
+            scores = torch.einsum(_SCORES[part.layout], q, keys.to(dtype)) * scaling
+            if softcap is not None:
+                scores = torch.tanh(scores / softcap) * softcap
+            if part.mask is not None:
+                mask = part.mask[..., rows, :] if part.mask.dim() >= 2 and part.mask.shape[-2] == n_queries else part.mask
+                scores = scores.masked_fill(~mask, float("-inf"))
+            logits.append(scores)
+        weights = torch.softmax(torch.cat(logits, dim=-1), dim=-1)  # [B, G, g, c, total]
+        result = 0
+        for index, (part, part_weights) in enumerate(zip(parts, weights.split([p.size for p in parts], dim=-1))):
+            values = part.values[:, :, rows] if part.layout == "per_query" else part.values
+            result = result + torch.einsum(_VALUES[part.layout], part_weights, values.to(dtype))
+            if collected is not None:
+                collected[index].append(part_weights)
+        out[:, :, :, rows] = result
+    if weights_out is not None:
+        weights_out.extend(torch.cat(pieces, dim=3) for pieces in collected)
+    return out
+
+
+def grouped(query: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, H, C, D] -> [B, G, g, C, D]: query head h shares KV head h // g (transformers' repeat_kv order)."""
+    b, heads, c, d = query.shape
+    return query.view(b, kv_heads, heads // kv_heads, c, d)
+
+
+def ungrouped(out: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """[B, G, g, C, D] -> [B, C, H, D] in the query's dtype: what an attention function returns."""
+    b, g, group, c, d = out.shape
+    return out.reshape(b, g * group, c, d).transpose(1, 2).to(like.dtype)
+
+
+def causal(first_query: int, n_queries: int, first_key: int, n_keys: int, device) -> torch.Tensor:
+    """[C, n] bool: key at position first_key + j is visible to the query at first_query + i when not after it."""
+    queries = torch.arange(first_query, first_query + n_queries, device=device)
+    keys = torch.arange(first_key, first_key + n_keys, device=device)
+    return keys.unsqueeze(0) <= queries.unsqueeze(1)

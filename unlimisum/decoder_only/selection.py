@@ -1,0 +1,111 @@
+"""Which far tokens a query retrieves: the top-k per key-value head, by tokens or by blocks.
+
+The rule (grouped-query attention): the g query heads that share a key-value head make one
+selection for it, scoring each far key by the largest of their g dot products; all g heads then
+attend to the same k tokens. With one query head per key-value head it is every head's own top-k.
+
+- ``token_ids``: every query its own top-k (brute force over the far tokens; prefill in token
+  mode, the exact reference).
+- ``decode_ids``: the same rule for one step's queries (every beam), scored by unlimisum's
+  measured exact kernel (unlimiformer/kernels.py) in one streaming pass per key-value head.
+- ``BlockIndex``: prefill in block mode. Far tokens are grouped into blocks when they leave the
+  local window, each represented by the few keys that drew the most attention while they were
+  local (InfLLM's representative tokens); one chunk of queries selects whole blocks per key-value
+  head, by the mean over its queries of the best representative score, so a chunk costs
+  O(blocks) instead of O(far tokens) per query.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from unlimisum.unlimiformer import kernels
+
+SCORE_BYTES = 64 * 2**20  # float32 block or token scores of one slice
+
+
+def token_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """scores [..., G, g, C, n] -> ids [..., G, C, k]: per query and KV head, the top-k by the max over its group."""
+    return scores.amax(dim=-3).topk(min(k, scores.shape[-1]), dim=-1).indices
+
+
+def decode_ids(keys: torch.Tensor, queries: torch.Tensor, k: int, choice: kernels.KernelChoice) -> torch.Tensor:
+    """keys [G, n, D] (storage dtype), queries [B, G, g, D] float32 -> ids [B, G, k] of the top-k per row and
+    KV head (sorted by score), one pass over the keys per KV head in slices of bounded scores."""
+    b, heads, group, _ = queries.shape
+    n = keys.shape[1]
+    k = min(k, n)
+    step = max(k, SCORE_BYTES // (b * group * 4))
+    result = []
+    for head in range(heads):
+        rows = queries[:, head].reshape(b * group, -1)  # [B*g, D]
+        best_scores = best_ids = None
+        for start in range(0, n, step):
+            scores = kernels.scores(keys[head, start:start + step], rows, choice).float()  # [B*g, s]
+            scores = scores.view(b, group, -1).amax(dim=1)  # [B, s]: the KV-head rule
+            top, ids = kernels.top_k(scores, min(k, scores.shape[1]))
+            ids = ids + start
+            if best_scores is not None:
+                top, order = torch.cat([best_scores, top], 1).topk(k, dim=1)
+                ids = torch.cat([best_ids, ids], 1).gather(1, order)
+            best_scores, best_ids = top, ids
+        result.append(best_ids)
+    return torch.stack(result, dim=1)  # [B, G, k]
+
+
+class BlockIndex:
+    """The far tokens of one layer's prompt in blocks, each with its representative keys (prefill only)."""
+
+    def __init__(self, block_size: int, representatives: int):
+        self.block_size, self.representatives = block_size, representatives
+        self.starts: list[int] = []
+        self.ends: list[int] = []
+        self.rep_keys: torch.Tensor | None = None  # [G, blocks, r, D] (the store's dtype)
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.starts)
+
+    @property
+    def end(self) -> int:
+        """Tokens before this are in blocks."""
+        return self.ends[-1] if self.ends else 0
+
+    def add(self, start: int, keys: torch.Tensor, received: torch.Tensor) -> None:
+        """Tokens ``[start, start + n)`` leave the local window: keys [G, n, D] (as stored), received [G, n]
+        (attention they drew while local, summed over queries and heads) -> blocks of ``block_size``."""
+        n = keys.shape[1]
+        reps = []
+        for offset in range(0, n, self.block_size):
+            size = min(self.block_size, n - offset)
+            r = min(self.representatives, size)
+            top = received[:, offset:offset + size].topk(r, dim=1).indices  # [G, r]
+            top = torch.cat([top, top[:, :1].expand(-1, self.representatives - r)], dim=1)  # repeats change no max
+            reps.append(keys[:, offset:offset + size].gather(1, top.unsqueeze(-1).expand(-1, -1, keys.shape[2])))
+            self.starts.append(start + offset)
+            self.ends.append(start + offset + size)
+        added = torch.stack(reps, dim=1)  # [G, new blocks, r, D]
+        self.rep_keys = added if self.rep_keys is None else torch.cat([self.rep_keys, added], dim=1)
+
+    def select(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """queries [1, G, g, C, D] float32 (as they score far keys) -> (ids [G, m], valid [G, m]) of the tokens
+        of the ceil(k / block_size) best blocks per KV head; ``valid`` is False on the padding of short blocks."""
+        heads, blocks, reps, dim = self.rep_keys.shape
+        n_queries = queries.shape[3]
+        chosen = min(blocks, math.ceil(k / self.block_size))
+        rep_keys = self.rep_keys.reshape(heads, blocks * reps, dim).float()
+        step = max(1, SCORE_BYTES // (queries.shape[2] * blocks * reps * 4 * heads))
+        totals = queries.new_zeros(heads, blocks, dtype=torch.float32)
+        for start in range(0, n_queries, step):
+            q = queries[0, :, :, start:start + step].float()  # [G, g, c, D]
+            scores = torch.einsum("ghcd,gnd->ghcn", q, rep_keys).view(heads, q.shape[1], q.shape[2], blocks, reps)
+            totals += scores.amax(dim=4).amax(dim=1).sum(dim=1)  # best representative, best head; summed over queries
+        best = totals.topk(chosen, dim=1).indices  # [G, chosen]
+        starts = torch.tensor(self.starts, device=best.device)[best]  # [G, chosen]
+        ends = torch.tensor(self.ends, device=best.device)[best]
+        ids = starts.unsqueeze(-1) + torch.arange(self.block_size, device=best.device)  # [G, chosen, b]
+        valid = ids < ends.unsqueeze(-1)
+        ids = torch.where(valid, ids, starts.unsqueeze(-1))
+        return ids.view(heads, -1), valid.view(heads, -1)
