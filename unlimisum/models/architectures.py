@@ -8,13 +8,15 @@ row here, and nothing else. Decoder-only families have their own rows (decoder_a
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Callable, ClassVar
+from typing import Callable, ClassVar, ContextManager
 
 import torch
 from torch import nn
 
 from unlimisum.models import compat
+from unlimisum.models.local_attention import blocked_local_attention
 from unlimisum.models.decoder_architectures import BY_MODEL_TYPE as _DECODER_ONLY, DecoderOnlyArchitecture
 from unlimisum.errors import UnsupportedModelError
 
@@ -82,6 +84,12 @@ class Architecture:
     source_length_attribute: str | None  # config attribute with the encoder's maximum source length
     default_source_length: int  # when neither the config nor the tokenizer gives a limit
     encoder_inputs: Callable[[torch.Tensor], dict] | None = field(default=None, repr=False)
+    # encoder -> context manager within which the encoder computes the same states faster (wrapped modules)
+    fast_encoding: Callable[[nn.Module], ContextManager] | None = field(default=None, repr=False)
+
+    def encoding(self, encoder: nn.Module) -> ContextManager:
+        """The context the whole input is encoded in: ``fast_encoding`` when the family has one."""
+        return self.fast_encoding(encoder) if self.fast_encoding is not None else nullcontext()
 
     def max_source_length(self, config, tokenizer=None) -> int:
         """The encoder's own window: the config's limit, narrowed by the tokenizer's when it has one."""
@@ -127,7 +135,7 @@ ARCHITECTURES: tuple[Architecture, ...] = (
     _row("PLBART", ["plbart"]),
     _row(
         "LED", ["led"], pack_output=_led_output, source_length_attribute="max_encoder_position_embeddings",
-        default_source_length=16384, encoder_inputs=_led_encoder_inputs,
+        default_source_length=16384, encoder_inputs=_led_encoder_inputs, fast_encoding=blocked_local_attention,
     ),
     _row("PEGASUS-X", ["pegasus_x"], default_source_length=16384),
     _row("T5", ["t5", "mt5"], default_source_length=512, **_T5_ROW),

@@ -106,11 +106,13 @@ class DocumentEncoder:
             raise ConfigError(f"encode batch size must be at least 1, got {batch_size}")
         info = {"tokens": n_tokens, "index": builder.plan.kind, "index_device": builder.plan.device}
         self.progress(ProgressEvent("encode", 0, windows.n_windows, name, info))
-        encode_windows(
-            self.loaded.model.get_encoder(), input_ids, windows, builder.add, batch_size=batch_size,
-            encoder_inputs=self.loaded.architecture.encoder_inputs,
-            on_batch=lambda done: self.progress(ProgressEvent("encode", done, windows.n_windows, name, info)),
-        )
+        encoder = self.loaded.model.get_encoder()
+        with self.loaded.architecture.encoding(encoder):
+            encode_windows(
+                encoder, input_ids, windows, builder.add, batch_size=batch_size,
+                encoder_inputs=self.loaded.architecture.encoder_inputs,
+                on_batch=lambda done: self.progress(ProgressEvent("encode", done, windows.n_windows, name, info)),
+            )
         encoded_at = time.perf_counter()
         self.progress(ProgressEvent("index", 0, 1, name, info))
         store = builder.finish()
