@@ -11,8 +11,8 @@ import importlib
 import time
 
 BENCHMARKS = [
-    "encoding", "decode_speed", "decoding", "index_choice", "memory", "truncation", "profile", "encode_once",
-    "needle_eval", "tc_recall", "decoder_only", "needle_decoder_eval",
+    "encoding", "led_encoding", "decode_speed", "decoding", "index_choice", "memory", "truncation", "profile",
+    "encode_once", "needle_eval", "tc_recall", "decoder_only", "needle_decoder_eval",
 ]
 
 
