@@ -49,7 +49,8 @@ def kernel(request, monkeypatch):
     real = kernels.kernel_for
     layout = request.param.endswith("tokens-major")
     monkeypatch.setattr(kernels, "kernel_for",
-                        lambda *args: dataclasses.replace(real(*args), tokens_major=layout, block_rows=384))
+                        lambda *args: dataclasses.replace(real(*args), tokens_major=layout, block_rows=384,
+                                                           dense_block_rows=300))
     monkeypatch.setattr(kernels, "GATHER_ROWS", 700)
     return name
 

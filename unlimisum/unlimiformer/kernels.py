@@ -60,6 +60,7 @@ class KernelChoice:
     gather_row_cost: float  # seconds per gathered state (gather + the weighted sum)
     dense_row_cost: float  # seconds per stored state for one dense pass over the store
     reason: str = ""  # what was measured, for `unlimisum info` and the benchmarks
+    dense_block_rows: int | None = None  # rows per block of the one-pass dense attention; None: block_rows
 
     @property
     def widens(self) -> bool:
@@ -121,12 +122,17 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
                          (lambda c=KernelChoice("native", block, layout, 0.0, 0.0): select(states, queries, k, c))
                          for layout in (False, True)}, device)
         tokens_major = layouts["select/tokens-major"] < layouts["select/queries-major"]
-        blocks = _race({f"dense/native/{candidate}":
-                        (lambda c=KernelChoice("native", candidate, tokens_major, 0.0, 0.0):
-                         dense_attention(states, queries, c)) for candidate in BLOCK_CHOICES}, device)
-        timings.update(layouts, **blocks)
-        block = min(BLOCK_CHOICES, key=lambda b: blocks[f"dense/native/{b}"])
-    choice = KernelChoice(kernel, block, tokens_major, 0.0, 0.0)
+        timings.update(layouts)
+    # the one-pass dense attention's block: larger blocks pay fewer steps (a few small ops each), smaller ones
+    # stay in cache; measured for the kernel chosen (native scores have no block of their own: it is this one)
+    blocks = _race({f"dense/{kernel}/{candidate}":
+                    (lambda c=KernelChoice(kernel, block, tokens_major, 0.0, 0.0, dense_block_rows=candidate):
+                     dense_attention(states, queries, c)) for candidate in BLOCK_CHOICES}, device)
+    timings.update(blocks)
+    dense_block = min(BLOCK_CHOICES, key=lambda b: blocks[f"dense/{kernel}/{b}"])
+    if kernel == "native":
+        block = dense_block
+    choice = KernelChoice(kernel, block, tokens_major, 0.0, 0.0, dense_block_rows=dense_block)
     ids = torch.randint(0, rows, (CALIBRATION_QUERIES, CALIBRATION_GATHER_ROWS // CALIBRATION_QUERIES),
                         generator=generator).to(device)
     weights = torch.rand(ids.shape, generator=generator).to(device)
@@ -135,12 +141,13 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
                   device)
     measured = ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in timings.items()
                          if seconds < float("inf"))
-    reason = (f"{kernel} scores{' (forced)' if force else ''}, blocks of {block:,} rows; measured on {rows:,} x {dim} "
-              f"{str(dtype)[6:]} for {CALIBRATION_QUERIES} queries: {measured}")
+    reason = (f"{kernel} scores{' (forced)' if force else ''}, blocks of {block:,} rows (dense attention "
+              f"{dense_block:,}); measured on {rows:,} x {dim} {str(dtype)[6:]} for {CALIBRATION_QUERIES} queries: "
+              f"{measured}")
     return KernelChoice(
         scores=kernel, block_rows=block, tokens_major=tokens_major,
         gather_row_cost=costs["gather"] / ids.numel(), dense_row_cost=costs["dense values"] / rows,
-        reason=reason,
+        reason=reason, dense_block_rows=dense_block,
     )
 
 
@@ -318,8 +325,9 @@ def dense_attention(states: torch.Tensor, queries: torch.Tensor, choice: KernelC
     peak = queries.new_full((nq, 1), float("-inf"))  # running maximum score per query
     total = queries.new_zeros(nq, 1)  # running sum of exp(score - peak)
     out = queries.new_zeros(nq, states.shape[1])  # running sum of exp(score - peak) * state
-    for start in range(0, n, choice.block_rows):
-        rows = states[start:start + choice.block_rows]  # [b, d]
+    block = choice.dense_block_rows or choice.block_rows
+    for start in range(0, n, block):
+        rows = states[start:start + block]  # [b, d]
         if native:
             logits = (q16 @ rows.T).float()  # [nq, b]
         else:
@@ -338,9 +346,8 @@ def dense_attention(states: torch.Tensor, queries: torch.Tensor, choice: KernelC
         peak = new_peak
     out.div_(total)
     if coverage is not None:
-        for start in range(0, n, choice.block_rows if kept is None else n):
-            logits = kept if kept is not None else scores(states[start:start + choice.block_rows], queries,
-                                                           choice).float()
+        for start in range(0, n, block if kept is None else n):
+            logits = kept if kept is not None else scores(states[start:start + block], queries, choice).float()
             coverage[start:start + logits.shape[1]] += torch.exp(logits - peak).div_(total).sum(dim=0)
     return out
 
