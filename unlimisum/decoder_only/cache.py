@@ -181,10 +181,10 @@ class RetrievalLayer(CacheLayerMixin):
         local_values = torch.cat([store.values[:, first_local:start].to(self.device, dtype), value[0].to(dtype)], dim=1)
         mask = causal(start, n_queries, first_local, end - first_local, self.device)
         local_part = Part(local_keys, local_values, "shared", mask=mask)
-        weights = [] if self.received is not None else None
-        out = attend(q, [sink_part, far_part, local_part], scaling, softcap, weights)
-        if weights is not None:  # attention drawn by each local key: it chooses the block representatives
-            self.received[:, first_local:end] += weights[2].sum(dim=(0, 2, 3))
+        mass = [] if self.received is not None else None
+        out = attend(q, [sink_part, far_part, local_part], scaling, softcap, mass)
+        if mass is not None:  # attention drawn by each local key: it chooses the block representatives
+            self.received[:, first_local:end] += mass[2].sum(dim=0)
         return out
 
     def _prefill_far(self, q_far, far_start: int, far_end: int) -> Part:
@@ -232,10 +232,10 @@ class RetrievalLayer(CacheLayerMixin):
             Part(self.tail_keys, self.tail_values, "batched",
                  mask=causal(tail - n_queries, n_queries, 0, tail, self.device)),
         ]
-        weights = [] if self.coverage is not None else None
-        out = attend(q, parts, scaling, softcap, weights)
-        if weights is not None:
-            self._add_coverage(weights, sink_end, far_ids, first_local, prompt)
+        mass = [] if self.coverage is not None else None
+        out = attend(q, parts, scaling, softcap, mass)
+        if mass is not None:
+            self._add_coverage(mass, sink_end, far_ids, first_local, prompt)
         return out
 
     def _decode_far(self, q_far, far_start: int, far_end: int):
@@ -250,9 +250,9 @@ class RetrievalLayer(CacheLayerMixin):
         far_keys, far_values = _gather(keys, ids, self.device), _gather(values, ids, self.device)  # [B, G, k, D]
         return Part(far_keys, far_values, "batched", queries=q_far), ids.to(self.device) + far_start
 
-    def _add_coverage(self, weights, sink_end: int, far_ids, first_local: int, prompt: int) -> None:
+    def _add_coverage(self, mass, sink_end: int, far_ids, first_local: int, prompt: int) -> None:
         """Attention mass per prompt token, summed over rows, heads and queries."""
-        sinks, far, local = (w.sum(dim=(2, 3)) for w in weights[:3])  # [B, G, n]
+        sinks, far, local = mass[:3]  # [B, G, n]: summed over the query heads and queries already
         self.coverage[:sink_end] += sinks.sum(dim=(0, 1))
         if far_ids is None:
             far_start = self.plan.sinks
