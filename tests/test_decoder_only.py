@@ -285,3 +285,23 @@ def test_attention_mass_per_key_is_summed_block_by_block(monkeypatch):
     torch.testing.assert_close(mass[0], w_shared.sum(dim=(2, 3)), rtol=1e-10, atol=1e-10)  # [B, G, 5]
     torch.testing.assert_close(mass[1], w_batched.sum(dim=(2, 3)), rtol=1e-10, atol=1e-10)  # [B, G, 4]
     torch.testing.assert_close(mass[2], w_query.sum(dim=2), rtol=1e-10, atol=1e-10)  # [B, G, C, 3]
+
+
+@pytest.mark.parametrize("n_prompt", [30, 33])
+def test_a_longrope_run_across_the_switch_keeps_its_cache_and_the_long_factors(n_prompt):
+    """phi3-longrope switches to its long factors past 32 positions, and transformers' Phi-3 then drops the cache
+    (prepare_inputs_for_generation) to recompute the sequence with them. A prompt of 33 tokens crosses at the
+    first step, one of 30 after 3 generated tokens: the stored prompt must survive, read with the long factors
+    from the start, as the model recomputing the whole sequence at every step with them (no cache, rotary
+    pinned) does; for 33 that is the model's own generate()."""
+    from unlimisum.decoder_only.positions import pinned_rotary
+
+    model = tiny_decoder("phi3-longrope").double()
+    ids = prompt_ids(n_prompt)
+    greedy = dict(max_new_tokens=6, do_sample=False)
+    _, output, _ = read(model, ids, make_plan(n_prompt, max_new_tokens=6), generate_kwargs=greedy)
+    with pinned_rotary(model, architecture_for(model.config), n_prompt + 5):
+        recomputed = plain_generate(model, ids, use_cache=False, **greedy)
+    assert output.tolist() == recomputed.tolist()
+    if n_prompt == 33:
+        assert output.tolist() == plain_generate(model, ids, **greedy).tolist()

@@ -272,6 +272,12 @@ class RetrievalCache(Cache):
         super().__init__(layers=layers)
         self.plan = plan
 
+    def __bool__(self) -> bool:
+        """False: transformers' Phi-3 drops a truthy cache when the sequence first passes its
+        original_max_position_embeddings (to recompute it with longrope's long factors), which would lose the
+        stored prompt; the prompt was read with the factors of the whole run (positions.pinned_length)."""
+        return False
+
     @property
     def retrieval_layers(self) -> list[RetrievalLayer]:
         return [layer for layer in self.layers if isinstance(layer, RetrievalLayer)]

@@ -31,6 +31,7 @@ class RetrievalPlan:
     block_representatives: int
     prefill_selection: str  # "blocks" | "tokens"
     fixed_distance: int | None  # None: true positions; else far tokens sit this far before every query
+    max_new_tokens: int = 0  # the most tokens generate() adds after the prompt
     storage_dtype: torch.dtype = torch.bfloat16
     keys_device: torch.device = torch.device("cpu")
     values_device: torch.device = torch.device("cpu")
@@ -81,7 +82,7 @@ def plan_retrieval(*, prompt_tokens: int, text_start: int, max_new_tokens: int, 
     return RetrievalPlan(
         prompt_tokens=prompt_tokens, window=window, sinks=sinks, retrieval_k=retrieval_k, block_size=block_size,
         block_representatives=config.block_representatives, prefill_selection=config.prefill_selection,
-        fixed_distance=fixed_distance, storage_dtype=storage_dtype, keys_device=torch.device(keys_device),
+        fixed_distance=fixed_distance, max_new_tokens=max_new_tokens, storage_dtype=storage_dtype, keys_device=torch.device(keys_device),
         values_device=torch.device(values_device),
     )
 
