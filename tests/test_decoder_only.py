@@ -305,3 +305,20 @@ def test_a_longrope_run_across_the_switch_keeps_its_cache_and_the_long_factors(n
     assert output.tolist() == recomputed.tolist()
     if n_prompt == 33:
         assert output.tolist() == plain_generate(model, ids, **greedy).tolist()
+
+
+def test_a_forward_through_another_cache_fails_loudly(monkeypatch):
+    """Were generate() to drop unlimisum's cache (as Phi-3 does with a truthy one when longrope switches), the model
+    would store its keys elsewhere while the retrieval reads the stale store: that must be an error, not a summary."""
+    from unlimisum.decoder_only.cache import RetrievalCache
+
+    monkeypatch.setattr(RetrievalCache, "__bool__", lambda self: True)
+    model = tiny_decoder("phi3-longrope").double()
+    with pytest.raises(RuntimeError, match="without updating unlimisum's retrieval cache"):
+        read(model, prompt_ids(30), make_plan(30, max_new_tokens=6), generate_kwargs=dict(max_new_tokens=6,
+                                                                                           do_sample=False))
+    layer = RetrievalLayer(make_plan(N_PROMPT))
+    keys = torch.randn(1, 2, 4, 16, dtype=torch.float64)
+    layer.update(keys, keys)
+    with pytest.raises(RuntimeError, match="without updating"):
+        layer.attend(torch.randn(1, 4, 4, 16, dtype=torch.float64), keys.clone(), keys, 0.25, None)

@@ -24,6 +24,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from unlimisum.decoder_only import selection
+from unlimisum.decoder_only.attention import check_updated
 from unlimisum.decoder_only.parts import Part, attend, causal, grouped, ungrouped
 from unlimisum.decoder_only.plan import RetrievalPlan
 from unlimisum.decoder_only.positions import Rotation
@@ -58,6 +59,7 @@ class RetrievalLayer(CacheLayerMixin):
         self.coverage: torch.Tensor | None = None  # [N] fp32, set by the caller: attention mass while generating
         self.search_seconds = 0.0
         self.choice: kernels.KernelChoice | None = None
+        self.updated: torch.Tensor | None = None  # the keys of this call, set by update(), taken by attend()
 
     # -- the Cache layer interface --------------------------------------------------------------
 
@@ -77,6 +79,7 @@ class RetrievalLayer(CacheLayerMixin):
         """Store the prompt's keys (prefill) or append to the tail (generate); return them unchanged."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.updated = key_states
         if self.prefilling:
             if key_states.shape[0] != 1:
                 raise RuntimeError("unlimisum reads one prompt at a time")
@@ -136,6 +139,8 @@ class RetrievalLayer(CacheLayerMixin):
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                softcap: float | None) -> torch.Tensor:
         """query [B, H, C, D], this call's key/value [B, G, C, D] (already stored) -> [B, C, H, D]."""
+        check_updated(self.updated, key)
+        self.updated = None
         q = grouped(query, key.shape[1])
         out = self._prefill(q, key, value, scaling, softcap) if self.prefilling else \
             self._decode(q, scaling, softcap)
