@@ -129,6 +129,10 @@ def test_what_decoder_only_models_refuse(chat_model):
         Summarizer(chat_model, tensor_cache=TensorCacheSettings(window=8))
     with pytest.raises(ConfigError, match=r"\{text\} exactly once"):
         Summarizer(chat_model, prompt=PromptConfig(template="no placeholder"))
+    for kind in ("ivf", "hnsw"):  # not silently ignored: the stored keys are searched exactly
+        with pytest.raises(ConfigError, match=f"index '{kind}' is an approximate index"):
+            Summarizer(chat_model, index=IndexConfig(kind=kind))
+    assert Summarizer(chat_model, index=IndexConfig(kind="exact"))._decoder_only is not None
 
 
 def test_summarize_takes_the_decoder_only_options_flat(chat_dir, chat_model):
