@@ -76,3 +76,28 @@ def test_info_lists_the_supported_model_families():
     assert result.exit_code == 0, result.output
     families = json.loads(result.stdout)["models"]["supported_model_types"]
     assert {"bart", "led", "t5", "pegasus"} <= set(families)
+
+
+@pytest.mark.parametrize("family, full_layers", [("qwen2", 2), ("gemma2", 1)])
+def test_a_decoder_only_model_gets_its_own_plan(info, tmp_path, family, full_layers):
+    """Window, sinks, k, position regime, the store's bytes by 2 x full layers x KV heads x head dim x 2 (bfloat16),
+    and placement; not the encoder-decoder index plan."""
+    from tests.tiny_decoders import build_tiny_decoder_dir
+
+    folder = build_tiny_decoder_dir(tmp_path / family, family)  # 4,096 positions, 2 KV heads of 16
+    short, long = (json.loads(info("--json", "--tokens", n, "-m", folder, "--index-device", "cpu").stdout)["plan"]
+                   for n in (1000, 10_000))
+    assert short["model_kind"] == long["model_kind"] == "decoder-only" and "d_model" not in short
+    assert short["window"] == 1024 and short["retrieval_k"] == 1024  # a quarter of the positions; k the window
+    assert short["positions"] == "true" and long["positions"] == "fixed distance 1024"
+    assert short["store_bytes_per_token"] == 2 * full_layers * 2 * 16 * 2
+    assert long["store_bytes"] == 9_999 * short["store_bytes_per_token"]
+    assert (short["full_layers"], short["sliding_layers"]) == (full_layers, 2 - full_layers)
+    assert (short["keys_device"], short["values_device"]) == ("cpu", "cpu")
+    plain = info("--tokens", 10_000, "-m", folder, "--index-device", "cpu").stdout
+    assert "decoder-only plan for a prompt of 10,000 tokens" in plain and "index plan" not in plain
+    assert f"{short['store_bytes_per_token']:,} bytes per prompt token (2 x {full_layers} full-attention" in plain
+    assert "positions:" in plain and "fixed distance 1024" in plain and "placement:" in plain
+    small = build_tiny_decoder_dir(tmp_path / "small", family, max_positions=256)  # 64 + 257 > 256 positions
+    refused = json.loads(info("--json", "--tokens", 1000, "-m", small, "--index-device", "cpu").stdout)["plan"]
+    assert refused["positions"].startswith("refused: ") and "lower --window or --max-new-tokens" in refused["positions"]

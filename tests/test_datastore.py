@@ -460,3 +460,19 @@ def test_coverage_adds_every_querys_weights(kind, path, monkeypatch):
         all_tokens = torch.zeros(2000)
         store.attend(queries, 5000, all_tokens)
         assert all_tokens.sum().item() == pytest.approx(6.0, rel=1e-4) and (all_tokens > 0).all()
+
+
+def test_reused_buffers_work_inside_and_outside_inference_mode():
+    """The kernels' scratch buffers persist across calls: made under inference_mode (as the Summarizer runs), they
+    must still take writes from a call under no_grad (training, tests) and the other way round."""
+    generator = torch.Generator().manual_seed(0)
+    states = torch.randn(300, 24, generator=generator).to(torch.bfloat16)
+    queries = torch.randn(3, 24, generator=generator)
+    expected = queries @ states.float().T
+    kernels._SCRATCH.buffers = {}  # this thread's buffers, fresh
+    with torch.inference_mode():
+        torch.testing.assert_close(kernels.float32_scores(states, queries, 128), expected)
+    with torch.no_grad():
+        torch.testing.assert_close(kernels.float32_scores(states, queries, 128), expected)
+    with torch.inference_mode():
+        torch.testing.assert_close(kernels.float32_scores(states, queries, 128), expected)

@@ -247,3 +247,78 @@ def test_fixed_distance_scores_are_the_models_own_at_that_distance(family):
         got = (rotation.turn(rotated(q, 450), [450], distance + sinks) * rotated(k, i)).sum()
         torch.testing.assert_close(got, (rotated(q, distance + sinks) * rotated(k, i)).sum(), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(expected, (rotated(q, 300) * rotated(k, 17)).sum())  # the distance does matter
+
+
+def test_attention_mass_per_key_is_summed_block_by_block(monkeypatch):
+    """parts.attend over three layouts, its queries split into blocks of 2 (SCORE_BYTES forced small): the output
+    and the mass each key drew (summed over the query group and the queries; per query for per_query keys) equal
+    one softmax over every key at once."""
+    from unlimisum.decoder_only import parts
+
+    generator = torch.Generator().manual_seed(4)
+    b, kv_heads, group, n_queries, dim = 2, 2, 3, 7, 8
+    queries = torch.randn(b, kv_heads, group, n_queries, dim, generator=generator, dtype=torch.float64)
+    shared = [torch.randn(kv_heads, 5, dim, generator=generator, dtype=torch.float64) for _ in range(2)]
+    batched = [torch.randn(b, kv_heads, 4, dim, generator=generator, dtype=torch.float64) for _ in range(2)]
+    per_query = [torch.randn(b, kv_heads, n_queries, 3, dim, generator=generator, dtype=torch.float64) for _ in range(2)]
+    mask = torch.rand(n_queries, 4, generator=generator) > 0.3
+    mask[:, 0] = True
+    layout_parts = [parts.Part(*shared, "shared"), parts.Part(*batched, "batched", mask=mask),
+                    parts.Part(*per_query, "per_query")]
+    monkeypatch.setattr(parts, "SCORE_BYTES", 2 * b * kv_heads * group * 12 * 4)  # 2 queries per block
+    mass = []
+    got = parts.attend(queries, layout_parts, 0.3, 2.0, mass)
+
+    scores = torch.cat([
+        torch.einsum("bghcd,gnd->bghcn", queries, shared[0]),
+        torch.einsum("bghcd,bgnd->bghcn", queries, batched[0]),
+        torch.einsum("bghcd,bgcnd->bghcn", queries, per_query[0]),
+    ], dim=-1) * 0.3
+    visible = torch.cat([torch.ones(n_queries, 5, dtype=torch.bool), mask, torch.ones(n_queries, 3, dtype=torch.bool)], 1)
+    capped = (torch.tanh(scores / 2.0) * 2.0).masked_fill(~visible, float("-inf"))  # soft-capped, then masked
+    weights = torch.softmax(capped, dim=-1)  # [B, G, g, C, 12]
+    w_shared, w_batched, w_query = weights.split([5, 4, 3], dim=-1)
+    expected = (torch.einsum("bghcn,gnd->bghcd", w_shared, shared[1])
+                + torch.einsum("bghcn,bgnd->bghcd", w_batched, batched[1])
+                + torch.einsum("bghcn,bgcnd->bghcd", w_query, per_query[1]))
+    torch.testing.assert_close(got, expected, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(mass[0], w_shared.sum(dim=(2, 3)), rtol=1e-10, atol=1e-10)  # [B, G, 5]
+    torch.testing.assert_close(mass[1], w_batched.sum(dim=(2, 3)), rtol=1e-10, atol=1e-10)  # [B, G, 4]
+    torch.testing.assert_close(mass[2], w_query.sum(dim=2), rtol=1e-10, atol=1e-10)  # [B, G, C, 3]
+
+
+@pytest.mark.parametrize("n_prompt", [30, 33])
+def test_a_longrope_run_across_the_switch_keeps_its_cache_and_the_long_factors(n_prompt):
+    """phi3-longrope switches to its long factors past 32 positions, and transformers' Phi-3 then drops the cache
+    (prepare_inputs_for_generation) to recompute the sequence with them. A prompt of 33 tokens crosses at the
+    first step, one of 30 after 3 generated tokens: the stored prompt must survive, read with the long factors
+    from the start, as the model recomputing the whole sequence at every step with them (no cache, rotary
+    pinned) does; for 33 that is the model's own generate()."""
+    from unlimisum.decoder_only.positions import pinned_rotary
+
+    model = tiny_decoder("phi3-longrope").double()
+    ids = prompt_ids(n_prompt)
+    greedy = dict(max_new_tokens=6, do_sample=False)
+    _, output, _ = read(model, ids, make_plan(n_prompt, max_new_tokens=6), generate_kwargs=greedy)
+    with pinned_rotary(model, architecture_for(model.config), n_prompt + 5):
+        recomputed = plain_generate(model, ids, use_cache=False, **greedy)
+    assert output.tolist() == recomputed.tolist()
+    if n_prompt == 33:
+        assert output.tolist() == plain_generate(model, ids, **greedy).tolist()
+
+
+def test_a_forward_through_another_cache_fails_loudly(monkeypatch):
+    """Were generate() to drop unlimisum's cache (as Phi-3 does with a truthy one when longrope switches), the model
+    would store its keys elsewhere while the retrieval reads the stale store: that must be an error, not a summary."""
+    from unlimisum.decoder_only.cache import RetrievalCache
+
+    monkeypatch.setattr(RetrievalCache, "__bool__", lambda self: True)
+    model = tiny_decoder("phi3-longrope").double()
+    with pytest.raises(RuntimeError, match="without updating unlimisum's retrieval cache"):
+        read(model, prompt_ids(30), make_plan(30, max_new_tokens=6), generate_kwargs=dict(max_new_tokens=6,
+                                                                                           do_sample=False))
+    layer = RetrievalLayer(make_plan(N_PROMPT))
+    keys = torch.randn(1, 2, 4, 16, dtype=torch.float64)
+    layer.update(keys, keys)
+    with pytest.raises(RuntimeError, match="without updating"):
+        layer.attend(torch.randn(1, 4, 4, 16, dtype=torch.float64), keys.clone(), keys, 0.25, None)

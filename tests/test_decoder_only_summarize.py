@@ -129,6 +129,10 @@ def test_what_decoder_only_models_refuse(chat_model):
         Summarizer(chat_model, tensor_cache=TensorCacheSettings(window=8))
     with pytest.raises(ConfigError, match=r"\{text\} exactly once"):
         Summarizer(chat_model, prompt=PromptConfig(template="no placeholder"))
+    for kind in ("ivf", "hnsw"):  # not silently ignored: the stored keys are searched exactly
+        with pytest.raises(ConfigError, match=f"index '{kind}' is an approximate index"):
+            Summarizer(chat_model, index=IndexConfig(kind=kind))
+    assert Summarizer(chat_model, index=IndexConfig(kind="exact"))._decoder_only is not None
 
 
 def test_summarize_takes_the_decoder_only_options_flat(chat_dir, chat_model):
@@ -166,3 +170,40 @@ def test_the_store_goes_where_it_fits():
     assert store_devices(600, 600, index, gpu, cuda_free_bytes=1000)[:2] == (cpu, cpu)
     assert store_devices(1, 1, index, cpu)[:2] == (cpu, cpu)
     assert store_devices(1, 1, IndexConfig(device="cpu"), gpu, cuda_free_bytes=10**12)[:2] == (cpu, cpu)
+
+
+@pytest.fixture(scope="module")
+def sampling_dir(tmp_path_factory):
+    """A chat checkpoint whose generation config samples, as instruct checkpoints' do (Qwen2.5-Instruct's values)."""
+    from transformers import GenerationConfig
+
+    folder = build_tiny_decoder_dir(tmp_path_factory.mktemp("qwen2-sampling"), "qwen2")
+    config = GenerationConfig.from_pretrained(folder)
+    config.do_sample, config.temperature, config.top_p, config.top_k = True, 0.7, 0.8, 20
+    config.save_pretrained(folder)
+    return folder
+
+
+def test_no_sample_searches_greedily_where_the_checkpoint_samples(sampling_dir, tmp_path, loader):
+    book = tmp_path / "book.txt"
+    book.write_text(BOOK.text)
+    loaded = load_model(ModelConfig(name=str(sampling_dir), device="cpu"))
+    document = read_document(str(book))
+    prompt = build_prompt(loaded.tokenizer, document.text, PromptConfig(template="Summarize: {text}"))
+    greedy = loaded.tokenizer.decode(plain_continuation(loaded, prompt.ids), skip_special_tokens=True).strip()
+    common = [str(book), "-m", str(sampling_dir), "--device", "cpu", "--window", "32", "--prompt", "Summarize: {text}",
+              "--max-new-tokens", "10", "--num-beams", "1", "--storage-dtype", "float32", "--retrieval-k", "100000",
+              "--json", "-q"]
+
+    def summary(*options: str) -> str:
+        result = CliRunner().invoke(app, ["summarize", *common, *options])
+        assert result.exit_code == 0, result.output
+        return json.loads(result.stdout)["summary"]
+
+    assert summary("--no-sample") == greedy
+    assert summary("--seed", "1") != greedy  # the checkpoint's own default samples
+    settings = tmp_path / "run.toml"
+    settings.write_text("sample = false\n")
+    assert summary("--config", str(settings)) == greedy
+    contradiction = CliRunner().invoke(app, ["summarize", *common, "--no-sample", "--temperature", "0.5"])
+    assert contradiction.exit_code == 2 and "--no-sample contradicts --temperature" in contradiction.stderr

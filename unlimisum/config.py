@@ -146,6 +146,8 @@ class DecoderOnlyConfig:
     # Keys per block that stand for it in the block search: those that drew the most attention while they were
     # in the exact window (InfLLM's representative tokens, 4 there).
     block_representatives: int = 4
-    # "blocks": prefill selects whole blocks per chunk and key-value head (linear in the prompt); "tokens": every
-    # prompt query selects its own top-k tokens (exact, quadratic: for tests). Generation always selects tokens.
+    # "blocks": prefill selects whole blocks per chunk and key-value head, scoring block_representatives keys per
+    # block_size far tokens (quadratic in the prompt, 32x less score work than "tokens" at the defaults);
+    # "tokens": every prompt query selects its own top-k from all far tokens (exact reference, and it holds the
+    # chunk's scores against every far token at once: for tests). Generation always selects tokens.
     prefill_selection: str = "blocks"

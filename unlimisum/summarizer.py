@@ -217,6 +217,9 @@ class Summarizer:
         if self.tensor_cache is not None:
             raise ConfigError("the Tensor Cache bounds an encoder-decoder model's decoder; "
                               f"'{self.loaded.name}' is decoder-only (its summary tokens stay in the exact window)")
+        if self.index.kind not in ("auto", "exact"):
+            raise ConfigError(f"index '{self.index.kind}' is an approximate index of encoder states; decoder-only "
+                              f"model '{self.loaded.name}' searches its stored keys exactly (use auto or exact)")
         if self.cache is not None:
             warnings.warn("the cache of encoded books holds encoder states; decoder-only models read the prompt "
                           "each time", stacklevel=3)

@@ -1,7 +1,9 @@
 """`unlimisum info`: versions, devices, Faiss build, model cache, and the index plan for N tokens.
 
 Everything a bug report needs, and the answer to "what would unlimisum do with a book of N
-tokens on this machine" (``--tokens N``). Plain text by default, one JSON object with --json.
+tokens on this machine" (``--tokens N``): for an encoder-decoder model the index over its encoder
+states, for a decoder-only model (when its config is local or cached) the window, sinks, k,
+position regime, store size and placement. Plain text by default, one JSON object with --json.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import typer
 from unlimisum import __version__
 from unlimisum.cli.app import EXIT_USAGE, app, fail
 from unlimisum.config import DEFAULT_MODEL, IndexConfig
-from unlimisum.errors import ConfigError
+from unlimisum.errors import ConfigError, UnlimisumError
 
 ASSUMED_D_MODEL = 768  # hidden size of the base models (BART-base, LED-base, T5-base) when no config is at hand
 
@@ -31,7 +33,8 @@ def info(
     ),
     model: Optional[str] = typer.Option(
         None, "-m", "--model", envvar="UNLIMISUM_MODEL", show_envvar=True,
-        help="Model whose hidden size sizes the plan (read from a local folder or the cache; else 768).",
+        help="Model whose config sizes the plan (read from a local folder or the cache; else a hidden size of "
+        "768): an encoder-decoder's index, or a decoder-only model's window, store and placement.",
     ),
     index: Literal["auto", "exact", "ivf", "hnsw"] = typer.Option("auto", "--index", help="Index kind to plan for."),
     index_device: Literal["auto", "cpu", "gpu"] = typer.Option("auto", "--index-device", help="Index device to plan for."),
@@ -48,7 +51,7 @@ def info(
     if tokens is not None:
         try:
             report["plan"] = collect_plan(tokens, model or DEFAULT_MODEL, IndexConfig(kind=index, device=index_device))
-        except ConfigError as error:
+        except (ConfigError, UnlimisumError) as error:
             raise fail(error, EXIT_USAGE)
     if as_json:
         typer.echo(json.dumps(report, ensure_ascii=False))
@@ -143,9 +146,14 @@ def collect_models(model: str | None) -> dict:
 
 
 def collect_plan(tokens: int, model: str, index: IndexConfig) -> dict:
-    """The index kind and device ``plan_index`` chooses for ``tokens`` states of the model's hidden size."""
+    """The index kind and device ``plan_index`` chooses for ``tokens`` states of the model's hidden size, or the
+    decoder-only plan (``collect_decoder_plan``) when the model's config says it is one."""
+    from unlimisum.models.decoder_architectures import BY_MODEL_TYPE
     from unlimisum.unlimiformer.datastore import plan_index
 
+    config = model_config(model)
+    if config is not None and getattr(config, "model_type", None) in BY_MODEL_TYPE:
+        return collect_decoder_plan(tokens, model, config, index)
     d_model, d_model_source = model_hidden_size(model)
     plan = plan_index(tokens, d_model, index)
     kernel = None
@@ -157,6 +165,7 @@ def collect_plan(tokens: int, model: str, index: IndexConfig) -> dict:
 
         kernel = kernel_for(torch.device(plan.device), storage_dtype(index), d_model).reason
     return {
+        "model_kind": "seq2seq",
         "tokens": tokens,
         "model": model,
         "d_model": d_model,
@@ -170,20 +179,84 @@ def collect_plan(tokens: int, model: str, index: IndexConfig) -> dict:
     }
 
 
+def collect_decoder_plan(tokens: int, model: str, config, index: IndexConfig) -> dict:
+    """What a decoder-only model would do with a prompt of ``tokens`` tokens and the default options: the window,
+    sinks, k, position regime (or why it is refused), the store's bytes by its formula, and where it goes."""
+    import torch
+
+    from unlimisum.config import DecoderOnlyConfig, GenerationOptions
+    from unlimisum.decoder_only.plan import (
+        MIN_SINKS, default_retrieval_k, default_window, plan_retrieval, store_bytes_per_token, store_devices,
+    )
+    from unlimisum.models.architectures import architecture_for
+    from unlimisum.unlimiformer.placement import storage_dtype
+
+    architecture = architecture_for(config)  # UnsupportedModelError when no layer is full attention
+    max_positions = architecture.max_positions(config)
+    windows = architecture.layer_windows(config)
+    window = default_window(max_positions)
+    retrieval_k = default_retrieval_k(window)
+    dtype = storage_dtype(index)
+    per_token = store_bytes_per_token(config, windows, dtype)
+    store = (tokens - 1) * per_token  # generate() reads the prompt's last token itself
+    model_device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where --device auto loads it
+    keys_device, values_device, placement = store_devices(store // 2, store // 2, index, model_device)
+    max_new_tokens = GenerationOptions().max_new_tokens
+    try:
+        plan = plan_retrieval(prompt_tokens=tokens - 1, text_start=0, max_new_tokens=max_new_tokens,
+                              max_positions=max_positions, window=window, retrieval_k=retrieval_k,
+                              config=DecoderOnlyConfig(), storage_dtype=dtype)
+        positions = "true" if plan.true_positions else f"fixed distance {plan.fixed_distance}"
+    except ConfigError as error:
+        positions = f"refused: {error}"
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    full_layers = sum(w is None for w in windows)
+    return {
+        "model_kind": "decoder-only",
+        "tokens": tokens,
+        "model": model,
+        "family": architecture.name,
+        "max_positions": max_positions,
+        "window": window,
+        "sinks": f"the prompt up to the text, at least {MIN_SINKS} tokens",
+        "retrieval_k": retrieval_k,
+        "max_new_tokens": max_new_tokens,
+        "positions": positions,
+        "full_layers": full_layers,
+        "sliding_layers": len(windows) - full_layers,
+        "kv_heads": kv_heads,
+        "head_dim": head_dim,
+        "storage_dtype": str(dtype).removeprefix("torch."),
+        "element_bytes": torch.finfo(dtype).bits // 8,
+        "store_bytes_per_token": per_token,
+        "store_bytes": store,
+        "keys_device": keys_device.type,
+        "values_device": values_device.type,
+        "placement": placement,
+    }
+
+
+def model_config(model: str):
+    """The model's transformers config when it is a local folder or cached, else None."""
+    local = Path(model).expanduser()
+    if not (local.is_dir() or _available_offline(model)):
+        return None
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(str(local) if local.is_dir() else model, local_files_only=True)
+    except (OSError, ValueError):
+        return None
+
+
 def model_hidden_size(model: str) -> tuple[int, str]:
     """``(d_model, where it came from)``: the model's config when it is local or cached, else 768."""
-    local = Path(model).expanduser()
-    if local.is_dir() or _available_offline(model):
-        try:
-            from transformers import AutoConfig
-
-            config = AutoConfig.from_pretrained(str(local) if local.is_dir() else model, local_files_only=True)
-        except (OSError, ValueError):
-            pass
-        else:
-            size = getattr(config, "d_model", None) or getattr(config, "hidden_size", None)
-            if isinstance(size, int) and size > 0:
-                return size, "model config"
+    config = model_config(model)
+    if config is not None:
+        size = getattr(config, "d_model", None) or getattr(config, "hidden_size", None)
+        if isinstance(size, int) and size > 0:
+            return size, "model config"
     return ASSUMED_D_MODEL, f"assumed ({model} is not available offline)"
 
 
@@ -234,7 +307,9 @@ def render_report(report: dict) -> str:
             ("HF_HUB_OFFLINE", "on" if models["hf_hub_offline"] else "off"),
         ]),
     ]
-    if plan is not None:
+    if plan is not None and plan["model_kind"] == "decoder-only":
+        lines += _decoder_plan_lines(plan, format_bytes)
+    elif plan is not None:
         lines += [
             f"index plan for {plan['tokens']:,} tokens",
             *_rows([
@@ -246,6 +321,30 @@ def render_report(report: dict) -> str:
             ]),
         ]
     return "\n".join(lines)
+
+
+def _decoder_plan_lines(plan: dict, format_bytes) -> list[str]:
+    window, k = plan["window"], plan["retrieval_k"]
+    store = (f"{plan['store_bytes_per_token']:,} bytes per prompt token (2 x {plan['full_layers']} full-attention "
+             f"layers x {plan['kv_heads']} KV heads x head dim {plan['head_dim']} x {plan['element_bytes']} bytes, "
+             f"{plan['storage_dtype']}), "
+             f"{format_bytes(plan['store_bytes'])} in all")
+    devices = plan["keys_device"] if plan["keys_device"] == plan["values_device"] else \
+        f"keys on {plan['keys_device']}, values on {plan['values_device']}"
+    return [
+        f"decoder-only plan for a prompt of {plan['tokens']:,} tokens",
+        *_rows([
+            ("model", f"{plan['model']} ({plan['family']}, {plan['max_positions']:,} positions)"),
+            ("window", f"{window:,} tokens attended exactly, read in chunks of {window:,} (--window)"),
+            ("sinks", plan["sinks"]),
+            ("retrieval k", f"{k:,} far tokens per key-value head and query (--retrieval-k)"),
+            ("positions", f"{plan['positions']} (with --max-new-tokens {plan['max_new_tokens']})"),
+            ("layers", f"{plan['full_layers']} full attention (they store the prompt), "
+                       f"{plan['sliding_layers']} sliding window (they keep their window)"),
+            ("store", store),
+            ("placement", f"{devices}: {plan['placement']}"),
+        ]),
+    ]
 
 
 def _rows(pairs: list[tuple[str, str]]) -> list[str]:

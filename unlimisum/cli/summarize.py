@@ -203,8 +203,11 @@ def summarize(
         None, "--repetition-penalty", metavar="F", help="Penalty for tokens already generated (1 = none).",
         rich_help_panel=GENERATION_PANEL,
     ),
-    sample: bool = typer.Option(
-        False, "--sample", help="Sample instead of greedy/beam search.", rich_help_panel=GENERATION_PANEL
+    sample: Optional[bool] = typer.Option(
+        None, "--sample/--no-sample",
+        help="Sample, or search (greedy or beams) even where the checkpoint samples by default, as instruct "
+        "models often do (default: the model's generation config).",
+        rich_help_panel=GENERATION_PANEL,
     ),
     temperature: Optional[float] = typer.Option(
         None, "--temperature", metavar="F", help="Sampling temperature (turns on --sample).",
@@ -351,7 +354,11 @@ def summarize(
             require_ray()
         except ConfigError as error:
             raise fail(error, EXIT_USAGE)
-    do_sample = sample or temperature is not None or top_p is not None or top_k is not None
+    sampling_options = [option for option, value in (("--temperature", temperature), ("--top-k", top_k),
+                                                     ("--top-p", top_p)) if value is not None]
+    if sample is False and sampling_options:
+        raise fail(f"--no-sample contradicts {', '.join(sampling_options)}, which sample", EXIT_USAGE)
+    do_sample = True if sample or sampling_options else sample  # None: the model's own
     settings = SummarizeSettings(
         model=ModelConfig(name=model, tokenizer=tokenizer, device=device, dtype=dtype, trust_remote_code=trust_remote_code),
         encoding=EncodingConfig(overlap=overlap, batch_size=encode_batch, window=window),
@@ -360,7 +367,7 @@ def summarize(
         generation=GenerationOptions(
             max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, num_beams=num_beams,
             no_repeat_ngram_size=no_repeat_ngram_size, length_penalty=length_penalty,
-            repetition_penalty=repetition_penalty, do_sample=True if do_sample else None, temperature=temperature,
+            repetition_penalty=repetition_penalty, do_sample=do_sample, temperature=temperature,
             top_k=top_k, top_p=top_p, seed=seed,
         ),
         per_chapter=per_chapter, as_json=as_json, output_dir=output_dir, skip_existing=skip_existing,

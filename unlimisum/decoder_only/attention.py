@@ -6,8 +6,10 @@ Cache, and then calls the attention function named by ``config._attn_implementat
 uses it and the function hands the layer's queries to the ``RetrievalCache`` being read, whose layer
 ``module.layer_idx`` has just stored this call's keys and values (cache.py). No forward is patched.
 
-No attention mask is built for it (the name is not in the mask interface, so transformers passes the
-2-D mask through): the cache layers know every key's position and mask causally themselves.
+No attention mask is built for it (the name is not in transformers' mask interface, which then passes
+None; a release that passed the 2-D padding mask instead would have it checked here): the cache layers
+know every key's position and mask causally themselves. Each layer checks that the keys it is handed
+are those its update() just stored, so a forward that went through another cache fails loudly.
 """
 
 from __future__ import annotations
@@ -36,6 +38,17 @@ def retrieval_attention(module: nn.Module, query: torch.Tensor, key: torch.Tenso
         raise RuntimeError("unlimisum's decoder-only retrieval reads unpadded prompts only")
     scaling = scaling if scaling is not None else module.scaling
     return cache.layers[module.layer_idx].attend(query, key, value, scaling, softcap), None
+
+
+def check_updated(updated: torch.Tensor | None, key: torch.Tensor) -> None:
+    """RuntimeError unless ``key`` views the same memory as what the layer's update() just stored: else the
+    model's forward went through another cache (generate() dropped or replaced unlimisum's), whose keys the
+    retrieval would not see."""
+    same = updated is not None and updated.data_ptr() == key.data_ptr() and updated.shape == key.shape \
+        and updated.stride() == key.stride()
+    if not same:
+        raise RuntimeError("the model attended without updating unlimisum's retrieval cache (was it replaced "
+                           "during generate()?); its output would be wrong")
 
 
 def register() -> None:

@@ -24,6 +24,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from unlimisum.decoder_only import selection
+from unlimisum.decoder_only.attention import check_updated
 from unlimisum.decoder_only.parts import Part, attend, causal, grouped, ungrouped
 from unlimisum.decoder_only.plan import RetrievalPlan
 from unlimisum.decoder_only.positions import Rotation
@@ -58,6 +59,7 @@ class RetrievalLayer(CacheLayerMixin):
         self.coverage: torch.Tensor | None = None  # [N] fp32, set by the caller: attention mass while generating
         self.search_seconds = 0.0
         self.choice: kernels.KernelChoice | None = None
+        self.updated: torch.Tensor | None = None  # the keys of this call, set by update(), taken by attend()
 
     # -- the Cache layer interface --------------------------------------------------------------
 
@@ -77,6 +79,7 @@ class RetrievalLayer(CacheLayerMixin):
         """Store the prompt's keys (prefill) or append to the tail (generate); return them unchanged."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.updated = key_states
         if self.prefilling:
             if key_states.shape[0] != 1:
                 raise RuntimeError("unlimisum reads one prompt at a time")
@@ -136,6 +139,8 @@ class RetrievalLayer(CacheLayerMixin):
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                softcap: float | None) -> torch.Tensor:
         """query [B, H, C, D], this call's key/value [B, G, C, D] (already stored) -> [B, C, H, D]."""
+        check_updated(self.updated, key)
+        self.updated = None
         q = grouped(query, key.shape[1])
         out = self._prefill(q, key, value, scaling, softcap) if self.prefilling else \
             self._decode(q, scaling, softcap)
@@ -181,10 +186,10 @@ class RetrievalLayer(CacheLayerMixin):
         local_values = torch.cat([store.values[:, first_local:start].to(self.device, dtype), value[0].to(dtype)], dim=1)
         mask = causal(start, n_queries, first_local, end - first_local, self.device)
         local_part = Part(local_keys, local_values, "shared", mask=mask)
-        weights = [] if self.received is not None else None
-        out = attend(q, [sink_part, far_part, local_part], scaling, softcap, weights)
-        if weights is not None:  # attention drawn by each local key: it chooses the block representatives
-            self.received[:, first_local:end] += weights[2].sum(dim=(0, 2, 3))
+        mass = [] if self.received is not None else None
+        out = attend(q, [sink_part, far_part, local_part], scaling, softcap, mass)
+        if mass is not None:  # attention drawn by each local key: it chooses the block representatives
+            self.received[:, first_local:end] += mass[2].sum(dim=0)
         return out
 
     def _prefill_far(self, q_far, far_start: int, far_end: int) -> Part:
@@ -232,10 +237,10 @@ class RetrievalLayer(CacheLayerMixin):
             Part(self.tail_keys, self.tail_values, "batched",
                  mask=causal(tail - n_queries, n_queries, 0, tail, self.device)),
         ]
-        weights = [] if self.coverage is not None else None
-        out = attend(q, parts, scaling, softcap, weights)
-        if weights is not None:
-            self._add_coverage(weights, sink_end, far_ids, first_local, prompt)
+        mass = [] if self.coverage is not None else None
+        out = attend(q, parts, scaling, softcap, mass)
+        if mass is not None:
+            self._add_coverage(mass, sink_end, far_ids, first_local, prompt)
         return out
 
     def _decode_far(self, q_far, far_start: int, far_end: int):
@@ -250,9 +255,9 @@ class RetrievalLayer(CacheLayerMixin):
         far_keys, far_values = _gather(keys, ids, self.device), _gather(values, ids, self.device)  # [B, G, k, D]
         return Part(far_keys, far_values, "batched", queries=q_far), ids.to(self.device) + far_start
 
-    def _add_coverage(self, weights, sink_end: int, far_ids, first_local: int, prompt: int) -> None:
+    def _add_coverage(self, mass, sink_end: int, far_ids, first_local: int, prompt: int) -> None:
         """Attention mass per prompt token, summed over rows, heads and queries."""
-        sinks, far, local = (w.sum(dim=(2, 3)) for w in weights[:3])  # [B, G, n]
+        sinks, far, local = mass[:3]  # [B, G, n]: summed over the query heads and queries already
         self.coverage[:sink_end] += sinks.sum(dim=(0, 1))
         if far_ids is None:
             far_start = self.plan.sinks
@@ -271,6 +276,12 @@ class RetrievalCache(Cache):
         layers = [RetrievalLayer(plan, rotation) if window is None else WindowLayer(window) for window in layer_windows]
         super().__init__(layers=layers)
         self.plan = plan
+
+    def __bool__(self) -> bool:
+        """False: transformers' Phi-3 drops a truthy cache when the sequence first passes its
+        original_max_position_embeddings (to recompute it with longrope's long factors), which would lose the
+        stored prompt; the prompt was read with the factors of the whole run (positions.pinned_length)."""
+        return False
 
     @property
     def retrieval_layers(self) -> list[RetrievalLayer]:

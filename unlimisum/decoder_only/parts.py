@@ -42,18 +42,20 @@ class Part:
 
 
 def attend(queries: torch.Tensor, parts: list[Part], scaling: float, softcap: float | None = None,
-           weights_out: list | None = None) -> torch.Tensor:
+           mass_out: list | None = None) -> torch.Tensor:
     """queries [B, G, g, C, D] -> [B, G, g, C, D] (float32 or wider): softmax over all parts' keys, times their values.
 
-    ``weights_out``: when a list, it receives per part (in order, empty parts included) the attention
-    weights [B, G, g, C, n] (float32), for coverage and for choosing block representatives.
+    ``mass_out``: when a list, it receives per part (in order, empty parts included) the attention each key
+    drew, summed over the g query heads and the C queries: [B, G, n] ([B, G, C, n] for a per_query part,
+    whose keys differ per query), float32 or wider, for coverage and for choosing block representatives.
+    Summed block by block: the weights of a whole chunk ([B, G, g, C, n]) are never held at once.
     """
     b, heads, group, n_queries, _ = queries.shape
     dtype = torch.promote_types(queries.dtype, torch.float32)
     total = sum(part.size for part in parts)
     block = max(1, SCORE_BYTES // max(1, b * heads * group * total * 4))
     out = queries.new_empty(queries.shape, dtype=dtype)
-    collected = [[] for _ in parts] if weights_out is not None else None
+    masses = [None] * len(parts)
     for start in range(0, n_queries, block):
         rows = slice(start, start + block)
         logits = []
@@ -72,12 +74,21 @@ def attend(queries: torch.Tensor, parts: list[Part], scaling: float, softcap: fl
         for index, (part, part_weights) in enumerate(zip(parts, weights.split([p.size for p in parts], dim=-1))):
             values = part.values[:, :, rows] if part.layout == "per_query" else part.values
             result = result + torch.einsum(_VALUES[part.layout], part_weights, values.to(dtype))
-            if collected is not None:
-                collected[index].append(part_weights)
+            if mass_out is not None:
+                masses[index] = _add_mass(masses[index], part_weights, part.layout, rows)
         out[:, :, :, rows] = result
-    if weights_out is not None:
-        weights_out.extend(torch.cat(pieces, dim=3) for pieces in collected)
+    if mass_out is not None:
+        mass_out.extend(masses)
     return out
+
+
+def _add_mass(mass: torch.Tensor | None, weights: torch.Tensor, layout: str, rows: slice) -> torch.Tensor:
+    """Add one block's weights [B, G, g, c, n] to a part's mass: [B, G, n], or [B, G, C, n] per query."""
+    if layout != "per_query":
+        block = weights.sum(dim=(2, 3))
+        return block if mass is None else mass + block
+    block = weights.sum(dim=2)  # [B, G, c, n]
+    return block if mass is None else torch.cat([mass, block], dim=2)
 
 
 def grouped(query: torch.Tensor, kv_heads: int) -> torch.Tensor:

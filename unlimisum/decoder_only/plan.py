@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from unlimisum.config import DecoderOnlyConfig, IndexConfig
+from unlimisum.config import DEFAULT_RETRIEVAL_K, DecoderOnlyConfig, IndexConfig
 from unlimisum.errors import ConfigError
 
 DEFAULT_WINDOW = 4096  # exact local window: a few thousand tokens, at most a quarter of the model's positions
@@ -31,6 +31,7 @@ class RetrievalPlan:
     block_representatives: int
     prefill_selection: str  # "blocks" | "tokens"
     fixed_distance: int | None  # None: true positions; else far tokens sit this far before every query
+    max_new_tokens: int = 0  # the most tokens generate() adds after the prompt
     storage_dtype: torch.dtype = torch.bfloat16
     keys_device: torch.device = torch.device("cpu")
     values_device: torch.device = torch.device("cpu")
@@ -43,6 +44,20 @@ class RetrievalPlan:
 def default_window(max_positions: int) -> int:
     """DEFAULT_WINDOW tokens, at most a quarter of the model's positions."""
     return max(1, min(DEFAULT_WINDOW, max_positions // 4))
+
+
+def default_retrieval_k(window: int) -> int:
+    """Far tokens per KV head when none is asked for: the window, at most DEFAULT_RETRIEVAL_K."""
+    return min(window, DEFAULT_RETRIEVAL_K)
+
+
+def store_bytes_per_token(model_config, layer_windows: list[int | None], dtype: torch.dtype) -> int:
+    """Bytes the store holds per prompt token: 2 (keys, values) x full-attention layers x KV heads x head dim x
+    the storage dtype's size (sliding-window layers keep their window only)."""
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    full_layers = sum(window is None for window in layer_windows)
+    return 2 * full_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
 def plan_retrieval(*, prompt_tokens: int, text_start: int, max_new_tokens: int, max_positions: int,
@@ -81,7 +96,7 @@ def plan_retrieval(*, prompt_tokens: int, text_start: int, max_new_tokens: int, 
     return RetrievalPlan(
         prompt_tokens=prompt_tokens, window=window, sinks=sinks, retrieval_k=retrieval_k, block_size=block_size,
         block_representatives=config.block_representatives, prefill_selection=config.prefill_selection,
-        fixed_distance=fixed_distance, storage_dtype=storage_dtype, keys_device=torch.device(keys_device),
+        fixed_distance=fixed_distance, max_new_tokens=max_new_tokens, storage_dtype=storage_dtype, keys_device=torch.device(keys_device),
         values_device=torch.device(values_device),
     )
 

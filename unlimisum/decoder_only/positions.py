@@ -14,7 +14,8 @@ Two regimes (``RetrievalPlan.fixed_distance``):
 
 Rotary variants that recompute their frequencies from the longest position in the batch
 (``dynamic`` NTK, ``longrope``) would give every prefill chunk other frequencies; ``PinnedRotary``
-wraps the model's rotary embedding so that every call sees the same longest position.
+wraps the model's rotary embedding so that every call sees the same longest position
+(``pinned_length``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,23 @@ class PinnedRotary(nn.Module):
         pin = torch.full_like(position_ids[..., :1], self.length - 1)
         cos, sin = self.original(x, torch.cat([position_ids, pin], dim=-1), *args, **kwargs)
         return cos[..., :-1, :], sin[..., :-1, :]
+
+
+def pinned_length(config, plan, max_positions: int) -> int:
+    """The longest position + 1 that length-dependent frequencies are computed for while ``plan`` is read.
+
+    True positions: the prompt, as one forward over it computes them (generation then moves ``dynamic`` on as
+    the model does); ``longrope``: the longest input of the whole run, prompt and summary. transformers' Phi-3
+    drops its cache when a sequence first passes ``original_max_position_embeddings``, to recompute it with
+    the long factors (unlimisum keeps its cache: RetrievalCache.__bool__); read with the factors of the whole
+    run, the prompt's keys already have them. Fixed distance: the model's positions.
+    """
+    if not plan.true_positions:
+        return max_positions
+    prompt = plan.prompt_tokens + 1
+    if "longrope" in compat.rope_types(config):
+        return max(prompt, plan.prompt_tokens + plan.max_new_tokens)  # generate() feeds all but its last token
+    return prompt
 
 
 def needs_pinning(config) -> bool:

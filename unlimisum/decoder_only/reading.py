@@ -20,7 +20,7 @@ from torch import nn
 from unlimisum.decoder_only.attention import reading
 from unlimisum.decoder_only.cache import RetrievalCache
 from unlimisum.decoder_only.plan import RetrievalPlan
-from unlimisum.decoder_only.positions import Rotation, pinned_rotary
+from unlimisum.decoder_only.positions import Rotation, pinned_length, pinned_rotary
 from unlimisum.models import compat
 from unlimisum.models.decoder_architectures import FULL
 
@@ -29,14 +29,13 @@ from unlimisum.models.decoder_architectures import FULL
 def session(model: nn.Module, architecture, plan: RetrievalPlan, *, max_positions: int | None = None) -> Iterator[RetrievalCache]:
     """A fresh RetrievalCache for ``plan``, with the model reading through it within the block.
 
-    Length-dependent rotary frequencies are pinned to the whole prompt (true positions: prefill in chunks
-    equals one forward over the prompt) or to the model's positions (fixed distance).
+    Length-dependent rotary frequencies are pinned (positions.pinned_length): prefill in chunks computes
+    them as one forward over the prompt (longrope: over the whole run) would.
     """
     config = model.config
     max_positions = max_positions or architecture.max_positions(config)
-    pin = plan.prompt_tokens + 1 if plan.true_positions else max_positions
     device = next(model.parameters()).device
-    with pinned_rotary(model, architecture, pin):
+    with pinned_rotary(model, architecture, pinned_length(config, plan, max_positions)):
         rotation = None
         if not plan.true_positions:
             rotary = architecture.rotary(model)

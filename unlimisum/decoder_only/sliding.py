@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from unlimisum.decoder_only.attention import check_updated
 from unlimisum.decoder_only.parts import Part, attend, causal, grouped, ungrouped
 
 
@@ -19,7 +20,7 @@ class WindowLayer(CacheLayerMixin):
         super().__init__()
         self.window = window
         self.seen = 0
-        self._visible = None  # (keys, values) [B, G, n, D] this call attends to: the kept ones and its own
+        self._visible = None  # (keys, values) [B, G, n, D] this call attends to, and the call's own keys
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.keys, self.values = key_states[:, :, :0], value_states[:, :, :0]
@@ -33,7 +34,7 @@ class WindowLayer(CacheLayerMixin):
             self.keys, self.values = (t.expand(rows, -1, -1, -1) for t in (self.keys, self.values))
         keys = torch.cat([self.keys, key_states], dim=2)
         values = torch.cat([self.values, value_states], dim=2)
-        self._visible = (keys, values)
+        self._visible = (keys, values, key_states)
         keep = self.window - 1
         self.keys, self.values = (keys[:, :, -keep:], values[:, :, -keep:]) if keep else (keys[:, :, :0], values[:, :, :0])
         self.seen += key_states.shape[2]
@@ -70,7 +71,8 @@ class WindowLayer(CacheLayerMixin):
 
     def attend(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
                softcap: float | None) -> torch.Tensor:
-        keys, values = self._visible
+        check_updated(self._visible[2] if self._visible is not None else None, key)
+        keys, values, _ = self._visible
         self._visible = None
         n_queries, n_keys = key.shape[2], keys.shape[2]
         first_key, first_query = self.seen - n_keys, self.seen - n_queries

@@ -15,13 +15,15 @@ import torch
 
 from unlimisum.config import DecoderOnlyConfig, GenerationOptions, IndexConfig, PromptConfig
 from unlimisum.decoder_only import reading
-from unlimisum.decoder_only.plan import RetrievalPlan, default_window, plan_retrieval, store_devices
+from unlimisum.decoder_only.plan import (
+    RetrievalPlan, default_retrieval_k, default_window, plan_retrieval, store_bytes_per_token, store_devices,
+)
 from unlimisum.decoder_only.prompting import Prompt, build_prompt
 from unlimisum.document import Document
 from unlimisum.errors import EmptyDocumentError
 from unlimisum.models import LoadedModel
 from unlimisum.summarizer import (
-    DEFAULT_RETRIEVAL_K, ProgressEvent, Summary, SummaryStats, _GenerationProgress, _peak_rss_bytes,
+    ProgressEvent, Summary, SummaryStats, _GenerationProgress, _peak_rss_bytes,
 )
 from unlimisum.unlimiformer import coverage
 from unlimisum.unlimiformer.encoded import chapter_token_ranges
@@ -37,7 +39,7 @@ class DecoderOnlySummarizer:
         self.decoder, self.prompt, self.progress = decoder, prompt, progress
         self.max_positions = loaded.architecture.max_positions(loaded.model.config)
         self.window = window if window is not None else default_window(self.max_positions)
-        self.retrieval_k = retrieval_k if retrieval_k is not None else min(self.window, DEFAULT_RETRIEVAL_K)
+        self.retrieval_k = retrieval_k if retrieval_k is not None else default_retrieval_k(self.window)
 
     def summarize(self, document: Document, *, per_chapter: bool = False) -> Summary:
         """The whole document's summary; with ``per_chapter`` one per chapter too, each from its own prompt."""
@@ -94,11 +96,9 @@ class DecoderOnlySummarizer:
     def plan(self, prompt: Prompt) -> RetrievalPlan:
         """The retrieval plan of one prompt: window, sinks, k, position regime, where the store lives."""
         config = self.loaded.model.config
-        full_layers = sum(w is None for w in self.loaded.architecture.layer_windows(config))
         dtype = storage_dtype(self.index)
-        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        half = (prompt.n_tokens - 1) * full_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
+        per_token = store_bytes_per_token(config, self.loaded.architecture.layer_windows(config), dtype)
+        half = (prompt.n_tokens - 1) * per_token // 2  # keys, and as many bytes of values
         keys_device, values_device, _ = store_devices(half, half, self.index, self.loaded.device)
         return plan_retrieval(
             prompt_tokens=prompt.n_tokens - 1, text_start=prompt.text_start,

@@ -181,15 +181,19 @@ _SCRATCH = threading.local()
 
 def _scratch(name: str, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A [rows, cols] buffer kept per thread and reused by every call: a fresh tensor of a few MB would be
-    page-faulted in on every block of every step, which costs more than the matmul it feeds."""
+    page-faulted in on every block of every step, which costs more than the matmul it feeds.
+
+    Always an ordinary tensor, also when first asked for under ``torch.inference_mode()`` (the Summarizer
+    runs there): an inference tensor could not be written to by a later call outside it (under no_grad)."""
     buffers = getattr(_SCRATCH, "buffers", None)
     if buffers is None:
         buffers = _SCRATCH.buffers = {}
     key = (name, dtype, device)
     buffer = buffers.get(key)
     if buffer is None or buffer.shape[0] < rows or buffer.shape[1] != cols:
-        buffer = buffers[key] = torch.empty(max(rows, 0 if buffer is None else buffer.shape[0]), cols, dtype=dtype,
-                                            device=device)
+        with torch.inference_mode(False):
+            buffer = buffers[key] = torch.empty(max(rows, 0 if buffer is None else buffer.shape[0]), cols,
+                                                dtype=dtype, device=device)
     return buffer[:rows]
 
 
