@@ -55,7 +55,7 @@ class KernelChoice:
     """How exact retrieval runs on one device for one storage dtype and width (see ``calibrate``)."""
 
     scores: str  # "native" | "float32"
-    block_rows: int  # rows per block of the blocked passes (float32 widening, the one-pass dense attention)
+    block_rows: int  # rows per block of the float32 kernel's widened passes (scores, second dense pass)
     tokens_major: bool  # native top-k selection scores as states @ queries^T ([N, nq]), measured faster
     gather_row_cost: float  # seconds per gathered state (gather + the weighted sum)
     dense_row_cost: float  # seconds per stored state for one dense pass over the store
@@ -124,14 +124,12 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
         tokens_major = layouts["select/tokens-major"] < layouts["select/queries-major"]
         timings.update(layouts)
     # the one-pass dense attention's block: larger blocks pay fewer steps (a few small ops each), smaller ones
-    # stay in cache; measured for the kernel chosen (native scores have no block of their own: it is this one)
+    # stay in cache; measured for the kernel chosen
     blocks = _race({f"dense/{kernel}/{candidate}":
                     (lambda c=KernelChoice(kernel, block, tokens_major, 0.0, 0.0, dense_block_rows=candidate):
                      dense_attention(states, queries, c)) for candidate in BLOCK_CHOICES}, device)
     timings.update(blocks)
     dense_block = min(BLOCK_CHOICES, key=lambda b: blocks[f"dense/{kernel}/{b}"])
-    if kernel == "native":
-        block = dense_block
     choice = KernelChoice(kernel, block, tokens_major, 0.0, 0.0, dense_block_rows=dense_block)
     ids = torch.randint(0, rows, (CALIBRATION_QUERIES, CALIBRATION_GATHER_ROWS // CALIBRATION_QUERIES),
                         generator=generator).to(device)
