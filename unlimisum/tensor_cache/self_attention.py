@@ -158,14 +158,14 @@ class _LocalAttention:
         visible = min(keys.shape[2], window - 1 + steps)  # the keys any query of the block may see
         keys, values, key_positions = keys[:, :, -visible:], values[:, :, -visible:], key_positions[-visible:]
         bias = wrapper.position_bias(query_positions, key_positions)  # [1, H, n, m] or None
-        allowed = band_mask(query_positions, key_positions, window)  # [n, m]
         if wrapper._eager is None:  # a family without an attention interface (LED): plain softmax
             from unlimisum.tensor_cache.streaming import local_attention
 
-            return local_attention(q, keys, values, allowed, wrapper.scaling, bias)
+            return local_attention(q, keys, values, band_mask(query_positions, key_positions, window), wrapper.scaling, bias)
         if steps == 1 and (given is None or given.shape[-1] == visible):
             mask = given  # what the decoder built from get_mask_sizes: the same as for a sliding-window cache
         else:
+            allowed = band_mask(query_positions, key_positions, window)  # [n, m]
             mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
             mask = mask.masked_fill(~allowed, torch.finfo(q.dtype).min)[None, None]  # [1, 1, n, m]
         original = wrapper.original
