@@ -88,6 +88,7 @@ class ModelConfig:
     init_write_rate: float = 0.5
     init_gate_logit: float = 0.0
     projection: str = "own"  # own: the memory read has its own output projection (SPEC's tc_proj); tied: the layer's
+    scaled_init: bool = True  # out and MLP output projections N(0, 0.02/sqrt(2L)); False: N(0, 0.02) like the rest
 
 
 class Attention(nn.Module):
@@ -164,8 +165,8 @@ class RecallGPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
         self.norm = nn.LayerNorm(config.d_model)
         self.apply(self._init)
-        for block in self.blocks:  # GPT-2's scaled init of the projections into the residual stream (as the published code)
-            for projection in (block.attention.out, block.mlp[2]):
+        for block in self.blocks if config.scaled_init else []:  # GPT-2's init of the projections into the residual
+            for projection in (block.attention.out, block.mlp[2]):  # stream, as in the published code
                 nn.init.normal_(projection.weight, std=0.02 / math.sqrt(2 * config.layers))
 
     @staticmethod
@@ -284,6 +285,7 @@ def main(argv=None) -> None:
     parser.add_argument("--eval-sequences", type=int, default=1024)
     parser.add_argument("--stream-sequences", type=int, default=128)
     parser.add_argument("--gaps", default="8,24,48,96,192")
+    parser.add_argument("--plain-init", action="store_true", help="every weight N(0, 0.02), no scaled residual projections (ablation)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None, help="default: bench/results/tc_recall.json (tc_recall_quick.json)")
     parser.add_argument("--quick", action="store_true", help="a one-minute smoke run (seed 0, 300 steps: the memory is still learning; BENCHMARKS.md has the full run)")
@@ -304,7 +306,7 @@ def main(argv=None) -> None:
     for seed in [int(s) for s in args.seeds.split(",")]:
         runs = results["seeds"][str(seed)] = {}
         for mode in args.modes.split(","):
-            config = ModelConfig(window=args.window, **MODES[mode])
+            config = ModelConfig(window=args.window, scaled_init=not args.plain_init, **MODES[mode])
             started = time.perf_counter()
             model, history = train(config, task, args.steps, args.batch, seed, max(1, args.steps // 8))
             seconds = time.perf_counter() - started
