@@ -6,13 +6,19 @@ sequence), 32 value tokens, 16 fillers; accuracy of predicting vq after each que
 (L (W-1) + 2), so the sliding window is at chance and only L2 can carry the pairs.
 
 Model (identical for all modes): pre-LN GPT, 2 layers, d_model 64, one head of 64, MLP 4x,
-RoPE, tied embeddings, token shift (a second embedding of token t-1 added at t). Tensor Cache = unlimisum.tensor_cache: exact parallel form
-for training, the memory read fused through the layer's own output projection (as unlimisum
-does for pretrained models), λ, η per head, one gate per layer. After training: accuracy on
-fresh sequences, the same through the token-by-token streaming form (must agree), the TC model
-with its gate closed (must fall to chance), longer gaps, and the retained state in bytes.
+RoPE, tied embeddings, token shift (a second embedding of token t-1 added at t); weights N(0, 0.02)
+but the attention output and MLP output projections N(0, 0.02/sqrt(2 L)) (GPT-2, as in the
+published code; tc_proj keeps 0.02). Tensor Cache =
+unlimisum.tensor_cache: exact parallel form for training, outer-product rule, normalised keys,
+raw read, λ, η per head, one gate per layer, and (SPEC §1, §8) the memory read through a
+projection of its own, y = out(local) + sigmoid(g) · tc_proj(r); mode ``tc_tied`` reads it
+through the layer's output projection instead, y = out(local + sigmoid(g) r) (the ablation).
+After training: accuracy on fresh sequences, the same through the token-by-token streaming form
+(must agree), the TC model with its gate closed (must fall to chance), other gaps, and the
+retained state in bytes.
 
-    python -m bench.tc_recall            # 2000 steps: 1.5-5 minutes per model on one shared CPU thread
+    python -m bench.tc_recall                  # seeds 0, 1, 2 x full, swa, tc: 2000 steps, 1.5-5 min per model
+    python -m bench.tc_recall --seeds 0 --modes tc,tc_tied
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ import torch
 from torch import nn
 
 from unlimisum.tensor_cache.scan import tensor_cache_attention
-from unlimisum.tensor_cache.streaming import MemoryParams, MemoryState, extend
+from unlimisum.tensor_cache.streaming import MemoryParams, MemoryState, extend_parts
 
 BOS, SEP = 0, 1
 KEYS, VALUES, FILLERS = 32, 32, 16
@@ -73,7 +79,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    mode: str = "tc"  # full | swa | tc
+    mode: str = "tc"  # full | swa | tc (reads the memory through projection below)
     window: int = 8  # W of swa and tc
     layers: int = 2
     d_model: int = 64
@@ -81,6 +87,8 @@ class ModelConfig:
     init_decay: float = 0.995
     init_write_rate: float = 0.5
     init_gate_logit: float = 0.0
+    projection: str = "own"  # own: the memory read has its own output projection (SPEC's tc_proj); tied: the layer's
+    scaled_init: bool = True  # out and MLP output projections N(0, 0.02/sqrt(2L)); False: N(0, 0.02) like the rest
 
 
 class Attention(nn.Module):
@@ -90,6 +98,8 @@ class Attention(nn.Module):
         d, h = config.d_model, config.heads
         self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.out = nn.Linear(d, d, bias=False)
+        own = config.mode == "tc" and config.projection == "own"
+        self.memory_out = nn.Linear(d, d, bias=False) if own else None  # None: read through self.out (tied)
         logit = lambda p: math.log(p / (1 - p))  # noqa: E731
         self.decay_logit = nn.Parameter(torch.full((h,), logit(config.init_decay)))
         self.write_logit = nn.Parameter(torch.full((h,), logit(config.init_write_rate)))
@@ -111,8 +121,10 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         q, k, v = self._qkv(x, torch.arange(t))
         window, decay, write_rate, gate = self._memory(t)
-        out = tensor_cache_attention(q, k, v, window, decay, write_rate, gate)  # [B, T, H, dh]
-        return self.out(out.reshape(b, t, -1))
+        out, local, read = tensor_cache_attention(q, k, v, window, decay, write_rate, gate, return_parts=True)  # [B, T, H, dh]
+        if gate is None or self.memory_out is None:
+            return self.out(out.reshape(b, t, -1))
+        return self.out(local.reshape(b, t, -1)) + torch.sigmoid(gate) * self.memory_out(read.reshape(b, t, -1))
 
     def stream(self, x, state: MemoryState | None, big_window: int):  # one token: [B, 1, d]
         window, decay, write_rate, gate = self._memory(big_window)
@@ -122,8 +134,13 @@ class Attention(nn.Module):
         q, k, v = self._qkv(x, torch.tensor([seen]))
         if state is None:
             state = MemoryState.empty(x.shape[0], self.config.heads, q.shape[-1], v.shape[-1], params, x.dtype, x.device)
-        out, state = extend(state, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), params, q.shape[-1] ** -0.5)
-        return self.out(out.transpose(1, 2).reshape(x.shape[0], 1, -1)), state
+        local, read, state = extend_parts(state, q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), params, q.shape[-1] ** -0.5)
+        merge = lambda heads: heads.transpose(1, 2).reshape(x.shape[0], 1, -1)  # noqa: E731  [B, H, 1, dh] -> [B, 1, d]
+        if read is None:
+            return self.out(merge(local)), state
+        if self.memory_out is None:
+            return self.out(merge(local + params.gate[None, :, None, None] * read)), state
+        return self.out(merge(local)) + torch.sigmoid(gate) * self.memory_out(merge(read)), state
 
 
 class Block(nn.Module):
@@ -148,6 +165,9 @@ class RecallGPT(nn.Module):
         self.blocks = nn.ModuleList(Block(config) for _ in range(config.layers))
         self.norm = nn.LayerNorm(config.d_model)
         self.apply(self._init)
+        for block in self.blocks if config.scaled_init else []:  # GPT-2's init of the projections into the residual
+            for projection in (block.attention.out, block.mlp[2]):  # stream, as in the published code
+                nn.init.normal_(projection.weight, std=0.02 / math.sqrt(2 * config.layers))
 
     @staticmethod
     def _init(module):
@@ -191,11 +211,11 @@ def train(config: ModelConfig, task: TaskConfig, steps: int, batch: int, seed: i
     torch.manual_seed(seed)
     model = RecallGPT(config)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.98), weight_decay=0.01)
-    warmup = max(1, steps * 2 // 15)  # 200 of 1500 in the SPEC recipe
+    warmup = max(1, steps * 2 // 15)  # 200 of 1500 in the SPEC recipe, the same share of any budget
     schedule = lambda s: (s + 1) / warmup if s < warmup else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))  # noqa: E731
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
     generator = torch.Generator().manual_seed(seed + 1)
-    history = []
+    history, losses = [], []
     for step in range(steps):
         tokens, where = make_batch(task, batch, generator)
         logits = model(tokens)
@@ -205,9 +225,12 @@ def train(config: ModelConfig, task: TaskConfig, steps: int, batch: int, seed: i
         nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         scheduler.step()
+        losses.append(loss.item())
         if (step + 1) % log_every == 0 or step + 1 == steps:
             history.append({"step": step + 1, "loss": loss.item(), "batch_accuracy": accuracy(logits.detach(), tokens, where)})
             print(f"  [{config.mode}] step {step + 1}/{steps} loss {loss.item():.3f} acc {history[-1]['batch_accuracy']:.3f}", flush=True)
+    tail = losses[-max(1, steps // 20):]  # the last 5 % of the steps: one batch's loss is noisy
+    history.append({"final_loss": sum(tail) / len(tail), "over_last_steps": len(tail)})
     return model, history
 
 
@@ -245,46 +268,64 @@ def evaluate(model: RecallGPT, task: TaskConfig, sequences: int, seed: int, gaps
     return result
 
 
+MODES = {  # name -> ModelConfig fields
+    "full": dict(mode="full"), "swa": dict(mode="swa"), "tc": dict(mode="tc", projection="own"),
+    "tc_tied": dict(mode="tc", projection="tied"),
+}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--window", type=int, default=8)
     parser.add_argument("--gap", type=int, default=24)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--modes", default="full,swa,tc")
+    parser.add_argument("--seeds", default="0,1,2", help="comma-separated training seeds (one table each)")
+    parser.add_argument("--modes", default="full,swa,tc", help="comma-separated subset of " + ", ".join(MODES))
     parser.add_argument("--eval-sequences", type=int, default=1024)
     parser.add_argument("--stream-sequences", type=int, default=128)
-    parser.add_argument("--gaps", default="8,24,48,96")
+    parser.add_argument("--gaps", default="8,24,48,96,192")
+    parser.add_argument("--plain-init", action="store_true", help="every weight N(0, 0.02), no scaled residual projections (ablation)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=None, help="default: bench/results/tc_recall.json (tc_recall_quick.json)")
-    parser.add_argument("--quick", action="store_true", help="a one-minute smoke run (400 steps: too few for the memory to learn; BENCHMARKS.md has the full run)")
+    parser.add_argument("--quick", action="store_true", help="a one-minute smoke run (seed 0, 300 steps: the memory is still learning; BENCHMARKS.md has the full run)")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.eval_sequences, args.stream_sequences = 400, 256, 32
+        args.steps, args.eval_sequences, args.stream_sequences, args.seeds, args.gaps = 300, 256, 16, "0", "8,24,48"
     if args.out is None:
         args.out = "bench/results/tc_recall_quick.json" if args.quick else "bench/results/tc_recall.json"
     torch.set_num_threads(args.threads)
     task = TaskConfig(gap=args.gap)
     gaps = [int(g) for g in args.gaps.split(",")]
+    from bench.common import machine, print_table
+
     results = {"task": asdict(task) | {"length": task.length, "chance": 1 / VALUES}, "steps": args.steps,
-               "batch": args.batch, "seed": args.seed, "threads": args.threads, "machine": platform.processor() or platform.machine(),
-               "modes": {}}
-    for mode in args.modes.split(","):
-        config = ModelConfig(mode=mode, window=args.window)
-        started = time.perf_counter()
-        model, history = train(config, task, args.steps, args.batch, args.seed, max(1, args.steps // 8))
-        seconds = time.perf_counter() - started
-        result = evaluate(model, task, args.eval_sequences, 12345, gaps, args.stream_sequences)
-        result.update(train_seconds=round(seconds, 1), history=history, config=asdict(config))
-        results["modes"][mode] = result
-        print(f"{mode}: accuracy {result['accuracy']:.4f} (streaming {result['streaming_accuracy']:.4f}), "
-              f"gaps {result['gaps']}, retained {result['retained_bytes_per_sequence']} B/seq"
-              + (f", gate closed {result['gate_closed_accuracy']:.4f}" if mode == "tc" else "")
-              + f", {seconds:.0f}s", flush=True)
+               "batch": args.batch, "threads": args.threads, "machine": machine(), "seeds": {}}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=2))
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        runs = results["seeds"][str(seed)] = {}
+        for mode in args.modes.split(","):
+            config = ModelConfig(window=args.window, scaled_init=not args.plain_init, **MODES[mode])
+            started = time.perf_counter()
+            model, history = train(config, task, args.steps, args.batch, seed, max(1, args.steps // 8))
+            seconds = time.perf_counter() - started
+            result = evaluate(model, task, args.eval_sequences, 12345, gaps, args.stream_sequences)
+            result.update(train_seconds=round(seconds, 1), final_loss=history[-1]["final_loss"], history=history,
+                          config=asdict(config))
+            runs[mode] = result
+            print(f"seed {seed} {mode}: accuracy {result['accuracy']:.4f} (streaming {result['streaming_accuracy']:.4f}), "
+                  f"gaps {result['gaps']}, final loss {result['final_loss']:.4f}, {seconds:.0f}s", flush=True)
+            out.write_text(json.dumps(results, indent=2))  # after every model: a long run keeps what it has
+        print(f"\nseed {seed}, {args.steps} steps (accuracy on {args.eval_sequences} fresh sequences; chance {1 / VALUES:.1%}; "
+              f"streaming: token by token / parallel, on the first {args.stream_sequences})")
+        print_table(
+            ["mode", *[f"gap {g}" + (" (train)" if g == args.gap else "") for g in gaps], "streaming", "gate closed",
+             "final loss", "retained B @T=%d" % task.length],
+            [[mode, *[f"{(r['accuracy'] if g == args.gap else r['gaps'][g]):.2%}" for g in gaps], f"{r['streaming_accuracy']:.2%} / {r['parallel_accuracy_same_sequences']:.2%}",
+              f"{r['gate_closed_accuracy']:.2%}" if "gate_closed_accuracy" in r else "-", f"{r['final_loss']:.4f}",
+              r["retained_bytes_per_sequence"]] for mode, r in runs.items()],
+        )
     print(f"wrote {out}")
 
 

@@ -12,7 +12,7 @@ from tests.tiny_models import SAMPLE_TEXT
 from unlimisum.cli import app
 from unlimisum.errors import ConfigError
 from unlimisum.tensor_cache import TensorCacheSettings, load_params, tensor_cache
-from unlimisum.tensor_cache.self_attention import installed_wrappers
+from unlimisum.tensor_cache.self_attention import installed_wrappers, wrapped_self_attention
 from unlimisum.tensor_cache.fit import FitSettings, fit_tensor_cache
 
 TEXTS = [SAMPLE_TEXT * 4, SAMPLE_TEXT * 3]
@@ -35,12 +35,37 @@ def test_fit_learns_only_the_tensor_cache_constants(tiny_loaded, model_type):
     layers = len(loaded.architecture.decoder_layers(model))
     assert params.decay_logit.shape[0] == params.write_logit.shape[0] == params.gate_logit.shape[0] == layers
     assert params.gate_logit.shape[1] == 1  # one gate per layer by default
+    # a memory projection of its own per layer, started from out_proj and moved by the fit
+    with wrapped_self_attention(model, loaded.architecture) as wrappers:
+        out_proj = torch.stack([wrapper._projection("output").weight.detach() for wrapper in wrappers])
+    assert params.projection == "own" and report.summary()["projection"] == "own"
+    assert params.memory_projection.shape == out_proj.shape
+    assert not torch.equal(params.memory_projection, out_proj)
+    # started at out_proj: Adam moves an entry by at most about its learning rate per step
+    assert (params.memory_projection - out_proj).abs().max() <= 1.01 * QUICK.steps * QUICK.projection_learning_rate
     assert not torch.allclose(params.gate_logit, torch.full_like(params.gate_logit, QUICK.init_gate_logit))
     assert len(report.losses) == QUICK.steps and all(map(torch.isfinite, torch.tensor(report.losses)))
     # near positions (t < W) cannot see L2: sliding window and Tensor Cache agree there
     assert report.nll["tensor_cache"]["near"] == pytest.approx(report.nll["sliding_window"]["near"], rel=1e-6)
     assert set(report.nll) == {"full", "sliding_window", "tensor_cache"}
     assert report.held_out_blocks >= 1 and report.train_blocks >= 1
+
+
+def test_a_tied_fit_learns_no_projection_and_the_own_one_starts_from_it(tiny_loaded):
+    """--tie-projection: the memory reads through out_proj; only λ, η and the gate are learned. The own
+    projection starts as a copy of out_proj, so both fits see the same first loss."""
+    from dataclasses import replace
+
+    loaded = tiny_loaded("bart")
+    settings = replace(QUICK, init_gate_logit=0.0)  # γ0 = 0.5: the memory read matters from the first step
+    tied = fit_tensor_cache(loaded.model, loaded.tokenizer, TEXTS, settings=replace(settings, tie_projection=True),
+                            architecture=loaded.architecture)
+    assert tied.params.memory_projection is None and tied.params.projection == "tied"
+    assert tied.summary()["projection"] == "tied"
+    assert not torch.allclose(tied.params.gate_logit, torch.zeros_like(tied.params.gate_logit))
+    own = fit_tensor_cache(loaded.model, loaded.tokenizer, TEXTS, settings=settings, architecture=loaded.architecture)
+    assert own.losses[0] == pytest.approx(tied.losses[0], rel=1e-6)
+    assert own.params.memory_projection is not None
 
 
 def test_fitted_parameters_drive_generate(tiny_loaded, tmp_path):
@@ -81,8 +106,16 @@ def test_tc_fit_command_writes_a_loadable_file(tiny_model_dir, tmp_path):
     numbers = json.loads(result.stdout.strip().splitlines()[-1])
     assert set(numbers["nll"]) == {"full", "sliding_window", "tensor_cache"}
     params = load_params(out)
-    assert params.window == 6 and params.model_type == "bart"
+    assert params.window == 6 and params.model_type == "bart" and params.projection == "own"
     assert params.report["nll_held_out"] == numbers["nll"]
+    tied = tmp_path / "tied.safetensors"
+    result = CliRunner().invoke(app, [
+        "tc", "fit", "--model", str(folder), "--text", str(text), "--text", str(text), "--window", "6",
+        "--context", "24", "--steps", "2", "--batch-size", "2", "--encoder-tokens", "12", "--device", "cpu",
+        "--out", str(tied), "--tie-projection",
+    ])
+    assert result.exit_code == 0, result.output
+    assert load_params(tied).projection == "tied" and tied.stat().st_size < out.stat().st_size
 
 
 def test_tc_fit_command_reports_unreadable_input(tiny_model_dir, tmp_path):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import pytest
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer, EncoderDecoderCache
@@ -40,17 +43,22 @@ def _same_scores(a, b) -> bool:
     return len(a.scores) == len(b.scores) and all(torch.equal(x, y) for x, y in zip(a.scores, b.scores))
 
 
-def _random_params(loaded, window: int, seed: int = 0, gate_heads: int = 1) -> TensorCacheParams:
-    """Open-gate parameters with distinct λ, η per head, so that reordering mistakes show."""
+def _random_params(loaded, window: int, seed: int = 0, gate_heads: int = 1, projection: str = "tied") -> TensorCacheParams:
+    """Open-gate parameters with distinct λ, η per head, so that reordering mistakes show; ``projection``
+    "own": a random memory projection per layer, "from_out_proj": each layer's out_proj weight."""
     torch.manual_seed(seed)
     wrappers = install(loaded.model, loaded.architecture)
     try:
         layers, heads = len(wrappers), wrappers[0].num_heads
+        weights = torch.stack([w._projection("output").weight.detach().clone() for w in wrappers])  # [L, d, H dh]
     finally:
         uninstall(loaded.model, loaded.architecture)
+    decay_logit, write_logit = torch.randn(layers, heads) + 3.0, torch.randn(layers, heads)
+    gate_logit = torch.randn(layers, gate_heads) + 1.0
+    memory_projection = {"tied": None, "from_out_proj": weights, "own": torch.randn_like(weights) * weights.std()}[projection]
     return TensorCacheParams(
-        decay_logit=torch.randn(layers, heads) + 3.0, write_logit=torch.randn(layers, heads),
-        gate_logit=torch.randn(layers, gate_heads) + 1.0, window=window, normalize_read=False,
+        decay_logit=decay_logit, write_logit=write_logit, gate_logit=gate_logit, window=window, normalize_read=False,
+        memory_projection=memory_projection,
     )
 
 
@@ -67,6 +75,7 @@ def _teacher_forced_logprobs(loaded, params: TensorCacheParams, states, mask, se
                     window=window, decay=torch.sigmoid(params.decay_logit[layer]),
                     write_rate=torch.sigmoid(params.write_logit[layer]),
                     gate_logit=gate if gate.numel() == heads else gate[0], normalize_read=params.normalize_read,
+                    projection=None if params.memory_projection is None else params.memory_projection[layer],
                 )
             logits = model(encoder_outputs=encoder_outputs(states), attention_mask=mask,
                            decoder_input_ids=sequences[:, :-1], use_cache=False).logits
@@ -154,16 +163,17 @@ def test_closed_gate_is_bit_for_bit_the_sliding_window_model(tiny_loaded, model_
     assert not _same_scores(_generate(loaded.model, states, mask, steps), cached)  # the window does matter
 
 
-@pytest.mark.parametrize("model_type", ["bart", "t5", "led"])
+@pytest.mark.parametrize("model_type, projection", [("bart", "tied"), ("t5", "tied"), ("led", "tied"),
+                                                     ("bart", "own"), ("t5", "own")])
 @pytest.mark.parametrize("num_beams", [1, 3])
-def test_generate_matches_the_parallel_form(tiny_loaded, model_type, num_beams):
+def test_generate_matches_the_parallel_form(tiny_loaded, model_type, projection, num_beams):
     """Open gate, batch of 2, greedy and beam search: every chosen token's log-probability during
     generate() equals the teacher-forced parallel form on the returned sequence (so the memory
-    follows its beam through reorder_cache)."""
+    follows its beam through reorder_cache); with the memory read through out_proj or its own projection."""
     loaded = tiny_loaded(model_type)
     states, mask = _encoded(loaded)
     window, steps = 3, 24
-    params = _random_params(loaded, window, seed=1)
+    params = _random_params(loaded, window, seed=1, projection=projection)
     with tensor_cache(loaded.model, loaded.architecture, TensorCacheSettings(window=window, params=params)) as session:
         out = _generate(loaded.model, states, mask, steps, num_beams=num_beams, num_return_sequences=num_beams,
                         length_penalty=0.0, **session.generate_kwargs())
@@ -268,13 +278,13 @@ def test_parameter_file_round_trip_and_errors(tmp_path, tiny_loaded):
     assert installed_wrappers(loaded.model, loaded.architecture) == []
 
 
-@pytest.mark.parametrize("model_type", ["bart", "t5"])
-def test_multi_token_calls_equal_the_parallel_form(tiny_loaded, model_type):
+@pytest.mark.parametrize("model_type, projection", [("bart", "tied"), ("t5", "tied"), ("bart", "own")])
+def test_multi_token_calls_equal_the_parallel_form(tiny_loaded, model_type, projection):
     """Prefill of several tokens, then uneven chunks, through the cache: the same logits as the parallel form."""
     loaded = tiny_loaded(model_type)
     states, mask = _encoded(loaded)
     window = 5
-    params = _random_params(loaded, window, seed=2)
+    params = _random_params(loaded, window, seed=2, projection=projection)
     torch.manual_seed(0)
     sequence = torch.randint(3, loaded.model.config.vocab_size, (2, 31))
     expected = _teacher_forced_logprobs(loaded, params, states, mask, sequence, window)  # [B, 30, V]
@@ -291,3 +301,68 @@ def test_multi_token_calls_equal_the_parallel_form(tiny_loaded, model_type):
             start += size
             assert cache.get_seq_length() == start
     torch.testing.assert_close(torch.cat(pieces, dim=1), expected, rtol=1e-4, atol=1e-4)
+
+
+FORMAT_1_FILE = Path(__file__).resolve().parent / "fixtures" / "tensor_cache" / "params-format1.safetensors"
+
+
+def test_own_projection_round_trip_and_shape_check(tmp_path, tiny_loaded):
+    loaded = tiny_loaded("bart")
+    params = _random_params(loaded, window=8, projection="own")
+    again = load_params(save_params(params, tmp_path / "tc.safetensors"))
+    assert again.projection == "own"
+    torch.testing.assert_close(again.memory_projection, params.memory_projection)
+    with tensor_cache(loaded.model, "bart", TensorCacheSettings(params=again)) as session:
+        assert "its own projection" in session.message
+        assert all(p.projection is not None for p in session.layer_params)
+    wrong = replace(params, memory_projection=params.memory_projection[:, :, :-4])
+    with pytest.raises(ConfigError, match="memory projection is"):
+        with tensor_cache(loaded.model, "bart", TensorCacheSettings(params=wrong)):
+            pass
+    assert installed_wrappers(loaded.model, loaded.architecture) == []
+
+
+def test_a_projection_from_out_proj_behaves_as_the_tied_memory_and_another_one_does_not(tiny_loaded):
+    """A fresh own projection (a copy of out_proj) gives the tied model's scores; a different one changes them."""
+    loaded = tiny_loaded("bart")
+    states, mask = _encoded(loaded)
+    window, steps = 3, 20
+    scores = {}
+    for projection in ("tied", "from_out_proj", "own"):
+        params = _random_params(loaded, window, seed=3, projection=projection)
+        with tensor_cache(loaded.model, loaded.architecture, TensorCacheSettings(params=params)) as session:
+            scores[projection] = _generate(loaded.model, states, mask, steps, **session.generate_kwargs()).scores
+    for tied, copied in zip(scores["tied"], scores["from_out_proj"]):
+        torch.testing.assert_close(copied, tied, rtol=1e-5, atol=1e-5)
+    assert not all(torch.allclose(a, b, atol=1e-3) for a, b in zip(scores["tied"], scores["own"]))
+
+
+def test_a_format_1_file_still_loads_and_reads_through_out_proj(tmp_path, tiny_loaded):
+    """tests/fixtures/tensor_cache/params-format1.safetensors was written by unlimisum before format 2
+    (commit 770f9bc); it loads as a tied memory and drives generate() exactly as the same numbers in format 2."""
+    from safetensors import safe_open
+
+    with safe_open(str(FORMAT_1_FILE), framework="pt") as file:
+        assert file.metadata()["format"] == "unlimisum-tensor-cache/1"
+    old = load_params(FORMAT_1_FILE)
+    assert (old.projection, old.window, old.normalize_read, old.model_type) == ("tied", 4, True, "bart")
+    assert old.decay_logit.shape == (2, 4) and old.gate_logit.shape == (2, 1)
+    resaved = load_params(save_params(old, tmp_path / "tc.safetensors"))
+    loaded = tiny_loaded("bart")
+    states, mask = _encoded(loaded)
+    outputs = []
+    for path in (FORMAT_1_FILE, tmp_path / "tc.safetensors"):
+        with tensor_cache(loaded.model, loaded.architecture, TensorCacheSettings(params=path)) as session:
+            assert session.window == 4 and "tied" in session.message
+            outputs.append(_generate(loaded.model, states, mask, 12, **session.generate_kwargs()))
+    assert resaved.projection == "tied" and _same_scores(*outputs)
+
+
+def test_a_newer_format_is_refused_with_an_upgrade_hint(tmp_path):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "tc.safetensors"
+    save_file({name: torch.zeros(2, 1) for name in ("decay_logit", "write_logit", "gate_logit")}, str(path),
+              metadata={"format": "unlimisum-tensor-cache/99"})
+    with pytest.raises(ConfigError, match="newer format.*upgrade unlimisum"):
+        load_params(path)

@@ -139,6 +139,29 @@ def test_streaming_equals_parallel_in_float32_with_grouped_heads():
     assert _relative(chunked, parallel) < 2e-6
 
 
+def test_a_16_bit_stream_keeps_its_memory_in_float32():
+    """bfloat16 queries, keys and values (a 16-bit model): A and z stay float32, the decoding steps and a
+    block call agree with the float32 parallel form of the same (rounded) inputs to bfloat16 precision."""
+    torch.manual_seed(1)
+    T, H, d, W = 80, 2, 16, 8
+    q, k, v = (torch.randn(T, H, d).bfloat16() for _ in range(3))
+    lam, eta, g = torch.tensor([0.98, 0.9]), torch.tensor([0.4, 0.7]), torch.randn(H)
+    expected = tensor_cache_attention(q.float(), k.float(), v.float(), W, lam, eta, g, normalize_read=True)
+    params = MemoryParams(window=W, decay=lam, write_rate=eta, gate=torch.sigmoid(g), normalize_read=True)
+    for blocks in ([1] * T, [T // 2, T // 2]):
+        state = MemoryState.empty(1, H, d, d, params, torch.bfloat16, "cpu")
+        outs, start = [], 0
+        for size in blocks:
+            block = slice(start, start + size)
+            out, state = extend(state, q[None, block].transpose(1, 2), k[None, block].transpose(1, 2),
+                                v[None, block].transpose(1, 2), params, d**-0.5)
+            outs.append(out)
+            start += size
+        assert state.memory.dtype == state.normalizer.dtype == torch.float32 and outs[0].dtype == torch.bfloat16
+        streamed = torch.cat(outs, dim=2)[0].transpose(0, 1).float()
+        assert _relative(streamed, expected) < 1e-2
+
+
 def test_closed_gate_is_exactly_the_sliding_window():
     torch.manual_seed(1)
     q, k, v = torch.randn(3, 50, 2, 8), torch.randn(3, 50, 2, 8), torch.randn(3, 50, 2, 8)

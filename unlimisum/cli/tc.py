@@ -1,8 +1,10 @@
-"""`unlimisum tc fit`: learn the Tensor Cache constants (λ, η, g) of a pretrained model.
+"""`unlimisum tc fit`: learn the Tensor Cache constants of a pretrained model.
 
     unlimisum tc fit --model M --text book.txt --text other.epub --window 256 --out tc.safetensors
 
-The model stays frozen; only a few numbers per layer are learned. The file is then used with
+The model stays frozen; per layer only λ, η, the gate and the memory read's own projection
+(initialised from the layer's output projection) are learned; --tie-projection keeps the read
+on the output projection and learns only 2 H_kv + 1 numbers per layer. The file is then used with
 `unlimisum summarize -m M --tc-params tc.safetensors BOOK`; `tc fit` prints that command, ready
 to run, for the model and the first text it was fitted on. Progress and the held-out comparison
 go to stderr; with --json one JSON object with the numbers goes to stdout.
@@ -49,6 +51,14 @@ def fit(
     gate: Literal["layer", "head"] = typer.Option(
         "layer", "--gate", help="One gate per 'layer' (as published) or per 'head'."
     ),
+    tie_projection: bool = typer.Option(
+        False, "--tie-projection",
+        help="Read the memory through each layer's output projection (a few numbers per layer) instead of "
+             "fitting a projection of its own (d_model x d_model per layer, the default).",
+    ),
+    projection_lr: float = typer.Option(
+        1e-3, "--projection-lr", metavar="F", help="Adam learning rate of the memory's own projection."
+    ),
     encoder_tokens: int = typer.Option(
         64, "--encoder-tokens", min=1, metavar="N", help="Leading tokens of each text fed to the encoder."
     ),
@@ -63,7 +73,7 @@ def fit(
     password: Optional[str] = typer.Option(None, "--password", metavar="TEXT", help="Password for encrypted PDFs."),
     as_json: bool = typer.Option(False, "--json", help="Print the numbers as one JSON object on stdout."),
 ) -> None:
-    """Fit λ, η (per head) and the gate (per layer) of a frozen model; report held-out NLL."""
+    """Fit λ, η (per head), the gate (per layer) and the memory projection of a frozen model; report held-out NLL."""
     import torch
 
     from unlimisum.ingest import read_document
@@ -75,6 +85,7 @@ def fit(
         settings = FitSettings(
             window=window, context=context, steps=steps, batch_size=batch_size, learning_rate=learning_rate,
             gate=gate, encoder_tokens=encoder_tokens, held_out=held_out, seed=seed,
+            tie_projection=tie_projection, projection_learning_rate=projection_lr,
         )
         documents = [read_document(path, password=password) for path in texts]
         typer.echo(f"unlimisum: loading {model}", err=True)

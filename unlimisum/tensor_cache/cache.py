@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache, EncoderDecoderCache
 
-from unlimisum.tensor_cache.streaming import MemoryParams, MemoryState, extend
+from unlimisum.tensor_cache.streaming import MemoryParams, MemoryState, extend, extend_parts
 
 
 class TensorCacheLayer(CacheLayerMixin):
@@ -47,17 +47,28 @@ class TensorCacheLayer(CacheLayerMixin):
         self.keys, self.values = self.state.keys, self.state.values
         self.seen = self.state.seen
 
-    def extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, score_bias=None,
-               attend=None) -> torch.Tensor:
-        """Process n new tokens of this layer: q [B, H, n, d_k], k/v [B, H_kv, n, d] -> [B, H, n, d_v]."""
+    def _ready(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> MemoryParams:
         if not self.is_initialized:
             self.lazy_initialization(k, v)
-        params = self.params
-        if params.decay.device != q.device:
-            params = self.params = _params_to(params, q.device)
+        if self.params.decay.device != q.device:
+            self.params = _params_to(self.params, q.device)
+        return self.params
+
+    def extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, score_bias=None,
+               attend=None) -> torch.Tensor:
+        """Process n new tokens of this layer: q [B, H, n, d_k], k/v [B, H_kv, n, d] -> local + γ r [B, H, n, d_v]."""
+        params = self._ready(q, k, v)
         out, self.state = extend(self.state, q, k, v, params, scale, score_bias=score_bias, attend=attend)
         self._sync()
         return out
+
+    def extend_parts(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, score_bias=None,
+                     attend=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As ``extend``, before the fusion: (local, read r or None when the gate is closed), each [B, H, n, d_v]."""
+        params = self._ready(q, k, v)
+        local, read, self.state = extend_parts(self.state, q, k, v, params, scale, score_bias=score_bias, attend=attend)
+        self._sync()
+        return local, read
 
     def update(self, key_states, value_states, *args, **kwargs):
         raise RuntimeError(
@@ -120,6 +131,7 @@ def _params_to(params: MemoryParams, device) -> MemoryParams:
     return replace(
         params, decay=params.decay.to(device), write_rate=params.write_rate.to(device),
         gate=None if params.gate is None else params.gate.to(device),
+        projection=None if params.projection is None else params.projection.to(device),
     )
 
 

@@ -1,9 +1,12 @@
 """Fitting λ, η and the gate of a frozen pretrained encoder-decoder model (SPEC §3, §5).
 
-A pretrained model never learned a Tensor Cache. ``fit_tensor_cache`` freezes every weight,
-ties the memory projection to each layer's own output projection (the fused per-head output
-goes through out_proj), and learns only the decay λ and write rate η per KV head and the gate g
-per layer (or per head), with the exact parallel form under the W-band mask.
+A pretrained model never learned a Tensor Cache. ``fit_tensor_cache`` freezes every weight and
+learns the decay λ and write rate η per KV head, the gate g per layer (or per head) and, by
+default, a projection of the memory read of its own per layer (SPEC's tc_proj, d_model x H d_v,
+initialised from the layer's output projection so that fitting starts from the tied model):
+y = out_proj(local) + γ · memory_proj(r). With ``tie_projection`` the read goes through
+out_proj itself, y = out_proj(local + γ r), and only 2 H_kv + 1 numbers per layer are learned.
+Everything is fitted with the exact parallel form under the W-band mask.
 
 How the decoder is fed (an encoder-decoder model is run as a language model over the text):
 each text is tokenized without special tokens; its first ``encoder_tokens`` tokens go to the
@@ -46,6 +49,8 @@ class FitSettings:
     encoder_tokens: int = 64  # leading tokens of each text given to the encoder (capped by its window)
     held_out: float = 0.2  # fraction of blocks kept for the report (at least one)
     init_gate_logit: float = -4.0  # γ0 ≈ 0.018: start close to the sliding window (SPEC §5)
+    tie_projection: bool = False  # True: read the memory through out_proj (fewest parameters); False: fit its own
+    projection_learning_rate: float = 1e-3  # Adam rate of the own projection (its entries are O(0.01-0.1))
     seed: int = 0  # block order
 
     def __post_init__(self):
@@ -76,6 +81,7 @@ class FitReport:
         out["decay"] = torch.sigmoid(self.params.decay_logit).tolist()
         out["write_rate"] = torch.sigmoid(self.params.write_logit).tolist()
         out["gate"] = torch.sigmoid(self.params.gate_logit).tolist()
+        out["projection"] = self.params.projection
         out["final_loss"] = self.losses[-1] if self.losses else None
         return out
 
@@ -130,8 +136,10 @@ def _token_nll(model, blocks: list[_Block]) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.float().transpose(1, 2), labels, reduction="none")  # [B, C]
 
 
-def _set_memory(wrappers, window: int, decay_logit, write_logit, gate_logit, normalize_read: bool, heads: int) -> None:
-    """Put every wrapper in parallel mode; gate_logit None closes the gate (sliding window)."""
+def _set_memory(wrappers, window: int, decay_logit, write_logit, gate_logit, normalize_read: bool, heads: int,
+                projections=None) -> None:
+    """Put every wrapper in parallel mode; gate_logit None closes the gate (sliding window);
+    projections None reads through each layer's out_proj (tied)."""
     for layer, wrapper in enumerate(wrappers):
         gate = None
         if gate_logit is not None:
@@ -139,6 +147,7 @@ def _set_memory(wrappers, window: int, decay_logit, write_logit, gate_logit, nor
         wrapper.parallel = ParallelMemory(
             window=window, decay=torch.sigmoid(decay_logit[layer]), write_rate=torch.sigmoid(write_logit[layer]),
             gate_logit=gate, normalize_keys=True, normalize_read=normalize_read,
+            projection=None if projections is None else projections[layer],
         )
 
 
@@ -161,7 +170,7 @@ def _evaluate(model, wrappers, blocks, window, batch_size, memory) -> dict:
 def fit_tensor_cache(model: nn.Module, tokenizer, texts: list[str], window: int | None = None, *,
                      architecture: Architecture | str | None = None, settings: FitSettings | None = None,
                      model_name: str = "", progress=None) -> FitReport:
-    """Learn λ, η (per KV head) and g (per layer or head) of a frozen model on ``texts``.
+    """Learn λ, η (per KV head), g (per layer or head) and the memory projections of a frozen model on ``texts``.
 
     ``window`` overrides ``settings.window``. ``progress(step, steps, loss)`` is called after each
     step. The model's weights are not changed (they are frozen during fitting and their
@@ -209,7 +218,14 @@ def fit_tensor_cache(model: nn.Module, tokenizer, texts: list[str], window: int 
             decay_logit = nn.Parameter(initial.decay_logit.clone().to(device))
             write_logit = nn.Parameter(initial.write_logit.clone().to(device))
             gate_logit = nn.Parameter(initial.gate_logit.clone().to(device))
-            optimizer = torch.optim.Adam([decay_logit, write_logit, gate_logit], lr=settings.learning_rate)
+            groups = [{"params": [decay_logit, write_logit, gate_logit], "lr": settings.learning_rate}]
+            projections = None
+            if not settings.tie_projection:  # start from out_proj: the tied model, whatever the gate
+                projections = nn.Parameter(torch.stack([
+                    wrapper._projection("output").weight.detach().float() for wrapper in wrappers
+                ]))  # [L, d_model, H d_v]
+                groups.append({"params": [projections], "lr": settings.projection_learning_rate})
+            optimizer = torch.optim.Adam(groups)
             generator = torch.Generator().manual_seed(settings.seed)
             losses = []
             order: list[int] = []
@@ -218,7 +234,8 @@ def fit_tensor_cache(model: nn.Module, tokenizer, texts: list[str], window: int 
                     order += torch.randperm(len(train), generator=generator).tolist()
                 batch = [train[i] for i in order[:settings.batch_size]]
                 del order[:settings.batch_size]
-                _set_memory(wrappers, window, decay_logit, write_logit, gate_logit, settings.normalize_read, heads)
+                _set_memory(wrappers, window, decay_logit, write_logit, gate_logit, settings.normalize_read, heads,
+                            projections)
                 loss = _token_nll(model, batch)[:, window:].mean()
                 optimizer.zero_grad()
                 loss.backward()
@@ -226,7 +243,9 @@ def fit_tensor_cache(model: nn.Module, tokenizer, texts: list[str], window: int 
                 losses.append(loss.item())
                 if progress is not None:
                     progress(step + 1, settings.steps, losses[-1])
-            fitted = (decay_logit.detach(), write_logit.detach(), gate_logit.detach(), settings.normalize_read, heads)
+            fitted_projections = None if projections is None else projections.detach()
+            fitted = (decay_logit.detach(), write_logit.detach(), gate_logit.detach(), settings.normalize_read, heads,
+                      fitted_projections)
             closed = (decay_logit.detach(), write_logit.detach(), None, settings.normalize_read, heads)
             nll = {
                 "full": _evaluate(model, wrappers, evaluation, window, settings.batch_size, None),
@@ -239,11 +258,13 @@ def fit_tensor_cache(model: nn.Module, tokenizer, texts: list[str], window: int 
         model.train(was_training)
 
     report_numbers = {"nll_held_out": nll, "window": window, "context": context, "steps": settings.steps,
-                      "train_blocks": len(train), "held_out_blocks": len(evaluation)}
+                      "train_blocks": len(train), "held_out_blocks": len(evaluation),
+                      "projection": "tied" if settings.tie_projection else "own"}
     params = TensorCacheParams(
         decay_logit=fitted[0].cpu(), write_logit=fitted[1].cpu(), gate_logit=fitted[2].cpu(), window=window,
         normalize_keys=True, normalize_read=settings.normalize_read, model_type=model.config.model_type,
         model_name=model_name, report=report_numbers,
+        memory_projection=None if fitted_projections is None else fitted_projections.cpu(),
     )
     return FitReport(
         params=params, window=window, context=context, train_blocks=len(train), held_out_blocks=len(evaluation),

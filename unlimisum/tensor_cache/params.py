@@ -1,11 +1,15 @@
-"""The fitted Tensor Cache constants (λ, η, g per layer) and their safetensors file.
+"""The fitted Tensor Cache constants (λ, η, g and the memory projection per layer) and their safetensors file.
 
-File layout (``tc fit --out tc.safetensors``):
-    decay_logit  [L, H_kv]  λ = sigmoid(decay_logit)
-    write_logit  [L, H_kv]  η = sigmoid(write_logit)
-    gate_logit   [L, G]     γ = sigmoid(gate_logit); G = 1 (one gate per layer) or H (per head)
+File layout (``tc fit --out tc.safetensors``), format ``unlimisum-tensor-cache/2``:
+    decay_logit        [L, H_kv]            λ = sigmoid(decay_logit)
+    write_logit        [L, H_kv]            η = sigmoid(write_logit)
+    gate_logit         [L, G]               γ = sigmoid(gate_logit); G = 1 (one gate per layer) or H (per head)
+    memory_projection  [L, d_model, H d_v]  optional: each layer's own projection of the memory read,
+                                            y = out_proj(local) + γ · memory_projection(r); absent: the
+                                            read goes through out_proj (tied), y = out_proj(local + γ r)
 metadata (strings): format, window (the W it was fitted with), normalize_keys, normalize_read,
-lag, model_type, model_name, and ``report`` (the fit's JSON numbers).
+lag, model_type, model_name, projection ("own" or "tied"), and ``report`` (the fit's JSON numbers).
+Files of format ``unlimisum-tensor-cache/1`` (no projection: always tied) still load.
 """
 
 from __future__ import annotations
@@ -21,7 +25,8 @@ from unlimisum.errors import ConfigError
 from unlimisum.files import atomic_write_bytes
 from unlimisum.tensor_cache.streaming import MemoryParams
 
-FORMAT = "unlimisum-tensor-cache/1"
+FORMAT = "unlimisum-tensor-cache/2"
+READABLE_FORMATS = ("unlimisum-tensor-cache/1", FORMAT)  # /1: written before the memory had its own projection
 INIT_DECAY = 0.995  # λ0 of the paper's code
 INIT_WRITE_RATE = 0.05  # η0 of the paper's code
 INIT_GATE_LOGIT = -4.0  # g0 for fitting a pretrained model: γ0 ≈ 0.018, close to the sliding window (SPEC §5)
@@ -45,10 +50,17 @@ class TensorCacheParams:
     model_type: str = ""  # config.model_type it was fitted on
     model_name: str = ""  # the checkpoint it was fitted on (informational)
     report: dict = field(default_factory=dict)  # the fit's numbers, stored in the file's metadata
+    # [L, d_model, H d_v]: each layer's own projection of the memory read; None: the layer's output projection (tied)
+    memory_projection: torch.Tensor | None = None
 
     @property
     def num_layers(self) -> int:
         return self.decay_logit.shape[0]
+
+    @property
+    def projection(self) -> str:
+        """'own' when the memory read has its own projection per layer, 'tied' when it shares out_proj."""
+        return "tied" if self.memory_projection is None else "own"
 
     @classmethod
     def initial(cls, num_layers: int, kv_heads: int, window: int, gate_heads: int = 1, *,
@@ -76,6 +88,7 @@ class TensorCacheParams:
                 write_rate=torch.sigmoid(self.write_logit[layer].to(dtype)).to(device),
                 gate=gate[layer].expand(heads).contiguous().to(device),
                 normalize_keys=self.normalize_keys, normalize_read=self.normalize_read, lag=self.lag,
+                projection=None if self.memory_projection is None else self.memory_projection[layer].to(dtype).to(device),
             )
             for layer in range(self.num_layers)
         ]
@@ -102,6 +115,8 @@ def save_params(params: TensorCacheParams, path: str | Path) -> Path:
         "write_logit": params.write_logit.detach().float().contiguous().cpu(),
         "gate_logit": params.gate_logit.detach().float().contiguous().cpu(),
     }
+    if params.memory_projection is not None:
+        tensors["memory_projection"] = params.memory_projection.detach().float().contiguous().cpu()
     metadata = {
         "format": FORMAT,
         "window": str(params.window),
@@ -110,6 +125,7 @@ def save_params(params: TensorCacheParams, path: str | Path) -> Path:
         "lag": str(params.lag),
         "model_type": params.model_type,
         "model_name": params.model_name,
+        "projection": params.projection,
         "report": json.dumps(params.report),
     }
     return atomic_write_bytes(path, save(tensors, metadata=metadata))
@@ -128,7 +144,10 @@ def load_params(path: str | Path) -> TensorCacheParams:
             tensors = {name: file.get_tensor(name) for name in file.keys()}
     except Exception as error:  # safetensors raises its own types for bad headers
         raise ConfigError(f"not a Tensor Cache parameter file ({type(error).__name__}: {error})", source=path) from None
-    if metadata.get("format") != FORMAT:
+    if metadata.get("format") not in READABLE_FORMATS:
+        if str(metadata.get("format", "")).startswith("unlimisum-tensor-cache/"):
+            raise ConfigError(f"Tensor Cache parameter file of a newer format ({metadata['format']}); "
+                              f"this unlimisum reads {', '.join(READABLE_FORMATS)}: upgrade unlimisum", source=path)
         raise ConfigError(f"not a Tensor Cache parameter file (format {metadata.get('format')!r}, expected {FORMAT!r})", source=path)
     missing = {"decay_logit", "write_logit", "gate_logit"} - set(tensors)
     if missing:
@@ -137,9 +156,14 @@ def load_params(path: str | Path) -> TensorCacheParams:
     if len({shape[0] for shape in shapes.values()}) != 1 or any(len(shape) != 2 for shape in shapes.values()) \
             or shapes["decay_logit"] != shapes["write_logit"]:
         raise ConfigError(f"inconsistent tensor shapes in Tensor Cache parameter file: {shapes}", source=path)
+    projection = tensors.get("memory_projection") if metadata["format"] == FORMAT else None
+    if projection is not None and (projection.dim() != 3 or projection.shape[0] != shapes["decay_logit"][0]):
+        raise ConfigError(f"memory_projection of shape {tuple(projection.shape)} does not fit "
+                          f"{shapes['decay_logit'][0]} layers in Tensor Cache parameter file", source=path)
     try:
         return TensorCacheParams(
             decay_logit=tensors["decay_logit"], write_logit=tensors["write_logit"], gate_logit=tensors["gate_logit"],
+            memory_projection=projection,
             window=int(metadata.get("window", 0)), normalize_keys=metadata.get("normalize_keys", "1") == "1",
             normalize_read=metadata.get("normalize_read", "1") == "1", lag=int(metadata.get("lag", "0")),
             model_type=metadata.get("model_type", ""), model_name=metadata.get("model_name", ""),

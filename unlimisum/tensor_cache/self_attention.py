@@ -44,6 +44,16 @@ class ParallelMemory:
     gate_logit: torch.Tensor | None  # g, [] or [H]; None: gate closed (sliding window baseline)
     normalize_keys: bool = True
     normalize_read: bool = True
+    projection: torch.Tensor | None = None  # [d_model, H d_v] the memory read's own projection (may require grad); None: tied
+
+
+def memory_output(read: torch.Tensor, gate: torch.Tensor, projection: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """γ · memory_projection(r): read [B, H, n, d_v], gate γ per query head [H], projection [d_model, H d_v]
+    -> [B, n, d_model] in ``dtype`` (the product is taken in the read's dtype, float32 for 16-bit models)."""
+    rows, heads, steps, _ = read.shape
+    gated = read * gate.to(read.dtype)[None, :, None, None]  # [B, H, n, d_v]
+    merged = gated.transpose(1, 2).reshape(rows, steps, -1)  # [B, n, H d_v]
+    return nn.functional.linear(merged, projection.to(read.dtype)).to(dtype)
 
 
 class TensorCacheSelfAttention(nn.Module):
@@ -105,21 +115,33 @@ class TensorCacheSelfAttention(nn.Module):
         layer = cache.layers[self.layer_index]
         q, k, v = self._qkv(hidden_states)
         attend = _LocalAttention(self, layer.params.window, given_mask)
-        out = layer.extend(q, k, v, self.scaling, attend=attend)  # [B, H, n, dh]
         rows, steps = hidden_states.shape[:2]
-        return self._projection("output")(out.transpose(1, 2).reshape(rows, steps, -1).to(hidden_states.dtype))
+        merge = lambda heads: heads.transpose(1, 2).reshape(rows, steps, -1).to(hidden_states.dtype)  # noqa: E731
+        if layer.params.projection is None:  # tied: out_proj(local + γ r)
+            return self._projection("output")(merge(layer.extend(q, k, v, self.scaling, attend=attend)))
+        local, read = layer.extend_parts(q, k, v, self.scaling, attend=attend)  # [B, H, n, dh]
+        out = self._projection("output")(merge(local))
+        if read is None:
+            return out
+        return out + memory_output(read, layer.params.gate, layer.params.projection, out.dtype)
 
     def whole_sequence(self, hidden_states: torch.Tensor, memory: ParallelMemory) -> torch.Tensor:
         """The parallel form over a whole sequence (no cache): [B, T, d_model] -> [B, T, d_model]."""
         q, k, v = self._qkv(hidden_states)  # [B, H, T, dh]
         positions = torch.arange(q.shape[2], device=q.device)
         bias = self.position_bias(positions, positions)
-        out = tensor_cache_attention(
+        out, local, read = tensor_cache_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), memory.window, memory.decay, memory.write_rate,
             memory.gate_logit, memory.normalize_keys, memory.normalize_read, scale=self.scaling, score_bias=bias,
-        )  # [B, T, H, dh]
+            return_parts=True,
+        )  # [B, T, H, dh] each
         rows, steps = hidden_states.shape[:2]
-        return self._projection("output")(out.reshape(rows, steps, -1).to(hidden_states.dtype))
+        output = self._projection("output")
+        if memory.projection is None or memory.gate_logit is None:  # tied, or the gate closed
+            return output(out.reshape(rows, steps, -1).to(hidden_states.dtype))
+        gate = torch.sigmoid(memory.gate_logit.to(read.dtype)).expand(self.num_heads)  # [H]
+        projected = memory_output(read.transpose(1, 2), gate, memory.projection, hidden_states.dtype)
+        return output(local.reshape(rows, steps, -1).to(hidden_states.dtype)) + projected
 
 
 class _LocalAttention:
@@ -136,14 +158,14 @@ class _LocalAttention:
         visible = min(keys.shape[2], window - 1 + steps)  # the keys any query of the block may see
         keys, values, key_positions = keys[:, :, -visible:], values[:, :, -visible:], key_positions[-visible:]
         bias = wrapper.position_bias(query_positions, key_positions)  # [1, H, n, m] or None
-        allowed = band_mask(query_positions, key_positions, window)  # [n, m]
         if wrapper._eager is None:  # a family without an attention interface (LED): plain softmax
             from unlimisum.tensor_cache.streaming import local_attention
 
-            return local_attention(q, keys, values, allowed, wrapper.scaling, bias)
+            return local_attention(q, keys, values, band_mask(query_positions, key_positions, window), wrapper.scaling, bias)
         if steps == 1 and (given is None or given.shape[-1] == visible):
             mask = given  # what the decoder built from get_mask_sizes: the same as for a sliding-window cache
         else:
+            allowed = band_mask(query_positions, key_positions, window)  # [n, m]
             mask = torch.zeros(allowed.shape, dtype=q.dtype, device=q.device)
             mask = mask.masked_fill(~allowed, torch.finfo(q.dtype).min)[None, None]  # [1, 1, n, m]
         original = wrapper.original

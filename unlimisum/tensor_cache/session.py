@@ -75,7 +75,9 @@ def describe(settings: TensorCacheSettings, window: int) -> str:
             f"Tensor Cache: no parameter file, gate closed: the decoder attends to its last {window} tokens "
             "(sliding window); fit one with `unlimisum tc fit` to add the L2 memory"
         )
-    return f"Tensor Cache: window {window} tokens + L2 memory from {settings.params}"
+    params = settings.loaded_params
+    read = "its own projection" if params.memory_projection is not None else "the output projection (tied)"
+    return f"Tensor Cache: window {window} tokens + L2 memory from {settings.params}, read through {read}"
 
 
 class TensorCacheSession:
@@ -133,6 +135,14 @@ def model_layer_params(model: nn.Module, wrappers: list[nn.Module], settings: Te
             f"({params.model_type or 'unknown model'}); this {model_type} decoder has {len(wrappers)} x {kv_heads}",
             source=source,
         )
+    if params.memory_projection is not None:
+        expected = tuple(wrappers[0]._projection("output").weight.shape)
+        if tuple(params.memory_projection.shape[1:]) != expected:
+            raise ConfigError(
+                f"the Tensor Cache file's memory projection is {tuple(params.memory_projection.shape[1:])} per layer; "
+                f"this {model_type} decoder's output projection is {expected}",
+                source=source,
+            )
     return params.layer_params(heads, window, dtype, device), window
 
 

@@ -15,6 +15,7 @@ token (to float rounding), and the chunked parallel form in scan.py is ``extend`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable
 
 import torch
@@ -40,6 +41,9 @@ class MemoryParams:
     lag: int = 0  # 0: the evicted token is readable at the step it is evicted (canonical); 1: published-code order
     read_eps: float = READ_EPS  # floor of the read normaliser
     key_eps: float = KEY_EPS  # added to ‖k‖ before dividing
+    # weight [d_model, H d_v] of the memory read's own output projection; None: the layer's output projection
+    # (tied). Not used by the maths here; the self-attention wrapper applies it.
+    projection: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.window < 1:
@@ -51,6 +55,19 @@ class MemoryParams:
     def retained(self) -> int:
         """Tokens the ring keeps between calls: the window, plus one when the write lags a step."""
         return self.window + self.lag
+
+    # Per-head constants shaped to broadcast over [B, heads, n, d] (computed once: a decoding step is short).
+    @cached_property
+    def decay_view(self) -> torch.Tensor:
+        return self.decay[None, :, None, None]  # [1, H_kv, 1, 1]
+
+    @cached_property
+    def write_rate_view(self) -> torch.Tensor:
+        return self.write_rate[None, :, None, None]  # [1, H_kv, 1, 1]
+
+    @cached_property
+    def gate_view(self) -> torch.Tensor:
+        return self.gate[None, :, None, None]  # [1, H, 1, 1]
 
 
 @dataclass
@@ -221,7 +238,7 @@ LocalAttention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tenso
 def extend(state: MemoryState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: MemoryParams,
            scale: float, score_bias: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
            attend: LocalAttention | None = None) -> tuple[torch.Tensor, MemoryState]:
-    """Process n new tokens; returns the fused per-head output and the new state.
+    """Process n new tokens; returns the fused per-head output local + γ r and the new state.
 
     q [B, H, n, d_k] (not pre-scaled), k [B, H_kv, n, d_k], v [B, H_kv, n, d_v] -> out [B, H, n, d_v]
     ``score_bias(query_positions, key_positions)`` adds e.g. T5's relative position bias to the
@@ -229,9 +246,27 @@ def extend(state: MemoryState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     softmax attention (the wrapper uses the model's own attention kernel there). The state passed
     in is not modified.
     """
+    local, read, new_state = extend_parts(state, q, k, v, params, scale, score_bias, attend)
+    if read is None:
+        return local, new_state  # closed gate: exactly the sliding window
+    if local.dtype == read.dtype:
+        return local + params.gate_view * read, new_state
+    return (local.to(read.dtype) + params.gate_view.to(read.dtype) * read).to(local.dtype), new_state
+
+
+def extend_parts(state: MemoryState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: MemoryParams,
+                 scale: float, score_bias: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+                 attend: LocalAttention | None = None) -> tuple[torch.Tensor, torch.Tensor | None, MemoryState]:
+    """``extend`` before the fusion: (local, read, new state).
+
+    local [B, H, n, d_v] (L1 softmax attention, in q's dtype); read [B, H, n, d_v] the L2 read r
+    (not gated, in the memory's dtype), None when the gate is closed. For a memory read through a
+    projection of its own: y = out_proj(local) + γ · memory_proj(read).
+    """
     n, past = q.shape[2], state.seen
     if n == 0:
-        return q.new_zeros(*q.shape[:3], v.shape[-1]), state
+        empty = q.new_zeros(*q.shape[:3], v.shape[-1])
+        return empty, (None if params.gate is None else empty), state
     keys = torch.cat([state.keys, k.to(state.keys.dtype)], dim=2)  # [B, H_kv, m + n, d_k]
     values = torch.cat([state.values, v.to(state.values.dtype)], dim=2)
     m_old = state.keys.shape[2]
@@ -246,18 +281,42 @@ def extend(state: MemoryState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
     written_upto = max(past - 1 - params.window - params.lag, -1)  # newest position already in A
     newest = past + n - 1 - params.window - params.lag  # newest position in A after this block
-    memory, normalizer = state.memory, state.normalizer
-    if params.gate is None:
-        out = local  # closed gate: exactly the sliding window, no memory kept
-    else:
+    memory, normalizer, read = state.memory, state.normalizer, None
+    if params.gate is not None and n == 1:  # a decoding step: write the evicted pair, then read (SPEC §2)
+        read, memory, normalizer = _single_step(q, keys, values, newest - (past - m_old), memory, normalizer,
+                                                newest >= 0, params)
+    elif params.gate is not None:
         read = memory_read(q, keys, values, key_positions, query_positions, memory, normalizer, written_upto, params)
-        gate = params.gate.to(read.dtype)[None, :, None, None]  # [1, H, 1, 1]
-        out = (local.to(read.dtype) + gate * read).to(local.dtype)
         memory, normalizer = memory_write(keys, values, key_positions, memory, normalizer, written_upto, newest, params)
 
     keep = min(past + n, params.retained)
     new_state = MemoryState(keys[:, :, -keep:], values[:, :, -keep:], memory, normalizer, past + n)
-    return out, new_state
+    return local, read, new_state
+
+
+def _single_step(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, evicted: int, memory: torch.Tensor,
+                 normalizer: torch.Tensor | None, writes: bool, params: MemoryParams):
+    """One token: A <- λA + η k̂_e ⊗ v_e for the pair at index ``evicted`` of keys/values (when ``writes``), then
+    r = q A (/ max(|q·z|, eps)). Equal to memory_read + memory_write for n = 1, in a fraction of the operations.
+
+    q [B, H, 1, d_k]; keys, values [B, H_kv, m, d] -> (r [B, H, 1, d_v], A, z)
+    """
+    dtype, heads = memory.dtype, q.shape[1]
+    cast = (lambda x: x) if q.dtype == dtype else (lambda x: x.to(dtype))  # noqa: E731  (a 16-bit model's float32 memory)
+    if writes:
+        key = cast(keys[:, :, evicted:evicted + 1])  # [B, H_kv, 1, d_k]
+        key = normalize_keys(key, params.key_eps) if params.normalize_keys else key
+        key = key * params.write_rate_view  # η k̂
+        value = cast(values[:, :, evicted:evicted + 1])  # [B, H_kv, 1, d_v]
+        memory = memory * params.decay_view + key.transpose(-1, -2) * value  # [B, H_kv, d_k, d_v]
+        if normalizer is not None:
+            normalizer = normalizer * params.decay_view[..., 0] + key[:, :, 0]  # [B, H_kv, d_k]
+    q = cast(q)
+    read = torch.matmul(q, _expand_kv_heads(memory, heads))  # [B, H, 1, d_v]
+    if params.normalize_read:
+        qz = torch.matmul(q, _expand_kv_heads(normalizer, heads)[..., None])  # [B, H, 1, 1]
+        read = read / qz.abs().clamp(min=params.read_eps)
+    return read, memory, normalizer
 
 
 def settled_memory(state: MemoryState, params: MemoryParams) -> tuple[torch.Tensor | None, torch.Tensor | None]:
