@@ -38,12 +38,17 @@ def test_fit_learns_only_the_tensor_cache_constants(tiny_loaded, model_type):
     # a memory projection of its own per layer, started from out_proj and moved by the fit
     with wrapped_self_attention(model, loaded.architecture) as wrappers:
         out_proj = torch.stack([wrapper._projection("output").weight.detach() for wrapper in wrappers])
+        heads, head_dim = wrappers[0].num_heads, wrappers[0].head_dim
     assert params.projection == "own" and report.summary()["projection"] == "own"
     assert params.memory_projection.shape == out_proj.shape
     assert not torch.equal(params.memory_projection, out_proj)
     # started at out_proj: Adam moves an entry by at most about its learning rate per step
     assert (params.memory_projection - out_proj).abs().max() <= 1.01 * QUICK.steps * QUICK.projection_learning_rate
     assert not torch.allclose(params.gate_logit, torch.full_like(params.gate_logit, QUICK.init_gate_logit))
+    # a query map per head, started at identity and moved by the fit as much as Adam's rate allows
+    identity = torch.eye(head_dim).expand(layers, heads, head_dim, head_dim)
+    assert params.memory_query_map.shape == identity.shape and report.summary()["query_map"] is True
+    assert 0 < (params.memory_query_map - identity).abs().max() <= 1.01 * QUICK.steps * QUICK.query_map_learning_rate
     assert len(report.losses) == QUICK.steps and all(map(torch.isfinite, torch.tensor(report.losses)))
     # near positions (t < W) cannot see L2: sliding window and Tensor Cache agree there
     assert report.nll["tensor_cache"]["near"] == pytest.approx(report.nll["sliding_window"]["near"], rel=1e-6)
@@ -112,10 +117,11 @@ def test_tc_fit_command_writes_a_loadable_file(tiny_model_dir, tmp_path):
     result = CliRunner().invoke(app, [
         "tc", "fit", "--model", str(folder), "--text", str(text), "--text", str(text), "--window", "6",
         "--context", "24", "--steps", "2", "--batch-size", "2", "--encoder-tokens", "12", "--device", "cpu",
-        "--out", str(tied), "--tie-projection",
+        "--out", str(tied), "--tie-projection", "--no-query-map",
     ])
     assert result.exit_code == 0, result.output
-    assert load_params(tied).projection == "tied" and tied.stat().st_size < out.stat().st_size
+    assert load_params(tied).projection == "tied" and load_params(tied).memory_query_map is None
+    assert params.memory_query_map is not None and tied.stat().st_size < out.stat().st_size
 
 
 def test_tc_fit_command_reports_unreadable_input(tiny_model_dir, tmp_path):

@@ -45,20 +45,23 @@ def _same_scores(a, b) -> bool:
 
 def _random_params(loaded, window: int, seed: int = 0, gate_heads: int = 1, projection: str = "tied") -> TensorCacheParams:
     """Open-gate parameters with distinct λ, η per head, so that reordering mistakes show; ``projection``
-    "own": a random memory projection per layer, "from_out_proj": each layer's out_proj weight."""
+    "own": a random memory projection per layer, "from_out_proj": each layer's out_proj weight; a
+    "+map" suffix adds a random query map per head (identity plus noise)."""
+    projection, with_map = projection.removesuffix("+map"), projection.endswith("+map")
     torch.manual_seed(seed)
     wrappers = install(loaded.model, loaded.architecture)
     try:
-        layers, heads = len(wrappers), wrappers[0].num_heads
+        layers, heads, head_dim = len(wrappers), wrappers[0].num_heads, wrappers[0].head_dim
         weights = torch.stack([w._projection("output").weight.detach().clone() for w in wrappers])  # [L, d, H dh]
     finally:
         uninstall(loaded.model, loaded.architecture)
     decay_logit, write_logit = torch.randn(layers, heads) + 3.0, torch.randn(layers, heads)
     gate_logit = torch.randn(layers, gate_heads) + 1.0
     memory_projection = {"tied": None, "from_out_proj": weights, "own": torch.randn_like(weights) * weights.std()}[projection]
+    query_map = torch.eye(head_dim) + 2.0 * torch.randn(layers, heads, head_dim, head_dim) if with_map else None
     return TensorCacheParams(
         decay_logit=decay_logit, write_logit=write_logit, gate_logit=gate_logit, window=window, normalize_read=False,
-        memory_projection=memory_projection,
+        memory_projection=memory_projection, memory_query_map=query_map,
     )
 
 
@@ -76,6 +79,7 @@ def _teacher_forced_logprobs(loaded, params: TensorCacheParams, states, mask, se
                     write_rate=torch.sigmoid(params.write_logit[layer]),
                     gate_logit=gate if gate.numel() == heads else gate[0], normalize_read=params.normalize_read,
                     projection=None if params.memory_projection is None else params.memory_projection[layer],
+                    query_map=None if params.memory_query_map is None else params.memory_query_map[layer],
                 )
             logits = model(encoder_outputs=encoder_outputs(states), attention_mask=mask,
                            decoder_input_ids=sequences[:, :-1], use_cache=False).logits
@@ -164,7 +168,7 @@ def test_closed_gate_is_bit_for_bit_the_sliding_window_model(tiny_loaded, model_
 
 
 @pytest.mark.parametrize("model_type, projection", [("bart", "tied"), ("t5", "tied"), ("led", "tied"),
-                                                     ("bart", "own"), ("t5", "own")])
+                                                     ("bart", "own"), ("t5", "own+map")])
 @pytest.mark.parametrize("num_beams", [1, 3])
 def test_generate_matches_the_parallel_form(tiny_loaded, model_type, projection, num_beams):
     """Open gate, batch of 2, greedy and beam search: every chosen token's log-probability during
@@ -278,7 +282,8 @@ def test_parameter_file_round_trip_and_errors(tmp_path, tiny_loaded):
     assert installed_wrappers(loaded.model, loaded.architecture) == []
 
 
-@pytest.mark.parametrize("model_type, projection", [("bart", "tied"), ("t5", "tied"), ("bart", "own")])
+@pytest.mark.parametrize("model_type, projection", [("bart", "tied"), ("t5", "tied"), ("bart", "own"),
+                                                     ("bart", "own+map"), ("t5", "tied+map")])
 def test_multi_token_calls_equal_the_parallel_form(tiny_loaded, model_type, projection):
     """Prefill of several tokens, then uneven chunks, through the cache: the same logits as the parallel form."""
     loaded = tiny_loaded(model_type)
@@ -301,6 +306,20 @@ def test_multi_token_calls_equal_the_parallel_form(tiny_loaded, model_type, proj
             start += size
             assert cache.get_seq_length() == start
     torch.testing.assert_close(torch.cat(pieces, dim=1), expected, rtol=1e-4, atol=1e-4)
+    if params.memory_query_map is not None:  # the map is read by both forms: without it the logits differ
+        unmapped = _teacher_forced_logprobs(loaded, replace(params, memory_query_map=None), states, mask, sequence, window)
+        assert (unmapped - expected).abs().max() > 1e-3  # 10x the tolerance of the equality above
+
+
+def test_an_identity_query_map_reads_as_no_map(tiny_loaded):
+    loaded = tiny_loaded("bart")
+    states, mask = _encoded(loaded)
+    params = _random_params(loaded, window=4, seed=3, projection="own+map")
+    identity = replace(params, memory_query_map=torch.eye(params.memory_query_map.shape[-1]).expand_as(params.memory_query_map).clone())
+    sequence = torch.randint(3, loaded.model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(_teacher_forced_logprobs(loaded, identity, states, mask, sequence, 4),
+                               _teacher_forced_logprobs(loaded, replace(params, memory_query_map=None), states, mask, sequence, 4),
+                               rtol=1e-6, atol=1e-6)
 
 
 FORMAT_1_FILE = Path(__file__).resolve().parent / "fixtures" / "tensor_cache" / "params-format1.safetensors"
@@ -322,6 +341,33 @@ def test_own_projection_round_trip_and_shape_check(tmp_path, tiny_loaded):
     assert installed_wrappers(loaded.model, loaded.architecture) == []
 
 
+def test_query_map_round_trip_shape_check_and_a_format_2_file(tmp_path, tiny_loaded):
+    """Format 3 stores the query maps; a format 2 file (own projection, no map) still loads without one."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    loaded = tiny_loaded("bart")
+    params = _random_params(loaded, window=8, projection="own+map")
+    path = save_params(params, tmp_path / "tc.safetensors")
+    with safe_open(str(path), framework="pt") as file:
+        assert file.metadata()["format"] == "unlimisum-tensor-cache/3"
+    again = load_params(path)
+    torch.testing.assert_close(again.memory_query_map, params.memory_query_map)
+    with tensor_cache(loaded.model, "bart", TensorCacheSettings(params=again)) as session:
+        assert all(p.query_map is not None for p in session.layer_params)
+    wrong = replace(params, memory_query_map=params.memory_query_map[:, :, :-1, :-1])
+    with pytest.raises(ConfigError, match="query map is"):
+        with tensor_cache(loaded.model, "bart", TensorCacheSettings(params=wrong)):
+            pass
+    with safe_open(str(path), framework="pt") as file:  # the same file as format 2 wrote it: no map
+        tensors = {name: file.get_tensor(name) for name in file.keys() if name != "memory_query_map"}
+        metadata = {**file.metadata(), "format": "unlimisum-tensor-cache/2"}
+    save_file(tensors, str(tmp_path / "format2.safetensors"), metadata=metadata)
+    old = load_params(tmp_path / "format2.safetensors")
+    assert old.memory_query_map is None and old.projection == "own"
+    torch.testing.assert_close(old.memory_projection, params.memory_projection)
+
+
 def test_a_projection_from_out_proj_behaves_as_the_tied_memory_and_another_one_does_not(tiny_loaded):
     """A fresh own projection (a copy of out_proj) gives the tied model's scores; a different one changes them."""
     loaded = tiny_loaded("bart")
@@ -339,7 +385,7 @@ def test_a_projection_from_out_proj_behaves_as_the_tied_memory_and_another_one_d
 
 def test_a_format_1_file_still_loads_and_reads_through_out_proj(tmp_path, tiny_loaded):
     """tests/fixtures/tensor_cache/params-format1.safetensors was written by unlimisum before format 2
-    (commit 770f9bc); it loads as a tied memory and drives generate() exactly as the same numbers in format 2."""
+    (commit 770f9bc); it loads as a tied memory and drives generate() exactly as the same numbers in today's format."""
     from safetensors import safe_open
 
     with safe_open(str(FORMAT_1_FILE), framework="pt") as file:

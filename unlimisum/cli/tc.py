@@ -59,6 +59,14 @@ def fit(
     projection_lr: float = typer.Option(
         1e-3, "--projection-lr", metavar="F", help="Adam learning rate of the memory's own projection."
     ),
+    query_map: bool = typer.Option(
+        True, "--query-map/--no-query-map",
+        help="Fit a d_head x d_head map per head that the memory is read with (started at identity): the "
+             "model's queries were shaped for softmax attention, not for the memory's linear read.",
+    ),
+    query_map_lr: float = typer.Option(
+        1e-3, "--query-map-lr", metavar="F", help="Adam learning rate of the query maps."
+    ),
     encoder_tokens: int = typer.Option(
         64, "--encoder-tokens", min=1, metavar="N", help="Leading tokens of each text fed to the encoder."
     ),
@@ -73,7 +81,7 @@ def fit(
     password: Optional[str] = typer.Option(None, "--password", metavar="TEXT", help="Password for encrypted PDFs."),
     as_json: bool = typer.Option(False, "--json", help="Print the numbers as one JSON object on stdout."),
 ) -> None:
-    """Fit λ, η (per head), the gate (per layer) and the memory projection of a frozen model; report held-out NLL."""
+    """Fit λ, η (per head), the gate (per layer), the memory projection and query maps of a frozen model; report held-out NLL."""
     import torch
 
     from unlimisum.ingest import read_document
@@ -86,6 +94,7 @@ def fit(
             window=window, context=context, steps=steps, batch_size=batch_size, learning_rate=learning_rate,
             gate=gate, encoder_tokens=encoder_tokens, held_out=held_out, seed=seed,
             tie_projection=tie_projection, projection_learning_rate=projection_lr,
+            query_map=query_map, query_map_learning_rate=query_map_lr,
         )
         documents = [read_document(path, password=password) for path in texts]
         typer.echo(f"unlimisum: loading {model}", err=True)

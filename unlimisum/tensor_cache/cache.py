@@ -132,6 +132,7 @@ def _params_to(params: MemoryParams, device) -> MemoryParams:
         params, decay=params.decay.to(device), write_rate=params.write_rate.to(device),
         gate=None if params.gate is None else params.gate.to(device),
         projection=None if params.projection is None else params.projection.to(device),
+        query_map=None if params.query_map is None else params.query_map.to(device),
     )
 
 

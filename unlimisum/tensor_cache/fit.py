@@ -51,6 +51,8 @@ class FitSettings:
     init_gate_logit: float = -4.0  # γ0 ≈ 0.018: start close to the sliding window (SPEC §5)
     tie_projection: bool = False  # True: read the memory through out_proj (fewest parameters); False: fit its own
     projection_learning_rate: float = 1e-3  # Adam rate of the own projection (its entries are O(0.01-0.1))
+    query_map: bool = True  # fit a d_k x d_k map per head that the memory is read with (M q), started at identity
+    query_map_learning_rate: float = 1e-3  # Adam rate of the query maps (entries O(1) on the diagonal)
     seed: int = 0  # block order
 
     def __post_init__(self):
@@ -82,6 +84,7 @@ class FitReport:
         out["write_rate"] = torch.sigmoid(self.params.write_logit).tolist()
         out["gate"] = torch.sigmoid(self.params.gate_logit).tolist()
         out["projection"] = self.params.projection
+        out["query_map"] = self.params.memory_query_map is not None
         out["final_loss"] = self.losses[-1] if self.losses else None
         return out
 
@@ -137,7 +140,7 @@ def _token_nll(model, blocks: list[_Block]) -> torch.Tensor:
 
 
 def _set_memory(wrappers, window: int, decay_logit, write_logit, gate_logit, normalize_read: bool, heads: int,
-                projections=None) -> None:
+                projections=None, query_maps=None) -> None:
     """Put every wrapper in parallel mode; gate_logit None closes the gate (sliding window);
     projections None reads through each layer's out_proj (tied)."""
     for layer, wrapper in enumerate(wrappers):
@@ -148,6 +151,7 @@ def _set_memory(wrappers, window: int, decay_logit, write_logit, gate_logit, nor
             window=window, decay=torch.sigmoid(decay_logit[layer]), write_rate=torch.sigmoid(write_logit[layer]),
             gate_logit=gate, normalize_keys=True, normalize_read=normalize_read,
             projection=None if projections is None else projections[layer],
+            query_map=None if query_maps is None else query_maps[layer],
         )
 
 
@@ -225,6 +229,10 @@ def fit_tensor_cache(model: nn.Module, tokenizer, texts: list[str], window: int 
                     wrapper._projection("output").weight.detach().float() for wrapper in wrappers
                 ]))  # [L, d_model, H d_v]
                 groups.append({"params": [projections], "lr": settings.projection_learning_rate})
+            query_maps = None
+            if settings.query_map:  # identity: the layer's own queries, as without a map
+                query_maps = nn.Parameter(torch.eye(head_dim, device=device).expand(len(wrappers), heads, head_dim, head_dim).clone())
+                groups.append({"params": [query_maps], "lr": settings.query_map_learning_rate})
             optimizer = torch.optim.Adam(groups)
             generator = torch.Generator().manual_seed(settings.seed)
             losses = []
@@ -235,7 +243,7 @@ def fit_tensor_cache(model: nn.Module, tokenizer, texts: list[str], window: int 
                 batch = [train[i] for i in order[:settings.batch_size]]
                 del order[:settings.batch_size]
                 _set_memory(wrappers, window, decay_logit, write_logit, gate_logit, settings.normalize_read, heads,
-                            projections)
+                            projections, query_maps)
                 loss = _token_nll(model, batch)[:, window:].mean()
                 optimizer.zero_grad()
                 loss.backward()
@@ -244,8 +252,9 @@ def fit_tensor_cache(model: nn.Module, tokenizer, texts: list[str], window: int 
                 if progress is not None:
                     progress(step + 1, settings.steps, losses[-1])
             fitted_projections = None if projections is None else projections.detach()
+            fitted_query_maps = None if query_maps is None else query_maps.detach()
             fitted = (decay_logit.detach(), write_logit.detach(), gate_logit.detach(), settings.normalize_read, heads,
-                      fitted_projections)
+                      fitted_projections, fitted_query_maps)
             closed = (decay_logit.detach(), write_logit.detach(), None, settings.normalize_read, heads)
             nll = {
                 "full": _evaluate(model, wrappers, evaluation, window, settings.batch_size, None),
@@ -259,12 +268,13 @@ def fit_tensor_cache(model: nn.Module, tokenizer, texts: list[str], window: int 
 
     report_numbers = {"nll_held_out": nll, "window": window, "context": context, "steps": settings.steps,
                       "train_blocks": len(train), "held_out_blocks": len(evaluation),
-                      "projection": "tied" if settings.tie_projection else "own"}
+                      "projection": "tied" if settings.tie_projection else "own", "query_map": settings.query_map}
     params = TensorCacheParams(
         decay_logit=fitted[0].cpu(), write_logit=fitted[1].cpu(), gate_logit=fitted[2].cpu(), window=window,
         normalize_keys=True, normalize_read=settings.normalize_read, model_type=model.config.model_type,
         model_name=model_name, report=report_numbers,
         memory_projection=None if fitted_projections is None else fitted_projections.cpu(),
+        memory_query_map=None if fitted_query_maps is None else fitted_query_maps.cpu(),
     )
     return FitReport(
         params=params, window=window, context=context, train_blocks=len(train), held_out_blocks=len(evaluation),

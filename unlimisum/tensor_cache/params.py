@@ -1,15 +1,16 @@
 """The fitted Tensor Cache constants (λ, η, g and the memory projection per layer) and their safetensors file.
 
-File layout (``tc fit --out tc.safetensors``), format ``unlimisum-tensor-cache/2``:
+File layout (``tc fit --out tc.safetensors``), format ``unlimisum-tensor-cache/3``:
     decay_logit        [L, H_kv]            λ = sigmoid(decay_logit)
     write_logit        [L, H_kv]            η = sigmoid(write_logit)
     gate_logit         [L, G]               γ = sigmoid(gate_logit); G = 1 (one gate per layer) or H (per head)
     memory_projection  [L, d_model, H d_v]  optional: each layer's own projection of the memory read,
                                             y = out_proj(local) + γ · memory_projection(r); absent: the
                                             read goes through out_proj (tied), y = out_proj(local + γ r)
+    memory_query_map   [L, H, d_k, d_k]     optional: the memory is read with M_h q instead of q
 metadata (strings): format, window (the W it was fitted with), normalize_keys, normalize_read,
 lag, model_type, model_name, projection ("own" or "tied"), and ``report`` (the fit's JSON numbers).
-Files of format ``unlimisum-tensor-cache/1`` (no projection: always tied) still load.
+Files of format ``unlimisum-tensor-cache/1`` (no projection: always tied) and ``/2`` (no query map) still load.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from unlimisum.errors import ConfigError
 from unlimisum.files import atomic_write_bytes
 from unlimisum.tensor_cache.streaming import MemoryParams
 
-FORMAT = "unlimisum-tensor-cache/2"
-READABLE_FORMATS = ("unlimisum-tensor-cache/1", FORMAT)  # /1: written before the memory had its own projection
+FORMAT = "unlimisum-tensor-cache/3"
+# /1: written before the memory had its own projection; /2: before it had a query map
+READABLE_FORMATS = ("unlimisum-tensor-cache/1", "unlimisum-tensor-cache/2", FORMAT)
 INIT_DECAY = 0.995  # λ0 of the paper's code
 INIT_WRITE_RATE = 0.05  # η0 of the paper's code
 INIT_GATE_LOGIT = -4.0  # g0 for fitting a pretrained model: γ0 ≈ 0.018, close to the sliding window (SPEC §5)
@@ -52,6 +54,8 @@ class TensorCacheParams:
     report: dict = field(default_factory=dict)  # the fit's numbers, stored in the file's metadata
     # [L, d_model, H d_v]: each layer's own projection of the memory read; None: the layer's output projection (tied)
     memory_projection: torch.Tensor | None = None
+    # [L, H, d_k, d_k]: the memory is read with M_h q instead of the layer's query q; None: q itself
+    memory_query_map: torch.Tensor | None = None
 
     @property
     def num_layers(self) -> int:
@@ -89,6 +93,7 @@ class TensorCacheParams:
                 gate=gate[layer].expand(heads).contiguous().to(device),
                 normalize_keys=self.normalize_keys, normalize_read=self.normalize_read, lag=self.lag,
                 projection=None if self.memory_projection is None else self.memory_projection[layer].to(dtype).to(device),
+                query_map=None if self.memory_query_map is None else self.memory_query_map[layer].to(dtype).to(device),
             )
             for layer in range(self.num_layers)
         ]
@@ -117,6 +122,8 @@ def save_params(params: TensorCacheParams, path: str | Path) -> Path:
     }
     if params.memory_projection is not None:
         tensors["memory_projection"] = params.memory_projection.detach().float().contiguous().cpu()
+    if params.memory_query_map is not None:
+        tensors["memory_query_map"] = params.memory_query_map.detach().float().contiguous().cpu()
     metadata = {
         "format": FORMAT,
         "window": str(params.window),
@@ -156,14 +163,20 @@ def load_params(path: str | Path) -> TensorCacheParams:
     if len({shape[0] for shape in shapes.values()}) != 1 or any(len(shape) != 2 for shape in shapes.values()) \
             or shapes["decay_logit"] != shapes["write_logit"]:
         raise ConfigError(f"inconsistent tensor shapes in Tensor Cache parameter file: {shapes}", source=path)
-    projection = tensors.get("memory_projection") if metadata["format"] == FORMAT else None
-    if projection is not None and (projection.dim() != 3 or projection.shape[0] != shapes["decay_logit"][0]):
+    layers = shapes["decay_logit"][0]
+    projection = tensors.get("memory_projection") if metadata["format"] != READABLE_FORMATS[0] else None
+    if projection is not None and (projection.dim() != 3 or projection.shape[0] != layers):
         raise ConfigError(f"memory_projection of shape {tuple(projection.shape)} does not fit "
-                          f"{shapes['decay_logit'][0]} layers in Tensor Cache parameter file", source=path)
+                          f"{layers} layers in Tensor Cache parameter file", source=path)
+    query_map = tensors.get("memory_query_map") if metadata["format"] == FORMAT else None
+    if query_map is not None and (query_map.dim() != 4 or query_map.shape[0] != layers
+                                  or query_map.shape[2] != query_map.shape[3]):
+        raise ConfigError(f"memory_query_map of shape {tuple(query_map.shape)} does not fit "
+                          f"{layers} layers of square maps in Tensor Cache parameter file", source=path)
     try:
         return TensorCacheParams(
             decay_logit=tensors["decay_logit"], write_logit=tensors["write_logit"], gate_logit=tensors["gate_logit"],
-            memory_projection=projection,
+            memory_projection=projection, memory_query_map=query_map,
             window=int(metadata.get("window", 0)), normalize_keys=metadata.get("normalize_keys", "1") == "1",
             normalize_read=metadata.get("normalize_read", "1") == "1", lag=int(metadata.get("lag", "0")),
             model_type=metadata.get("model_type", ""), model_name=metadata.get("model_name", ""),

@@ -45,6 +45,7 @@ class ParallelMemory:
     normalize_keys: bool = True
     normalize_read: bool = True
     projection: torch.Tensor | None = None  # [d_model, H d_v] the memory read's own projection (may require grad); None: tied
+    query_map: torch.Tensor | None = None  # [H, dh, dh]: the memory is read with M_h q (may require grad); None: q
 
 
 def memory_output(read: torch.Tensor, gate: torch.Tensor, projection: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -133,7 +134,7 @@ class TensorCacheSelfAttention(nn.Module):
         out, local, read = tensor_cache_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), memory.window, memory.decay, memory.write_rate,
             memory.gate_logit, memory.normalize_keys, memory.normalize_read, scale=self.scaling, score_bias=bias,
-            return_parts=True,
+            return_parts=True, query_map=memory.query_map,
         )  # [B, T, H, dh] each
         rows, steps = hidden_states.shape[:2]
         output = self._projection("output")

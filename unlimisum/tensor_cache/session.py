@@ -143,6 +143,12 @@ def model_layer_params(model: nn.Module, wrappers: list[nn.Module], settings: Te
                 f"this {model_type} decoder's output projection is {expected}",
                 source=source,
             )
+    if params.memory_query_map is not None and tuple(params.memory_query_map.shape[1:]) != (heads, head_dim, head_dim):
+        raise ConfigError(
+            f"the Tensor Cache file's query map is {tuple(params.memory_query_map.shape[1:])} per layer; "
+            f"this {model_type} decoder has {heads} heads of {head_dim}",
+            source=source,
+        )
     return params.layer_params(heads, window, dtype, device), window
 
 

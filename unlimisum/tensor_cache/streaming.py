@@ -44,6 +44,9 @@ class MemoryParams:
     # weight [d_model, H d_v] of the memory read's own output projection; None: the layer's output projection
     # (tied). Not used by the maths here; the self-attention wrapper applies it.
     projection: torch.Tensor | None = None
+    # [H, d_k, d_k]: the memory is read with M_h q instead of q (the local attention keeps q); None: q itself.
+    # A pretrained head's queries were shaped for softmax attention, not for a linear read.
+    query_map: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.window < 1:
@@ -282,6 +285,8 @@ def extend_parts(state: MemoryState, q: torch.Tensor, k: torch.Tensor, v: torch.
     written_upto = max(past - 1 - params.window - params.lag, -1)  # newest position already in A
     newest = past + n - 1 - params.window - params.lag  # newest position in A after this block
     memory, normalizer, read = state.memory, state.normalizer, None
+    if params.gate is not None:
+        q = memory_queries(q, params)  # the local attention above used the layer's own queries
     if params.gate is not None and n == 1:  # a decoding step: write the evicted pair, then read (SPEC §2)
         read, memory, normalizer = _single_step(q, keys, values, newest - (past - m_old), memory, normalizer,
                                                 newest >= 0, params)
@@ -292,6 +297,13 @@ def extend_parts(state: MemoryState, q: torch.Tensor, k: torch.Tensor, v: torch.
     keep = min(past + n, params.retained)
     new_state = MemoryState(keys[:, :, -keep:], values[:, :, -keep:], memory, normalizer, past + n)
     return local, read, new_state
+
+
+def memory_queries(q: torch.Tensor, params: MemoryParams) -> torch.Tensor:
+    """The queries the memory is read with: q [B, H, n, d_k] -> M_h q [B, H, n, d_k] (q when no map)."""
+    if params.query_map is None:
+        return q
+    return torch.einsum("bhnd,hed->bhne", q, params.query_map.to(q.dtype))
 
 
 def _single_step(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, evicted: int, memory: torch.Tensor,
