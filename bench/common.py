@@ -93,6 +93,15 @@ def machine() -> dict:
     }
 
 
+def save_model(model, tokenizer, folder: Path) -> int:
+    """Save a trained model and its tokenizer to ``folder`` (config.json, generation_config.json,
+    model.safetensors, tokenizer files); return the folder's size in bytes."""
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return sum(path.stat().st_size for path in folder.iterdir() if path.is_file())
+
+
 def write_result(name: str, data: dict) -> Path:
     """Write ``bench/results/<name>.json`` with the machine's facts added; return the path."""
     RESULTS.mkdir(parents=True, exist_ok=True)

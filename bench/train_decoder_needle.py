@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from bench.common import save_model
+
 from bench.train_needle import CLOSE, CONTENT_LENGTHS, DIGITS, FILLER, OPEN
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -176,11 +178,7 @@ def main() -> None:
     quiet_transformers()
     model, tokenizer, accuracy, seconds = train(args.steps, args.batch_size, args.lr, args.seed)
     print(f"trained in {seconds:.0f}s; exact match on 256 held-out prompts of {MAX_PROMPT} tokens: {accuracy:.3f}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(args.out)  # config.json, generation_config.json, model.safetensors
-    tokenizer.save_pretrained(args.out)
-    total = sum(p.stat().st_size for p in args.out.iterdir() if p.is_file())
-    print(f"wrote {args.out} ({total / 1e6:.2f} MB)")
+    print(f"wrote {args.out} ({save_model(model, tokenizer, args.out) / 1e6:.2f} MB)")
 
 
 if __name__ == "__main__":

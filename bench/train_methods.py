@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import print_table, write_result
+from bench.common import print_table, save_model, write_result
 from bench.needle_eval import POSITIONS
 from bench import train_needle
 from bench.train_needle import document
@@ -55,8 +55,7 @@ def single_window_start(steps: int = 3500, seed: int = 0) -> Path:
                                                                  log_every=500, label_bos=True)
         print(f"  {seconds:.0f}s; exact match on held-out single windows {accuracy:.3f}", flush=True)
         partial = folder.with_name(folder.name + ".partial")
-        model.save_pretrained(partial)
-        tokenizer.save_pretrained(partial)
+        save_model(model, tokenizer, partial)
         partial.rename(folder)
     return folder
 

@@ -56,6 +56,8 @@ from pathlib import Path
 
 import torch
 
+from bench.common import save_model
+
 ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "needle"
 
@@ -259,11 +261,7 @@ def main() -> None:
     quiet_transformers()
     model, tokenizer, accuracy, seconds = train(args.steps, args.batch_size, args.lr, args.seed, args.other_windows)
     print(f"trained in {seconds:.0f}s; exact match on 256 held-out windows: {accuracy:.3f}")
-    args.out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(args.out)  # config.json, generation_config.json, model.safetensors
-    tokenizer.save_pretrained(args.out)
-    total = sum(p.stat().st_size for p in args.out.iterdir() if p.is_file())
-    print(f"wrote {args.out} ({total / 1e6:.2f} MB)")
+    print(f"wrote {args.out} ({save_model(model, tokenizer, args.out) / 1e6:.2f} MB)")
 
 
 if __name__ == "__main__":

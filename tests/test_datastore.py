@@ -170,17 +170,28 @@ def test_dense_and_gather_paths_take_exactly_k_tokens_even_with_ties(monkeypatch
     torch.testing.assert_close(outputs[True], outputs[False], rtol=1e-2, atol=1e-2)
 
 
-def test_dense_attention_in_slices_when_the_scores_do_not_fit(monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_coverage_is_rescored_when_the_scores_do_not_fit(kernel, dtype, monkeypatch):
+    """k >= N: a dense pass whose scores are too large to keep scores the store a second time for the
+    coverage; the output and the coverage equal those from kept scores and the reference softmax."""
     states = clustered_states(3000, 32)
-    store = build(states, config=IndexConfig(storage_dtype="float32"))
+    store = build(states, config=IndexConfig(storage_dtype=dtype))
+    stored = store.states()
     queries = queries_near(states, 7) * 0.05
-    whole = store.attend(queries, 3000, torch.zeros(3000))
-    monkeypatch.setattr(kernels, "MAX_SCORE_BYTES", 256 * 7 * 4)  # 12 slices
-    coverage = torch.zeros(3000)
-    sliced = store.attend(queries, 3000, coverage)
-    torch.testing.assert_close(sliced, whole, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(sliced, reference_attention(store.states(), queries, 3000).float(), rtol=1e-5, atol=1e-5)
-    assert coverage.sum().item() == pytest.approx(7.0, rel=1e-5) and (coverage > 0).all()
+    kept = torch.zeros(3000)
+    whole = store.attend(queries, 3000, kept)
+    monkeypatch.setattr(kernels, "MAX_SCORE_BYTES", 256 * 7 * 4)  # the [7, 3000] fp32 scores do not fit
+    rescored = torch.zeros(3000)
+    again = store.attend(queries, 3000, rescored)
+    torch.testing.assert_close(again, whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(rescored, kept, rtol=1e-5, atol=1e-7)
+    if kernel == "native" and stored.dtype != torch.float32:  # the scores as the kernel computes them
+        logits = (queries.to(stored.dtype) @ stored.T).double()
+    else:
+        logits = queries.double() @ stored.double().T  # [7, N]
+    expected = torch.softmax(logits, dim=1).sum(dim=0).float()  # [N]
+    torch.testing.assert_close(kept, expected, rtol=1e-3, atol=1e-6)
+    assert kept.sum().item() == pytest.approx(7.0, rel=1e-5) and (kept > 0).all()
 
 
 def test_kernel_choice_is_measured_and_can_be_forced(monkeypatch):
@@ -190,10 +201,18 @@ def test_kernel_choice_is_measured_and_can_be_forced(monkeypatch):
     assert choice.gather_row_cost > 0 and choice.dense_row_cost > 0 and "measured" in choice.reason
     forced = kernels.calibrate(torch.device("cpu"), torch.bfloat16, 64, rows=2048, force="float32")
     assert forced.scores == "float32" and "forced" in forced.reason
+    assert kernels.calibrate(torch.device("cpu"), torch.bfloat16, 64, rows=2048, force="native").scores == "native"
     assert kernels.calibrate(torch.device("cpu"), torch.float32, 64, rows=2048, force="native").scores == "float32"
     monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", "fastest")
     with pytest.raises(ValueError, match="native or float32"):
         kernels.forced_kernel()
+
+
+def test_dense_attention_over_an_empty_store_is_zero():
+    choice = kernels.kernel_for(torch.device("cpu"), torch.float32, 16)
+    coverage = torch.zeros(0)
+    out = kernels.dense_attention(torch.zeros(0, 16), torch.randn(3, 16), choice, coverage)
+    assert out.shape == (3, 16) and not out.isnan().any() and (out == 0).all()
 
 
 def test_k_above_n_is_capped():

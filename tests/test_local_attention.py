@@ -89,6 +89,44 @@ def test_installed_for_the_block_only_never_stacked_and_the_original_serves_trai
     assert [layer.self_attn.longformer_self_attn for layer in encoder.layers] == originals
 
 
+def test_the_original_computes_in_training_and_the_blocks_in_inference():
+    model = tiny_led()
+    encoder = model.get_encoder()
+    ids, mask = inputs()
+    calls = []
+    with blocked_local_attention(encoder) as wrappers:
+        hooks = [w.original.register_forward_hook(lambda *args: calls.append(1)) for w in wrappers]
+        with torch.no_grad():
+            encoder.eval()
+            encoder(input_ids=ids, attention_mask=mask)
+            assert calls == []  # evaluation: the blocked computation only
+            encoder.train()
+            encoder(input_ids=ids, attention_mask=mask)
+            assert len(calls) == 2  # training (dropout, gradients): each layer's original
+        for hook in hooks:
+            hook.remove()
+    encoder.eval()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_blocked_encoder_in_16_bit_is_as_close_as_transformers_own(dtype):
+    """In 16-bit, both round differently; the blocked encoder is no farther from the fp32 result than
+    transformers' own 16-bit encoder is (with a margin of 2x for rounding order)."""
+    model = tiny_led(attention_window=8)
+    ids, mask = inputs()
+    encoder = model.get_encoder()
+    real = mask.bool()
+    with torch.inference_mode():
+        exact = encoder(input_ids=ids, attention_mask=mask).last_hidden_state[real]
+        encoder.to(dtype)
+        theirs = encoder(input_ids=ids, attention_mask=mask).last_hidden_state[real].float()
+        with blocked_local_attention(encoder):
+            ours = encoder(input_ids=ids, attention_mask=mask).last_hidden_state[real].float()
+    encoder.float()
+    assert ours.isfinite().all()
+    assert (ours - exact).abs().max() <= 2 * (theirs - exact).abs().max() + torch.finfo(dtype).eps
+
+
 def test_generate_after_blocked_encoding_is_the_models_own():
     model = tiny_led()
     ids, mask = inputs(batch=3, length=40)
