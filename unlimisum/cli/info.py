@@ -51,7 +51,7 @@ def info(
     if tokens is not None:
         try:
             report["plan"] = collect_plan(tokens, model or DEFAULT_MODEL, IndexConfig(kind=index, device=index_device))
-        except (ConfigError, UnlimisumError) as error:
+        except UnlimisumError as error:  # ConfigError among them
             raise fail(error, EXIT_USAGE)
     if as_json:
         typer.echo(json.dumps(report, ensure_ascii=False))
@@ -186,7 +186,7 @@ def collect_decoder_plan(tokens: int, model: str, config, index: IndexConfig) ->
 
     from unlimisum.config import DecoderOnlyConfig, GenerationOptions
     from unlimisum.decoder_only.plan import (
-        MIN_SINKS, default_retrieval_k, default_window, plan_retrieval, store_bytes_per_token, store_devices,
+        MIN_SINKS, default_retrieval_k, default_window, kv_shape, plan_retrieval, store_bytes_per_token, store_devices,
     )
     from unlimisum.models.architectures import architecture_for
     from unlimisum.unlimiformer.placement import storage_dtype
@@ -209,8 +209,7 @@ def collect_decoder_plan(tokens: int, model: str, config, index: IndexConfig) ->
         positions = "true" if plan.true_positions else f"fixed distance {plan.fixed_distance}"
     except ConfigError as error:
         positions = f"refused: {error}"
-    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads, head_dim = kv_shape(config)
     full_layers = sum(w is None for w in windows)
     return {
         "model_kind": "decoder-only",

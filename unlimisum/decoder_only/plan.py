@@ -51,11 +51,17 @@ def default_retrieval_k(window: int) -> int:
     return min(window, DEFAULT_RETRIEVAL_K)
 
 
+def kv_shape(model_config) -> tuple[int, int]:
+    """(key-value heads, head dim) of a decoder-only config (no num_key_value_heads: one per query head)."""
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    return kv_heads, head_dim
+
+
 def store_bytes_per_token(model_config, layer_windows: list[int | None], dtype: torch.dtype) -> int:
     """Bytes the store holds per prompt token: 2 (keys, values) x full-attention layers x KV heads x head dim x
     the storage dtype's size (sliding-window layers keep their window only)."""
-    kv_heads = getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads
-    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    kv_heads, head_dim = kv_shape(model_config)
     full_layers = sum(window is None for window in layer_windows)
     return 2 * full_layers * kv_heads * head_dim * torch.finfo(dtype).bits // 8
 

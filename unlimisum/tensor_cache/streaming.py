@@ -287,12 +287,12 @@ def extend_parts(state: MemoryState, q: torch.Tensor, k: torch.Tensor, v: torch.
     memory, normalizer, read = state.memory, state.normalizer, None
     if params.gate is not None:
         q = memory_queries(q, params)  # the local attention above used the layer's own queries
-    if params.gate is not None and n == 1:  # a decoding step: write the evicted pair, then read (SPEC §2)
-        read, memory, normalizer = _single_step(q, keys, values, newest - (past - m_old), memory, normalizer,
-                                                newest >= 0, params)
-    elif params.gate is not None:
-        read = memory_read(q, keys, values, key_positions, query_positions, memory, normalizer, written_upto, params)
-        memory, normalizer = memory_write(keys, values, key_positions, memory, normalizer, written_upto, newest, params)
+        if n == 1:  # a decoding step: write the evicted pair, then read (SPEC §2)
+            read, memory, normalizer = _single_step(q, keys, values, newest - (past - m_old), memory, normalizer,
+                                                    newest >= 0, params)
+        else:
+            read = memory_read(q, keys, values, key_positions, query_positions, memory, normalizer, written_upto, params)
+            memory, normalizer = memory_write(keys, values, key_positions, memory, normalizer, written_upto, newest, params)
 
     keep = min(past + n, params.retained)
     new_state = MemoryState(keys[:, :, -keep:], values[:, :, -keep:], memory, normalizer, past + n)

@@ -113,10 +113,11 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
     elif sixteen_bit and force is None:
         # on a quarter of the rows (times four): an emulated 16-bit dense pass can take a second at full size
         quarter = states[: rows // 4]
-        dense = _race({f"dense/{name}": (lambda c=plain[name]: dense_attention(quarter, queries, c))
-                       for name in SCORE_KERNELS}, device)
-        timings.update({name: 4 * seconds for name, seconds in dense.items()})
-        cost = {name: timings[score] + 4 * dense[f"dense/{name}"]
+        quarters = _race({f"dense/{name}": (lambda c=plain[name]: dense_attention(quarter, queries, c))
+                          for name in SCORE_KERNELS}, device)
+        dense = {name: 4 * seconds for name, seconds in quarters.items()}
+        timings.update(dense)
+        cost = {name: timings[score] + dense[f"dense/{name}"]
                 for name, score in (("native", "native"), ("float32", f"float32/{block}"))}
         kernel = "native" if cost["native"] < cost["float32"] else "float32"
     tokens_major = False
