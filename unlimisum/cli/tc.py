@@ -2,9 +2,10 @@
 
     unlimisum tc fit --model M --text book.txt --text other.epub --window 256 --out tc.safetensors
 
-The model stays frozen; per layer only λ, η, the gate and the memory read's own projection
-(initialised from the layer's output projection) are learned; --tie-projection keeps the read
-on the output projection and learns only 2 H_kv + 1 numbers per layer. The file is then used with
+The model stays frozen; per layer only λ, η, the gate, the memory read's own projection
+(initialised from the layer's output projection) and a query map per head (initialised to the
+identity) are learned; --tie-projection --no-query-map keeps the read on the output projection
+and the layer's queries and learns only 2 H_kv + 1 numbers per layer. The file is then used with
 `unlimisum summarize -m M --tc-params tc.safetensors BOOK`; `tc fit` prints that command, ready
 to run, for the model and the first text it was fitted on. Progress and the held-out comparison
 go to stderr; with --json one JSON object with the numbers goes to stdout.

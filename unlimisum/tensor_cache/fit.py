@@ -1,11 +1,13 @@
-"""Fitting λ, η and the gate of a frozen pretrained encoder-decoder model (SPEC §3, §5).
+"""Fitting a frozen encoder-decoder's Tensor Cache: λ, η, gate, projection, query maps (SPEC §3, §5).
 
 A pretrained model never learned a Tensor Cache. ``fit_tensor_cache`` freezes every weight and
 learns the decay λ and write rate η per KV head, the gate g per layer (or per head) and, by
 default, a projection of the memory read of its own per layer (SPEC's tc_proj, d_model x H d_v,
 initialised from the layer's output projection so that fitting starts from the tied model):
-y = out_proj(local) + γ · memory_proj(r). With ``tie_projection`` the read goes through
-out_proj itself, y = out_proj(local + γ r), and only 2 H_kv + 1 numbers per layer are learned.
+y = out_proj(local) + γ · memory_proj(r), and, by default, a query map M_h per head (d_k x d_k,
+initialised to the identity) that the memory is read with, r = (M_h q) A. With ``tie_projection``
+the read goes through out_proj itself, y = out_proj(local + γ r); with ``tie_projection`` and
+without ``query_map`` only 2 H_kv + 1 numbers per layer are learned.
 Everything is fitted with the exact parallel form under the W-band mask.
 
 How the decoder is fed (an encoder-decoder model is run as a language model over the text):
