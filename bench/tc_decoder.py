@@ -20,7 +20,8 @@ fed 64 tokens per call):
     sliding window   TensorCache with the gate closed (bit for bit transformers' sliding window)
     tc_tied          fit_tensor_cache (what `unlimisum tc fit` runs) with --tie-projection --no-query-map
     tc_own           the memory read's own projection, --no-query-map
-    tc_own_map       tc fit's defaults: own projection and a query map per head
+    tc_own_map       own projection and a query map per head, --no-write-gate
+    tc_own_map_gate  tc fit's defaults: own projection, query maps and a write gate per head
 
 accuracy of the answers and retained self-attention bytes at growing output lengths, and the time
 of one decoding step (one token, batch 1) of each mode at the longest length.
@@ -189,17 +190,18 @@ def texts(task: Task, count: int, gap: int, seed: int) -> list[str]:
     return [" ".join(WORDS[i] for i in row) for row in torch.cat([keys, labels], dim=1).tolist()]
 
 
-# the fits compared: name -> (tie_projection, query_map), i.e. `tc fit --tie-projection --no-query-map`,
-# `tc fit --no-query-map` and `tc fit` (its defaults)
-FITS = {"tc_tied": (True, False), "tc_own": (False, False), "tc_own_map": (False, True)}
+# the fits compared: name -> (tie_projection, query_map, write_gate), i.e. `tc fit --tie-projection --no-query-map
+# --no-write-gate`, `tc fit --no-query-map --no-write-gate`, `tc fit --no-write-gate` and `tc fit` (its defaults)
+FITS = {"tc_tied": (True, False, False), "tc_own": (False, False, False), "tc_own_map": (False, True, False),
+        "tc_own_map_gate": (False, True, True)}
 
 
 def fit(model, task: Task, window: int, gap: int, examples: int, steps: int, name: str, seed: int):
     from unlimisum.tensor_cache.fit import FitSettings, fit_tensor_cache
 
-    tie, query_map = FITS[name]
+    tie, query_map, write_gate = FITS[name]
     settings = FitSettings(window=window, context=task.output_length(gap), steps=steps, encoder_tokens=task.listed,
-                           tie_projection=tie, query_map=query_map, seed=seed)
+                           tie_projection=tie, query_map=query_map, write_gate=write_gate, seed=seed)
     started = time.perf_counter()
     report = fit_tensor_cache(model, tokenizer(), texts(task, examples, gap, seed=1000 + seed), settings=settings,
                               architecture=model.config.model_type, model_name="tc_decoder bench model")
@@ -298,11 +300,12 @@ def real_size_step_times(size: str, window: int, output_tokens: int, steps: int,
     own = replace(tied, memory_projection=torch.stack([layer.self_attn.out_proj.weight.detach() for layer in model.get_decoder().layers]))
     heads, head_dim = config.decoder_attention_heads, config.d_model // config.decoder_attention_heads
     mapped = replace(own, memory_query_map=torch.eye(head_dim).expand(config.decoder_layers, heads, head_dim, head_dim).clone())
+    gated = replace(mapped, memory_write_gate=torch.randn(config.decoder_layers, heads, head_dim + 1, generator=torch.Generator().manual_seed(1)))
     generator = torch.Generator().manual_seed(0)
     encoder_states = torch.randn(1, 512, config.d_model, generator=generator)
     inputs = torch.randint(4, config.vocab_size, (1, output_tokens), generator=generator)
     modes = {"swa_transformers": None, "sliding_window": None, "full": None, "tc_tied": tied, "tc_own": own,
-             "tc_own_map": mapped}
+             "tc_own_map": mapped, "tc_own_map_gate": gated}
     return step_times(model, modes, window, encoder_states, inputs, steps, rounds)
 
 

@@ -49,11 +49,36 @@ def test_fit_learns_only_the_tensor_cache_constants(tiny_loaded, model_type):
     identity = torch.eye(head_dim).expand(layers, heads, head_dim, head_dim)
     assert params.memory_query_map.shape == identity.shape and report.summary()["query_map"] is True
     assert 0 < (params.memory_query_map - identity).abs().max() <= 1.01 * QUICK.steps * QUICK.query_map_learning_rate
+    # a write gate per KV head, started at zero (strength 1) and moved likewise
+    assert params.memory_write_gate.shape == (layers, heads, head_dim + 1) and report.summary()["write_gate"] is True
+    assert 0 < params.memory_write_gate.abs().max() <= 1.01 * QUICK.steps * QUICK.write_gate_learning_rate
     assert len(report.losses) == QUICK.steps and all(map(torch.isfinite, torch.tensor(report.losses)))
     # near positions (t < W) cannot see L2: sliding window and Tensor Cache agree there
     assert report.nll["tensor_cache"]["near"] == pytest.approx(report.nll["sliding_window"]["near"], rel=1e-6)
     assert set(report.nll) == {"full", "sliding_window", "tensor_cache"}
     assert report.held_out_blocks >= 1 and report.train_blocks >= 1
+
+
+def test_the_chunked_and_dense_forms_fit_alike_and_auto_picks_one(tiny_loaded):
+    """Chunks of 5 (uneven against the context of 24) and the dense form: the same losses, fitted numbers and
+    held-out report, the sliding-window and full-cache baselines included; "auto" times both and says which ran."""
+    from dataclasses import replace
+
+    loaded = tiny_loaded("t5")
+    dense = fit_tensor_cache(loaded.model, loaded.tokenizer, TEXTS, settings=replace(QUICK, chunk=None),
+                             architecture=loaded.architecture)
+    chunked = fit_tensor_cache(loaded.model, loaded.tokenizer, TEXTS, settings=replace(QUICK, chunk=5),
+                               architecture=loaded.architecture)
+    assert dense.chunk is None and chunked.chunk == 5 and chunked.params.report["chunk"] == 5
+    torch.testing.assert_close(torch.tensor(chunked.losses), torch.tensor(dense.losses), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(chunked.params.memory_write_gate, dense.params.memory_write_gate, rtol=1e-4, atol=1e-5)
+    for mode in dense.nll:
+        assert chunked.nll[mode] == pytest.approx(dense.nll[mode], rel=1e-5), mode
+    auto = fit_tensor_cache(loaded.model, loaded.tokenizer, TEXTS, settings=replace(QUICK, chunk="auto", context=40),
+                            architecture=loaded.architecture)
+    assert auto.chunk in (None, 32) and auto.summary()["chunk"] == auto.chunk  # the chunk sizes below the context
+    with pytest.raises(ConfigError, match="--chunk"):
+        FitSettings(chunk=0)
 
 
 def test_a_tied_fit_learns_no_projection_and_the_own_one_starts_from_it(tiny_loaded):
@@ -117,11 +142,13 @@ def test_tc_fit_command_writes_a_loadable_file(tiny_model_dir, tmp_path):
     result = CliRunner().invoke(app, [
         "tc", "fit", "--model", str(folder), "--text", str(text), "--text", str(text), "--window", "6",
         "--context", "24", "--steps", "2", "--batch-size", "2", "--encoder-tokens", "12", "--device", "cpu",
-        "--out", str(tied), "--tie-projection", "--no-query-map",
+        "--out", str(tied), "--tie-projection", "--no-query-map", "--no-write-gate",
     ])
     assert result.exit_code == 0, result.output
-    assert load_params(tied).projection == "tied" and load_params(tied).memory_query_map is None
-    assert params.memory_query_map is not None and tied.stat().st_size < out.stat().st_size
+    bare = load_params(tied)
+    assert bare.projection == "tied" and bare.memory_query_map is None and bare.memory_write_gate is None
+    assert params.memory_query_map is not None and params.memory_write_gate is not None
+    assert tied.stat().st_size < out.stat().st_size
 
 
 def test_tc_fit_command_reports_unreadable_input(tiny_model_dir, tmp_path):
@@ -131,3 +158,15 @@ def test_tc_fit_command_reports_unreadable_input(tiny_model_dir, tmp_path):
     ])
     assert result.exit_code == 1
     assert "missing.txt" in result.output
+
+
+def test_tc_fit_command_refuses_a_chunk_it_cannot_use(tiny_model_dir, tmp_path):
+    text = tmp_path / "book.txt"
+    text.write_text(SAMPLE_TEXT * 4)
+    for bad in ("fast", "0"):
+        result = CliRunner().invoke(app, [
+            "tc", "fit", "--model", str(tiny_model_dir("bart")), "--text", str(text), "--chunk", bad,
+            "--out", str(tmp_path / "tc.safetensors"),
+        ])
+        assert result.exit_code == 2, result.output
+        assert "--chunk must be" in result.output and not (tmp_path / "tc.safetensors").exists()

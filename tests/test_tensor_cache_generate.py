@@ -46,7 +46,9 @@ def _same_scores(a, b) -> bool:
 def _random_params(loaded, window: int, seed: int = 0, gate_heads: int = 1, projection: str = "tied") -> TensorCacheParams:
     """Open-gate parameters with distinct λ, η per head, so that reordering mistakes show; ``projection``
     "own": a random memory projection per layer, "from_out_proj": each layer's out_proj weight; a
-    "+map" suffix adds a random query map per head (identity plus noise)."""
+    "+map" suffix adds a random query map per head (identity plus noise), a "+gate" suffix a random write gate."""
+    with_gate = projection.endswith("+gate")
+    projection = projection.removesuffix("+gate")
     projection, with_map = projection.removesuffix("+map"), projection.endswith("+map")
     torch.manual_seed(seed)
     wrappers = install(loaded.model, loaded.architecture)
@@ -59,14 +61,16 @@ def _random_params(loaded, window: int, seed: int = 0, gate_heads: int = 1, proj
     gate_logit = torch.randn(layers, gate_heads) + 1.0
     memory_projection = {"tied": None, "from_out_proj": weights, "own": torch.randn_like(weights) * weights.std()}[projection]
     query_map = torch.eye(head_dim) + 2.0 * torch.randn(layers, heads, head_dim, head_dim) if with_map else None
+    write_gate = 3.0 * torch.randn(layers, heads, head_dim + 1) if with_gate else None  # the tiny models: H_kv = H
     return TensorCacheParams(
         decay_logit=decay_logit, write_logit=write_logit, gate_logit=gate_logit, window=window, normalize_read=False,
-        memory_projection=memory_projection, memory_query_map=query_map,
+        memory_projection=memory_projection, memory_query_map=query_map, memory_write_gate=write_gate,
     )
 
 
-def _teacher_forced_logprobs(loaded, params: TensorCacheParams, states, mask, sequences, window):
-    """Log-probabilities of ``sequences`` from the parallel form (whole sequence at once, no cache)."""
+def _teacher_forced_logprobs(loaded, params: TensorCacheParams, states, mask, sequences, window, chunk=None):
+    """Log-probabilities of ``sequences`` from the parallel form (whole sequence at once, no cache; ``chunk``: the
+    chunked form over blocks of that many tokens instead of the dense one)."""
     model = loaded.model
     with torch.no_grad():
         wrappers = install(model, loaded.architecture)
@@ -80,6 +84,8 @@ def _teacher_forced_logprobs(loaded, params: TensorCacheParams, states, mask, se
                     gate_logit=gate if gate.numel() == heads else gate[0], normalize_read=params.normalize_read,
                     projection=None if params.memory_projection is None else params.memory_projection[layer],
                     query_map=None if params.memory_query_map is None else params.memory_query_map[layer],
+                    write_gate=None if params.memory_write_gate is None else params.memory_write_gate[layer],
+                    chunk=chunk,
                 )
             logits = model(encoder_outputs=encoder_outputs(states), attention_mask=mask,
                            decoder_input_ids=sequences[:, :-1], use_cache=False).logits
@@ -168,7 +174,7 @@ def test_closed_gate_is_bit_for_bit_the_sliding_window_model(tiny_loaded, model_
 
 
 @pytest.mark.parametrize("model_type, projection", [("bart", "tied"), ("t5", "tied"), ("led", "tied"),
-                                                     ("bart", "own"), ("t5", "own+map")])
+                                                     ("bart", "own"), ("t5", "own+map"), ("bart", "own+map+gate")])
 @pytest.mark.parametrize("num_beams", [1, 3])
 def test_generate_matches_the_parallel_form(tiny_loaded, model_type, projection, num_beams):
     """Open gate, batch of 2, greedy and beam search: every chosen token's log-probability during
@@ -283,7 +289,7 @@ def test_parameter_file_round_trip_and_errors(tmp_path, tiny_loaded):
 
 
 @pytest.mark.parametrize("model_type, projection", [("bart", "tied"), ("t5", "tied"), ("bart", "own"),
-                                                     ("bart", "own+map"), ("t5", "tied+map")])
+                                                     ("bart", "own+map"), ("t5", "tied+map"), ("t5", "own+gate")])
 def test_multi_token_calls_equal_the_parallel_form(tiny_loaded, model_type, projection):
     """Prefill of several tokens, then uneven chunks, through the cache: the same logits as the parallel form."""
     loaded = tiny_loaded(model_type)
@@ -309,6 +315,21 @@ def test_multi_token_calls_equal_the_parallel_form(tiny_loaded, model_type, proj
     if params.memory_query_map is not None:  # the map is read by both forms: without it the logits differ
         unmapped = _teacher_forced_logprobs(loaded, replace(params, memory_query_map=None), states, mask, sequence, window)
         assert (unmapped - expected).abs().max() > 1e-3  # 10x the tolerance of the equality above
+    if params.memory_write_gate is not None:  # and so is the write gate
+        ungated = _teacher_forced_logprobs(loaded, replace(params, memory_write_gate=None), states, mask, sequence, window)
+        assert (ungated - expected).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("model_type, projection", [("bart", "tied"), ("t5", "own+map+gate"), ("bart", "own+gate")])
+def test_the_chunked_whole_sequence_form_equals_the_dense_one(tiny_loaded, model_type, projection):
+    """What fitting runs, in chunks (7 tokens: uneven against 30) and dense: the same log-probabilities."""
+    loaded = tiny_loaded(model_type)
+    states, mask = _encoded(loaded)
+    params = _random_params(loaded, 5, seed=4, projection=projection)
+    sequence = torch.randint(3, loaded.model.config.vocab_size, (2, 31), generator=torch.Generator().manual_seed(1))
+    dense = _teacher_forced_logprobs(loaded, params, states, mask, sequence, 5)
+    torch.testing.assert_close(_teacher_forced_logprobs(loaded, params, states, mask, sequence, 5, chunk=7), dense,
+                               rtol=1e-5, atol=1e-5)
 
 
 def test_an_identity_query_map_reads_as_no_map(tiny_loaded):
@@ -342,7 +363,7 @@ def test_own_projection_round_trip_and_shape_check(tmp_path, tiny_loaded):
 
 
 def test_query_map_round_trip_shape_check_and_a_format_2_file(tmp_path, tiny_loaded):
-    """Format 3 stores the query maps; a format 2 file (own projection, no map) still loads without one."""
+    """Format 3 and later store the query maps; a format 2 file (own projection, no map) still loads without one."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -350,7 +371,7 @@ def test_query_map_round_trip_shape_check_and_a_format_2_file(tmp_path, tiny_loa
     params = _random_params(loaded, window=8, projection="own+map")
     path = save_params(params, tmp_path / "tc.safetensors")
     with safe_open(str(path), framework="pt") as file:
-        assert file.metadata()["format"] == "unlimisum-tensor-cache/3"
+        assert file.metadata()["format"] == "unlimisum-tensor-cache/4"
     again = load_params(path)
     torch.testing.assert_close(again.memory_query_map, params.memory_query_map)
     with tensor_cache(loaded.model, "bart", TensorCacheSettings(params=again)) as session:
@@ -366,6 +387,48 @@ def test_query_map_round_trip_shape_check_and_a_format_2_file(tmp_path, tiny_loa
     old = load_params(tmp_path / "format2.safetensors")
     assert old.memory_query_map is None and old.projection == "own"
     torch.testing.assert_close(old.memory_projection, params.memory_projection)
+
+
+def test_write_gate_round_trip_shape_checks_and_a_format_3_file(tmp_path, tiny_loaded):
+    """Format 4 stores the write gates; a format 3 file (map, no gate) still loads without one; a gate of the wrong
+    shape is refused when the file is read and when it meets a model."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    loaded = tiny_loaded("bart")
+    params = _random_params(loaded, window=8, projection="own+map+gate")
+    path = save_params(params, tmp_path / "tc.safetensors")
+    again = load_params(path)
+    torch.testing.assert_close(again.memory_write_gate, params.memory_write_gate)
+    with tensor_cache(loaded.model, "bart", TensorCacheSettings(params=again)) as session:
+        assert all(p.write_gate is not None for p in session.layer_params)
+        assert "with query maps and write gates" in session.message
+    wrong = replace(params, memory_write_gate=params.memory_write_gate[:, :, :-1])
+    with pytest.raises(ConfigError, match="write gate is"):
+        with tensor_cache(loaded.model, "bart", TensorCacheSettings(params=wrong)):
+            pass
+    with safe_open(str(path), framework="pt") as file:
+        tensors = {name: file.get_tensor(name) for name in file.keys()}
+        metadata = file.metadata()
+    save_file({**tensors, "memory_write_gate": tensors["memory_write_gate"][:, :1].contiguous()}, str(tmp_path / "bad.safetensors"),
+              metadata=metadata)
+    with pytest.raises(ConfigError, match="memory_write_gate of shape"):
+        load_params(tmp_path / "bad.safetensors")
+    save_file({name: t for name, t in tensors.items() if name != "memory_write_gate"}, str(tmp_path / "format3.safetensors"),
+              metadata={**metadata, "format": "unlimisum-tensor-cache/3"})
+    old = load_params(tmp_path / "format3.safetensors")
+    assert old.memory_write_gate is None
+    torch.testing.assert_close(old.memory_query_map, params.memory_query_map)
+
+
+def test_a_write_gate_at_zero_writes_every_key_as_without_one(tiny_loaded):
+    loaded = tiny_loaded("t5")
+    states, mask = _encoded(loaded)
+    params = _random_params(loaded, window=4, seed=3, projection="own+gate")
+    zero = replace(params, memory_write_gate=torch.zeros_like(params.memory_write_gate))
+    sequence = torch.randint(3, loaded.model.config.vocab_size, (2, 20), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(_teacher_forced_logprobs(loaded, zero, states, mask, sequence, 4),
+                       _teacher_forced_logprobs(loaded, replace(params, memory_write_gate=None), states, mask, sequence, 4))
 
 
 def test_a_projection_from_out_proj_behaves_as_the_tied_memory_and_another_one_does_not(tiny_loaded):

@@ -222,3 +222,62 @@ def test_memory_holds_only_evicted_tokens():
         v2[i] += 1.0
         _, _, read2 = tensor_cache_attention(q, k, v2, *args, return_parts=True)
         assert (not torch.allclose(read2[t], read[t])) == expect_change, i
+
+
+def _gated_inputs(seed: int, T: int = 120, H: int = 4, H_kv: int = 2, d: int = 8):
+    generator = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(T, heads, d, generator=generator, dtype=torch.float64) for heads in (H, H_kv, H_kv))
+    write_gate = 2.0 * torch.randn(H_kv, d + 1, generator=generator, dtype=torch.float64)
+    return q, k, v, write_gate
+
+
+@pytest.mark.parametrize("normalize_read", [False, True])
+def test_a_write_gate_scales_each_written_key_alike_in_every_form(normalize_read):
+    """With a write gate, A holds η λ^(e_t − i) s_i k̂_i ⊗ v_i, s_i = 2 sigmoid(u·k̂_i + c): the parallel form equals
+    that sum written out, token-by-token streaming and the chunked form (float64, grouped heads)."""
+    q, k, v, write_gate = _gated_inputs(0)
+    T, H, d = q.shape
+    W, lam, eta, g = 6, torch.tensor([0.97, 0.9], dtype=torch.float64), torch.tensor([0.4, 0.7], dtype=torch.float64), torch.randn(H, dtype=torch.float64)
+    out, local, read = tensor_cache_attention(q, k, v, W, lam, eta, g, normalize_read=normalize_read,
+                                              write_gate=write_gate, return_parts=True)
+    unit = k / (k.norm(dim=-1, keepdim=True) + 1e-5)  # [T, H_kv, d]
+    strength = 2 * torch.sigmoid((unit * write_gate[:, :-1]).sum(-1) + write_gate[:, -1])  # [T, H_kv]
+    expected = torch.zeros_like(read)
+    for t in range(T):
+        for h in range(H):
+            kv = h // (H // k.shape[1])
+            i = torch.arange(max(t - W + 1, 0))
+            weights = eta[kv] * lam[kv] ** (t - W - i) * strength[i, kv] * (unit[i, kv] @ q[t, h])  # [t - W + 1]
+            expected[t, h] = weights @ v[i, kv]
+            if normalize_read and len(i):
+                expected[t, h] /= weights.sum().abs().clamp(min=1.0)
+    assert _relative(read, expected) < 1e-12
+    params = MemoryParams(window=W, decay=lam, write_rate=eta, gate=torch.sigmoid(g), normalize_read=normalize_read,
+                          write_gate=write_gate)
+    state = MemoryState.empty(1, k.shape[1], d, d, params, q.dtype, q.device)
+    outs = []
+    for t in range(T):
+        step, state = extend(state, *(x[None, t:t + 1].transpose(1, 2) for x in (q, k, v)), params, d**-0.5)
+        outs.append(step)
+    assert _relative(torch.cat(outs, dim=2)[0].transpose(0, 1), out) < 1e-12
+    chunked = tensor_cache_attention_chunked(q, k, v, W, lam, eta, g, normalize_read=normalize_read, chunk=16,
+                                             write_gate=write_gate)
+    assert _relative(chunked, out) < 1e-12
+    ungated = tensor_cache_attention(q, k, v, W, lam, eta, g, normalize_read=normalize_read)
+    assert _relative(ungated, out) > 1e-3  # the gate does change what is read
+
+
+def test_a_write_gate_at_zero_reads_as_none_and_gets_gradients_in_both_forms():
+    q, k, v, write_gate = _gated_inputs(1, T=64, H=2, H_kv=2)
+    W, lam, eta, g = 8, torch.tensor([0.95, 0.9], dtype=torch.float64), torch.tensor([0.5, 0.3], dtype=torch.float64), torch.zeros(2, dtype=torch.float64)
+    zero = torch.zeros_like(write_gate)
+    assert torch.equal(tensor_cache_attention(q, k, v, W, lam, eta, g, write_gate=zero),
+                       tensor_cache_attention(q, k, v, W, lam, eta, g))
+    target = torch.randn_like(q)
+    grads = []
+    for form in (tensor_cache_attention, lambda *a, **kw: tensor_cache_attention_chunked(*a, chunk=16, **kw)):
+        gate = write_gate.clone().requires_grad_(True)
+        ((form(q, k, v, W, lam, eta, g, normalize_read=True, write_gate=gate) - target) ** 2).sum().backward()
+        grads.append(gate.grad)
+    assert grads[0].abs().min() > 0
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-10, atol=1e-12)

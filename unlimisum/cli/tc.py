@@ -3,9 +3,10 @@
     unlimisum tc fit --model M --text book.txt --text other.epub --window 256 --out tc.safetensors
 
 The model stays frozen; per layer only λ, η, the gate, the memory read's own projection
-(initialised from the layer's output projection) and a query map per head (initialised to the
-identity) are learned; --tie-projection --no-query-map keeps the read on the output projection
-and the layer's queries and learns only 2 H_kv + 1 numbers per layer. The file is then used with
+(initialised from the layer's output projection), a query map per head (initialised to the
+identity) and a write gate per head (initialised to write every evicted token alike) are learned;
+--tie-projection --no-query-map --no-write-gate keeps the read on the output projection and the
+layer's queries and learns only 2 H_kv + 1 numbers per layer. The file is then used with
 `unlimisum summarize -m M --tc-params tc.safetensors BOOK`; `tc fit` prints that command, ready
 to run, for the model and the first text it was fitted on. Progress and the held-out comparison
 go to stderr; with --json one JSON object with the numbers goes to stdout.
@@ -68,6 +69,19 @@ def fit(
     query_map_lr: float = typer.Option(
         1e-3, "--query-map-lr", metavar="F", help="Adam learning rate of the query maps."
     ),
+    write_gate: bool = typer.Option(
+        True, "--write-gate/--no-write-gate",
+        help="Fit a write gate per head (d_head + 1 numbers, started at strength 1) that decides how strongly "
+             "each evicted token is written to the memory, so that what is never asked for does not crowd it.",
+    ),
+    write_gate_lr: float = typer.Option(
+        1e-2, "--write-gate-lr", metavar="F", help="Adam learning rate of the write gates."
+    ),
+    chunk: str = typer.Option(
+        "auto", "--chunk", metavar="auto|dense|N",
+        help="The exact form fitted with: chunks of N decoder tokens (linear in --context), 'dense' (quadratic), "
+             "or 'auto': whichever runs a step fastest here (the numbers are the same).",
+    ),
     encoder_tokens: int = typer.Option(
         64, "--encoder-tokens", min=1, metavar="N", help="Leading tokens of each text fed to the encoder."
     ),
@@ -82,7 +96,8 @@ def fit(
     password: Optional[str] = typer.Option(None, "--password", metavar="TEXT", help="Password for encrypted PDFs."),
     as_json: bool = typer.Option(False, "--json", help="Print the numbers as one JSON object on stdout."),
 ) -> None:
-    """Fit λ, η (per head), the gate (per layer), the memory projection and query maps of a frozen model; report held-out NLL."""
+    """Fit λ, η (per head), the gate (per layer), the memory projection, query maps and write gates of a frozen model;
+    report held-out NLL."""
     import torch
 
     from unlimisum.ingest import read_document
@@ -96,6 +111,7 @@ def fit(
             gate=gate, encoder_tokens=encoder_tokens, held_out=held_out, seed=seed,
             tie_projection=tie_projection, projection_learning_rate=projection_lr,
             query_map=query_map, query_map_learning_rate=query_map_lr,
+            write_gate=write_gate, write_gate_learning_rate=write_gate_lr, chunk=_chunk_setting(chunk),
         )
         documents = [read_document(path, password=password) for path in texts]
         typer.echo(f"unlimisum: loading {model}", err=True)
@@ -122,6 +138,16 @@ def fit(
     typer.echo(f"  {usage_command(model, out, texts[0])}", err=True)
     if as_json:
         typer.echo(json.dumps({"out": str(out), "model": model, **report.summary()}))
+
+
+def _chunk_setting(text: str) -> int | str | None:
+    """--chunk as FitSettings.chunk: "auto", None for "dense", or a number of tokens."""
+    if text in ("auto", "dense"):
+        return None if text == "dense" else text
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(f"--chunk must be 'auto', 'dense' or a number of tokens, got {text!r}") from None
 
 
 def usage_command(model: str, params: Path, book: Path) -> str:

@@ -133,6 +133,7 @@ def _params_to(params: MemoryParams, device) -> MemoryParams:
         gate=None if params.gate is None else params.gate.to(device),
         projection=None if params.projection is None else params.projection.to(device),
         query_map=None if params.query_map is None else params.query_map.to(device),
+        write_gate=None if params.write_gate is None else params.write_gate.to(device),
     )
 
 

@@ -5,10 +5,13 @@ learns the decay λ and write rate η per KV head, the gate g per layer (or per 
 default, a projection of the memory read of its own per layer (SPEC's tc_proj, d_model x H d_v,
 initialised from the layer's output projection so that fitting starts from the tied model):
 y = out_proj(local) + γ · memory_proj(r), and, by default, a query map M_h per head (d_k x d_k,
-initialised to the identity) that the memory is read with, r = (M_h q) A. With ``tie_projection``
+initialised to the identity) that the memory is read with, r = (M_h q) A, and, by default, a write gate
+per KV head (d_k + 1 numbers, started where every key is written with strength 1) that scales each
+evicted key by 2 sigmoid(u·k̂ + c) as it is written, A <- λA + η s k̂⊗v. With ``tie_projection``
 the read goes through out_proj itself, y = out_proj(local + γ r); with ``tie_projection`` and
-without ``query_map`` only 2 H_kv + 1 numbers per layer are learned.
-Everything is fitted with the exact parallel form under the W-band mask.
+without ``query_map`` or ``write_gate`` only 2 H_kv + 1 numbers per layer are learned.
+Everything is fitted with the exact form under the W-band mask: chunked (the streaming extend over
+blocks of ``chunk`` tokens, linear in the context) or, with ``chunk=None``, the dense parallel form.
 
 How the decoder is fed (an encoder-decoder model is run as a language model over the text):
 each text is tokenized without special tokens; its first ``encoder_tokens`` tokens go to the
@@ -55,11 +58,19 @@ class FitSettings:
     projection_learning_rate: float = 1e-3  # Adam rate of the own projection (its entries are O(0.01-0.1))
     query_map: bool = True  # fit a d_k x d_k map per head that the memory is read with (M q), started at identity
     query_map_learning_rate: float = 1e-3  # Adam rate of the query maps (entries O(1) on the diagonal)
+    write_gate: bool = True  # fit a write gate per KV head (which evicted keys A keeps), started at strength 1
+    write_gate_learning_rate: float = 1e-2  # Adam rate of the write gates (logits; u·k̂ with ‖k̂‖ = 1)
+    # the exact form fitted with: an int, the chunked form over blocks of that many decoder tokens (linear in the
+    # context); None, the dense parallel form (quadratic); "auto": whichever of the two (chunks of 32, 64 or 128)
+    # runs a step of the first batch fastest on this machine (they give the same numbers)
+    chunk: int | str | None = "auto"
     seed: int = 0  # block order
 
     def __post_init__(self):
         if self.window < 1:
             raise ConfigError(f"--window must be at least 1, got {self.window}")
+        if self.chunk != "auto" and self.chunk is not None and (not isinstance(self.chunk, int) or self.chunk < 1):
+            raise ConfigError(f"--chunk must be 'auto', 'dense' or a number of tokens of at least 1, got {self.chunk!r}")
         if self.gate not in ("layer", "head"):
             raise ConfigError(f"--gate must be 'layer' or 'head', got {self.gate!r}")
 
@@ -78,6 +89,7 @@ class FitReport:
     # {"full" | "sliding_window" | "tensor_cache": {"near": nll at t < W, "far": nll at t >= W}}
     nll: dict
     losses: list = field(default_factory=list, repr=False)  # training loss per step
+    chunk: int | None = None  # the form fitted with: chunks of this many tokens, or None for the dense form
 
     def summary(self) -> dict:
         """JSON-ready numbers (no tensors)."""
@@ -87,6 +99,7 @@ class FitReport:
         out["gate"] = torch.sigmoid(self.params.gate_logit).tolist()
         out["projection"] = self.params.projection
         out["query_map"] = self.params.memory_query_map is not None
+        out["write_gate"] = self.params.memory_write_gate is not None
         out["final_loss"] = self.losses[-1] if self.losses else None
         return out
 
@@ -141,8 +154,8 @@ def _token_nll(model, blocks: list[_Block]) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.float().transpose(1, 2), labels, reduction="none")  # [B, C]
 
 
-def _set_memory(wrappers, window: int, decay_logit, write_logit, gate_logit, normalize_read: bool, heads: int,
-                projections=None, query_maps=None) -> None:
+def _set_memory(wrappers, window: int, chunk: int | None, decay_logit, write_logit, gate_logit, normalize_read: bool,
+                heads: int, projections=None, query_maps=None, write_gates=None) -> None:
     """Put every wrapper in parallel mode; gate_logit None closes the gate (sliding window);
     projections None reads through each layer's out_proj (tied)."""
     for layer, wrapper in enumerate(wrappers):
@@ -154,10 +167,30 @@ def _set_memory(wrappers, window: int, decay_logit, write_logit, gate_logit, nor
             gate_logit=gate, normalize_keys=True, normalize_read=normalize_read,
             projection=None if projections is None else projections[layer],
             query_map=None if query_maps is None else query_maps[layer],
+            write_gate=None if write_gates is None else write_gates[layer], chunk=chunk,
         )
 
 
-def _evaluate(model, wrappers, blocks, window, batch_size, memory) -> dict:
+def _step_seconds(model, wrappers, batch: list[_Block], window: int, chunk: int | None, memory: tuple) -> float:
+    """Seconds of one forward and backward pass of the fit's loss on ``batch`` in the form ``chunk``."""
+    _set_memory(wrappers, window, chunk, *memory)
+    started = time.perf_counter()
+    _token_nll(model, batch)[:, window:].mean().backward()
+    return time.perf_counter() - started
+
+
+def _fastest_form(model, wrappers, batch: list[_Block], window: int, context: int, memory: tuple) -> int | None:
+    """The exact form (None: dense, or a chunk size) whose step is fastest here, the least of two timings each,
+    interleaved. The gradients it leaves are cleared by the first optimizer step."""
+    candidates = [None] + [size for size in (32, 64, 128) if size < context]
+    times = dict.fromkeys(candidates, math.inf)
+    for _ in range(2):
+        for chunk in candidates:
+            times[chunk] = min(times[chunk], _step_seconds(model, wrappers, batch, window, chunk, memory))
+    return min(times, key=times.get)
+
+
+def _evaluate(model, wrappers, blocks, window, chunk, batch_size, memory) -> dict:
     """Mean NLL at t < W and t >= W over ``blocks``; memory: None = full attention, else _set_memory args."""
     near, far = [], []
     for start in range(0, len(blocks), batch_size):
@@ -165,7 +198,7 @@ def _evaluate(model, wrappers, blocks, window, batch_size, memory) -> dict:
             for wrapper in wrappers:
                 wrapper.parallel = None
         else:
-            _set_memory(wrappers, window, *memory)
+            _set_memory(wrappers, window, chunk, *memory)
         with torch.no_grad():
             nll = _token_nll(model, blocks[start:start + batch_size])  # [B, C]
         near.append(nll[:, :window].reshape(-1))
@@ -176,7 +209,8 @@ def _evaluate(model, wrappers, blocks, window, batch_size, memory) -> dict:
 def fit_tensor_cache(model: nn.Module, tokenizer, texts: list[str], window: int | None = None, *,
                      architecture: Architecture | str | None = None, settings: FitSettings | None = None,
                      model_name: str = "", progress=None) -> FitReport:
-    """Learn λ, η (per KV head), g (per layer or head) and the memory projections of a frozen model on ``texts``.
+    """Learn λ, η (per KV head), g (per layer or head) and, as ``settings`` ask, the memory projections, query
+    maps and write gates of a frozen model on ``texts``.
 
     ``window`` overrides ``settings.window``. ``progress(step, steps, loss)`` is called after each
     step. The model's weights are not changed (they are frozen during fitting and their
@@ -235,17 +269,25 @@ def fit_tensor_cache(model: nn.Module, tokenizer, texts: list[str], window: int 
             if settings.query_map:  # identity: the layer's own queries, as without a map
                 query_maps = nn.Parameter(torch.eye(head_dim, device=device).expand(len(wrappers), heads, head_dim, head_dim).clone())
                 groups.append({"params": [query_maps], "lr": settings.query_map_learning_rate})
+            write_gates = None
+            if settings.write_gate:  # u = 0, c = 0: strength 2 sigmoid(0) = 1 for every key, as without a gate
+                write_gates = nn.Parameter(torch.zeros(len(wrappers), kv_heads, head_dim + 1, device=device))
+                groups.append({"params": [write_gates], "lr": settings.write_gate_learning_rate})
             optimizer = torch.optim.Adam(groups)
             generator = torch.Generator().manual_seed(settings.seed)
             losses = []
             order: list[int] = []
+            memory = (decay_logit, write_logit, gate_logit, settings.normalize_read, heads, projections, query_maps,
+                      write_gates)
+            chunk = settings.chunk
+            if chunk == "auto":
+                chunk = _fastest_form(model, wrappers, train[:settings.batch_size], window, context, memory)
             for step in range(settings.steps):
                 if len(order) < settings.batch_size:
                     order += torch.randperm(len(train), generator=generator).tolist()
                 batch = [train[i] for i in order[:settings.batch_size]]
                 del order[:settings.batch_size]
-                _set_memory(wrappers, window, decay_logit, write_logit, gate_logit, settings.normalize_read, heads,
-                            projections, query_maps)
+                _set_memory(wrappers, window, chunk, *memory)
                 loss = _token_nll(model, batch)[:, window:].mean()
                 optimizer.zero_grad()
                 loss.backward()
@@ -255,13 +297,14 @@ def fit_tensor_cache(model: nn.Module, tokenizer, texts: list[str], window: int 
                     progress(step + 1, settings.steps, losses[-1])
             fitted_projections = None if projections is None else projections.detach()
             fitted_query_maps = None if query_maps is None else query_maps.detach()
+            fitted_write_gates = None if write_gates is None else write_gates.detach()
             fitted = (decay_logit.detach(), write_logit.detach(), gate_logit.detach(), settings.normalize_read, heads,
-                      fitted_projections, fitted_query_maps)
+                      fitted_projections, fitted_query_maps, fitted_write_gates)
             closed = (decay_logit.detach(), write_logit.detach(), None, settings.normalize_read, heads)
             nll = {
-                "full": _evaluate(model, wrappers, evaluation, window, settings.batch_size, None),
-                "sliding_window": _evaluate(model, wrappers, evaluation, window, settings.batch_size, closed),
-                "tensor_cache": _evaluate(model, wrappers, evaluation, window, settings.batch_size, fitted),
+                "full": _evaluate(model, wrappers, evaluation, window, chunk, settings.batch_size, None),
+                "sliding_window": _evaluate(model, wrappers, evaluation, window, chunk, settings.batch_size, closed),
+                "tensor_cache": _evaluate(model, wrappers, evaluation, window, chunk, settings.batch_size, fitted),
             }
     finally:
         for parameter, requires_grad in flags:
@@ -270,17 +313,19 @@ def fit_tensor_cache(model: nn.Module, tokenizer, texts: list[str], window: int 
 
     report_numbers = {"nll_held_out": nll, "window": window, "context": context, "steps": settings.steps,
                       "train_blocks": len(train), "held_out_blocks": len(evaluation),
-                      "projection": "tied" if settings.tie_projection else "own", "query_map": settings.query_map}
+                      "projection": "tied" if settings.tie_projection else "own", "query_map": settings.query_map,
+                      "write_gate": settings.write_gate, "chunk": chunk}
     params = TensorCacheParams(
         decay_logit=fitted[0].cpu(), write_logit=fitted[1].cpu(), gate_logit=fitted[2].cpu(), window=window,
         normalize_keys=True, normalize_read=settings.normalize_read, model_type=model.config.model_type,
         model_name=model_name, report=report_numbers,
         memory_projection=None if fitted_projections is None else fitted_projections.cpu(),
         memory_query_map=None if fitted_query_maps is None else fitted_query_maps.cpu(),
+        memory_write_gate=None if fitted_write_gates is None else fitted_write_gates.cpu(),
     )
     return FitReport(
         params=params, window=window, context=context, train_blocks=len(train), held_out_blocks=len(evaluation),
-        steps=settings.steps, seconds=time.perf_counter() - started, nll=nll, losses=losses,
+        steps=settings.steps, seconds=time.perf_counter() - started, nll=nll, losses=losses, chunk=chunk,
     )
 
 

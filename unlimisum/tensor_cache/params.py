@@ -1,6 +1,6 @@
 """The fitted Tensor Cache constants (λ, η, g and the memory projection per layer) and their safetensors file.
 
-File layout (``tc fit --out tc.safetensors``), format ``unlimisum-tensor-cache/3``:
+File layout (``tc fit --out tc.safetensors``), format ``unlimisum-tensor-cache/4``:
     decay_logit        [L, H_kv]            λ = sigmoid(decay_logit)
     write_logit        [L, H_kv]            η = sigmoid(write_logit)
     gate_logit         [L, G]               γ = sigmoid(gate_logit); G = 1 (one gate per layer) or H (per head)
@@ -8,9 +8,12 @@ File layout (``tc fit --out tc.safetensors``), format ``unlimisum-tensor-cache/3
                                             y = out_proj(local) + γ · memory_projection(r); absent: the
                                             read goes through out_proj (tied), y = out_proj(local + γ r)
     memory_query_map   [L, H, d_k, d_k]     optional: the memory is read with M_h q instead of q
+    memory_write_gate  [L, H_kv, d_k + 1]   optional: weights u and bias c of the write gate, each evicted key
+                                            written with strength 2 sigmoid(u·k̂ + c); absent: strength 1
 metadata (strings): format, window (the W it was fitted with), normalize_keys, normalize_read,
 lag, model_type, model_name, projection ("own" or "tied"), and ``report`` (the fit's JSON numbers).
-Files of format ``unlimisum-tensor-cache/1`` (no projection: always tied) and ``/2`` (no query map) still load.
+Files of formats ``unlimisum-tensor-cache/1`` (no projection: always tied), ``/2`` (no query map) and ``/3``
+(no write gate) still load.
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ from unlimisum.errors import ConfigError
 from unlimisum.files import atomic_write_bytes
 from unlimisum.tensor_cache.streaming import MemoryParams
 
-FORMAT = "unlimisum-tensor-cache/3"
-# /1: written before the memory had its own projection; /2: before it had a query map
-READABLE_FORMATS = ("unlimisum-tensor-cache/1", "unlimisum-tensor-cache/2", FORMAT)
+FORMAT = "unlimisum-tensor-cache/4"
+# /1: written before the memory had its own projection; /2: before it had a query map; /3: before the write gate
+READABLE_FORMATS = ("unlimisum-tensor-cache/1", "unlimisum-tensor-cache/2", "unlimisum-tensor-cache/3", FORMAT)
 INIT_DECAY = 0.995  # λ0 of the paper's code
 INIT_WRITE_RATE = 0.05  # η0 of the paper's code
 INIT_GATE_LOGIT = -4.0  # g0 for fitting a pretrained model: γ0 ≈ 0.018, close to the sliding window (SPEC §5)
@@ -56,6 +59,8 @@ class TensorCacheParams:
     memory_projection: torch.Tensor | None = None
     # [L, H, d_k, d_k]: the memory is read with M_h q instead of the layer's query q; None: q itself
     memory_query_map: torch.Tensor | None = None
+    # [L, H_kv, d_k + 1]: each layer's write gate (MemoryParams.write_gate); None: every evicted key written alike
+    memory_write_gate: torch.Tensor | None = None
 
     @property
     def num_layers(self) -> int:
@@ -94,6 +99,7 @@ class TensorCacheParams:
                 normalize_keys=self.normalize_keys, normalize_read=self.normalize_read, lag=self.lag,
                 projection=None if self.memory_projection is None else self.memory_projection[layer].to(dtype).to(device),
                 query_map=None if self.memory_query_map is None else self.memory_query_map[layer].to(dtype).to(device),
+                write_gate=None if self.memory_write_gate is None else self.memory_write_gate[layer].to(dtype).to(device),
             )
             for layer in range(self.num_layers)
         ]
@@ -124,6 +130,8 @@ def save_params(params: TensorCacheParams, path: str | Path) -> Path:
         tensors["memory_projection"] = params.memory_projection.detach().float().contiguous().cpu()
     if params.memory_query_map is not None:
         tensors["memory_query_map"] = params.memory_query_map.detach().float().contiguous().cpu()
+    if params.memory_write_gate is not None:
+        tensors["memory_write_gate"] = params.memory_write_gate.detach().float().contiguous().cpu()
     metadata = {
         "format": FORMAT,
         "window": str(params.window),
@@ -168,15 +176,19 @@ def load_params(path: str | Path) -> TensorCacheParams:
     if projection is not None and (projection.dim() != 3 or projection.shape[0] != layers):
         raise ConfigError(f"memory_projection of shape {tuple(projection.shape)} does not fit "
                           f"{layers} layers in Tensor Cache parameter file", source=path)
-    query_map = tensors.get("memory_query_map") if metadata["format"] == FORMAT else None
+    query_map = tensors.get("memory_query_map") if metadata["format"] in READABLE_FORMATS[2:] else None
     if query_map is not None and (query_map.dim() != 4 or query_map.shape[0] != layers
                                   or query_map.shape[2] != query_map.shape[3]):
         raise ConfigError(f"memory_query_map of shape {tuple(query_map.shape)} does not fit "
                           f"{layers} layers of square maps in Tensor Cache parameter file", source=path)
+    write_gate = tensors.get("memory_write_gate") if metadata["format"] == FORMAT else None
+    if write_gate is not None and (write_gate.dim() != 3 or write_gate.shape[:2] != (layers, shapes["decay_logit"][1])):
+        raise ConfigError(f"memory_write_gate of shape {tuple(write_gate.shape)} does not fit "
+                          f"{layers} layers x {shapes['decay_logit'][1]} heads in Tensor Cache parameter file", source=path)
     try:
         return TensorCacheParams(
             decay_logit=tensors["decay_logit"], write_logit=tensors["write_logit"], gate_logit=tensors["gate_logit"],
-            memory_projection=projection, memory_query_map=query_map,
+            memory_projection=projection, memory_query_map=query_map, memory_write_gate=write_gate,
             window=int(metadata.get("window", 0)), normalize_keys=metadata.get("normalize_keys", "1") == "1",
             normalize_read=metadata.get("normalize_read", "1") == "1", lag=int(metadata.get("lag", "0")),
             model_type=metadata.get("model_type", ""), model_name=metadata.get("model_name", ""),

@@ -22,7 +22,7 @@ from unlimisum.tensor_cache.streaming import (
 
 
 def _params(window, decay, write_rate, gate, normalize_keys, normalize_read, lag, read_eps, key_eps, dtype, heads,
-            query_map=None):
+            query_map=None, write_gate=None):
     decay = torch.as_tensor(decay, dtype=dtype)
     write_rate = torch.as_tensor(write_rate, dtype=dtype)
     if gate is not None:
@@ -31,6 +31,7 @@ def _params(window, decay, write_rate, gate, normalize_keys, normalize_read, lag
     return MemoryParams(
         window=int(window), decay=decay, write_rate=write_rate, gate=gate, normalize_keys=normalize_keys,
         normalize_read=normalize_read, lag=lag, read_eps=read_eps, key_eps=key_eps, query_map=query_map,
+        write_gate=write_gate,
     )
 
 
@@ -49,7 +50,7 @@ def tensor_cache_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, decay, write_rate, gate,
     normalize_keys: bool = True, normalize_read: bool = False, *, scale: float | None = None, lag: int = 0,
     read_eps: float = READ_EPS, key_eps: float = KEY_EPS, score_bias: torch.Tensor | None = None,
-    return_parts: bool = False, query_map: torch.Tensor | None = None,
+    return_parts: bool = False, query_map: torch.Tensor | None = None, write_gate: torch.Tensor | None = None,
 ):
     """Fused Tensor Cache attention for a whole sequence, per head, before the output projection.
 
@@ -58,13 +59,14 @@ def tensor_cache_attention(
     ``gate``: gate logits g, per query head [H] or one scalar, γ = sigmoid(g); None closes the gate
     exactly (γ = 0: the output is the sliding-window attention). ``window`` W counts the current
     token. ``scale`` defaults to d_k^-1/2; ``score_bias`` (broadcastable to [B, H, T, T]) is added to
-    the local scores (T5 relative positions); ``query_map`` [H, d_k, d_k] reads the memory with M_h q.
+    the local scores (T5 relative positions); ``query_map`` [H, d_k, d_k] reads the memory with M_h q;
+    ``write_gate`` [H_kv, d_k + 1] scales each written key (MemoryParams.write_gate).
     Returns out [..., T, H, d_v], or with ``return_parts`` (out, local, memory read).
     """
     heads = q.shape[-2]
     dtype = q.dtype
     params = _params(window, decay, write_rate, gate, normalize_keys, normalize_read, lag, read_eps, key_eps, dtype, heads,
-                     query_map)
+                     query_map, write_gate)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     (qb, lead), (kb, _), (vb, _) = _batched(q), _batched(k), _batched(v)  # [B, H, T, d]
     positions = torch.arange(q.shape[-3], device=q.device)  # [T]
@@ -84,7 +86,7 @@ def tensor_cache_attention_chunked(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int, decay, write_rate, gate,
     normalize_keys: bool = True, normalize_read: bool = False, *, chunk: int = 64, scale: float | None = None,
     lag: int = 0, read_eps: float = READ_EPS, key_eps: float = KEY_EPS, return_state: bool = False,
-    query_map: torch.Tensor | None = None,
+    query_map: torch.Tensor | None = None, write_gate: torch.Tensor | None = None,
 ):
     """The same result as ``tensor_cache_attention``, in time and memory linear in T.
 
@@ -94,7 +96,7 @@ def tensor_cache_attention_chunked(
     """
     heads = q.shape[-2]
     params = _params(window, decay, write_rate, gate, normalize_keys, normalize_read, lag, read_eps, key_eps, q.dtype, heads,
-                     query_map)
+                     query_map, write_gate)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     (qb, lead), (kb, _), (vb, _) = _batched(q), _batched(k), _batched(v)  # [B, H, T, d]
     state = MemoryState.empty(qb.shape[0], kb.shape[1], kb.shape[-1], vb.shape[-1], params, q.dtype, q.device)

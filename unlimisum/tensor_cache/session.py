@@ -77,7 +77,10 @@ def describe(settings: TensorCacheSettings, window: int) -> str:
         )
     params = settings.loaded_params
     read = "its own projection" if params.memory_projection is not None else "the output projection (tied)"
-    return f"Tensor Cache: window {window} tokens + L2 memory from {settings.params}, read through {read}"
+    extras = [name for name, present in (("query maps", params.memory_query_map is not None),
+                                         ("write gates", params.memory_write_gate is not None)) if present]
+    fitted = f", with {' and '.join(extras)}" if extras else ""
+    return f"Tensor Cache: window {window} tokens + L2 memory from {settings.params}, read through {read}{fitted}"
 
 
 class TensorCacheSession:
@@ -147,6 +150,12 @@ def model_layer_params(model: nn.Module, wrappers: list[nn.Module], settings: Te
         raise ConfigError(
             f"the Tensor Cache file's query map is {tuple(params.memory_query_map.shape[1:])} per layer; "
             f"this {model_type} decoder has {heads} heads of {head_dim}",
+            source=source,
+        )
+    if params.memory_write_gate is not None and tuple(params.memory_write_gate.shape[1:]) != (kv_heads, head_dim + 1):
+        raise ConfigError(
+            f"the Tensor Cache file's write gate is {tuple(params.memory_write_gate.shape[1:])} per layer; "
+            f"this {model_type} decoder has {kv_heads} key heads of {head_dim} (expected ({kv_heads}, {head_dim + 1}))",
             source=source,
         )
     return params.layer_params(heads, window, dtype, device), window

@@ -6,7 +6,8 @@ State of one decoder layer (SPEC §2), per sequence of the batch:
     z       its normaliser (only with normalize_read)          [B, H_kv, d_k]
     seen    tokens processed so far (all rows share it)
 
-Step t (lag 0, canonical): evict token t-W from L1 and write it, A <- λA + η k̂⊗v; attend with
+Step t (lag 0, canonical): evict token t-W from L1 and write it, A <- λA + η s k̂⊗v (s = 1, or a
+fitted write gate's strength for that key, see MemoryParams.write_gate); attend with
 softmax over tokens t-W+1..t; read r = q A; output local + γ r. ``extend`` processes a block of
 n tokens at once with the closed form of SPEC §2.2, so one call of n tokens equals n calls of one
 token (to float rounding), and the chunked parallel form in scan.py is ``extend`` over chunks.
@@ -47,6 +48,10 @@ class MemoryParams:
     # [H, d_k, d_k]: the memory is read with M_h q instead of q (the local attention keeps q); None: q itself.
     # A pretrained head's queries were shaped for softmax attention, not for a linear read.
     query_map: torch.Tensor | None = None
+    # [H_kv, d_k + 1]: weights u and bias c (last column) of a write gate per KV head: each evicted key is
+    # written with strength s = 2 sigmoid(u·k/‖k‖ + c), A <- λA + η s k̂⊗v (s = 1 at u = c = 0); None: s = 1.
+    # It lets a fitted memory keep what is asked for later and skip the rest, so cross-talk does not grow with T.
+    write_gate: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.window < 1:
@@ -133,6 +138,20 @@ def normalize_keys(keys: torch.Tensor, eps: float = KEY_EPS) -> torch.Tensor:
     return keys / (keys.norm(dim=-1, keepdim=True) + eps)
 
 
+def written_keys(keys: torch.Tensor, params: MemoryParams) -> torch.Tensor:
+    """The keys as A receives them: k̂ (or k without normalize_keys), times the write gate's strength.
+
+    keys [B, H_kv, m, d_k] -> [B, H_kv, m, d_k]
+    """
+    if params.write_gate is None:
+        return normalize_keys(keys, params.key_eps) if params.normalize_keys else keys
+    unit = normalize_keys(keys, params.key_eps)
+    written = unit if params.normalize_keys else keys
+    gate = params.write_gate.to(keys.dtype)  # [H_kv, d_k + 1]
+    logits = torch.einsum("bhmd,hd->bhm", unit, gate[:, :-1]) + gate[None, :, -1:]  # [B, H_kv, m]
+    return written * (2 * torch.sigmoid(logits))[..., None]
+
+
 def _expand_kv_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
     """[B, H_kv, ...] -> [B, H, ...] for grouped-query attention (query head h reads kv head h // G)."""
     kv_heads = x.shape[1]
@@ -171,7 +190,7 @@ def memory_read(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, key_p
     dtype = params.decay.dtype
     heads = q.shape[1]
     q = q.to(dtype)
-    keys_hat = normalize_keys(keys.to(dtype), params.key_eps) if params.normalize_keys else keys.to(dtype)
+    keys_hat = written_keys(keys.to(dtype), params)
     weights = _expand_kv_heads(write_weights(query_positions, key_positions, params, written_upto)[None], heads)  # [1, H, n, m]
     scores = torch.matmul(q, _expand_kv_heads(keys_hat, heads).transpose(-1, -2)) * weights  # [B, H, n, m]
     read = torch.matmul(scores, _expand_kv_heads(values.to(dtype), heads))  # [B, H, n, d_v]
@@ -199,7 +218,7 @@ def memory_write(keys: torch.Tensor, values: torch.Tensor, key_positions: torch.
     if newest <= written_upto:
         return memory, normalizer
     dtype = memory.dtype
-    keys_hat = normalize_keys(keys.to(dtype), params.key_eps) if params.normalize_keys else keys.to(dtype)
+    keys_hat = written_keys(keys.to(dtype), params)
     weights = write_weights(torch.tensor([newest + params.window + params.lag], device=key_positions.device),
                             key_positions, params, written_upto)[:, 0, :]  # [H_kv, m]
     weighted_keys = keys_hat * weights[None, :, :, None]  # [B, H_kv, m, d_k]
@@ -317,8 +336,7 @@ def _single_step(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, evic
     cast = (lambda x: x) if q.dtype == dtype else (lambda x: x.to(dtype))  # noqa: E731  (a 16-bit model's float32 memory)
     if writes:
         key = cast(keys[:, :, evicted:evicted + 1])  # [B, H_kv, 1, d_k]
-        key = normalize_keys(key, params.key_eps) if params.normalize_keys else key
-        key = key * params.write_rate_view  # η k̂
+        key = written_keys(key, params) * params.write_rate_view  # η s k̂
         value = cast(values[:, :, evicted:evicted + 1])  # [B, H_kv, 1, d_v]
         memory = memory * params.decay_view + key.transpose(-1, -2) * value  # [B, H_kv, d_k, d_v]
         if normalizer is not None:
