@@ -18,15 +18,17 @@ fed 64 tokens per call):
 
     full cache       transformers' DynamicCache
     sliding window   TensorCache with the gate closed (bit for bit transformers' sliding window)
-    tc_tied          fit_tensor_cache (what `unlimisum tc fit` runs) with --tie-projection --no-query-map
-    tc_own           the memory read's own projection, --no-query-map
+    tc_tied          fit_tensor_cache (what `unlimisum tc fit` runs) with --tie-projection --no-query-map --no-write-gate
+    tc_own           the memory read's own projection, --no-query-map --no-write-gate
     tc_own_map       own projection and a query map per head, --no-write-gate
     tc_own_map_gate  tc fit's defaults: own projection, query maps and a write gate per head
 
-accuracy of the answers and retained self-attention bytes at growing output lengths, and the time
-of one decoding step (one token, batch 1) of each mode at the longest length.
+fitted on outputs of the longest length (--fit-gap), accuracy of the answers and retained self-attention
+bytes at growing output lengths, and the time of one decoding step (one token, batch 1) of each mode at the
+longest length.
 
     python -m bench.tc_decoder            # trains the model once (about 10 minutes; cached in bench/.cache/)
+    python -m bench.tc_decoder --jobs 2   # the four fits (12-17 minutes each) two at a time
     python -m bench.tc_decoder --quick    # smoke run: a briefly trained model, short outputs
 """
 
@@ -210,6 +212,32 @@ def fit(model, task: Task, window: int, gap: int, examples: int, steps: int, nam
     return report
 
 
+def _fit_saved_model(folder: Path, threads: int, **fit_settings):
+    """``fit`` in a worker process, on the model saved in ``folder`` (what --jobs runs)."""
+    from transformers import T5ForConditionalGeneration
+
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()
+    torch.set_num_threads(threads)
+    model = T5ForConditionalGeneration.from_pretrained(folder).eval()
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    return fit(model, **fit_settings)
+
+
+def fit_all(model, folder: Path, names: list[str], jobs: int, threads: int, **fit_settings) -> dict:
+    """Every fit in ``names``: here, or with ``jobs`` > 1 in that many worker processes (the fits are independent)."""
+    if jobs <= 1:
+        return {name: fit(model, name=name, **fit_settings) for name in names}
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {name: pool.submit(_fit_saved_model, folder, threads, name=name, **fit_settings) for name in names}
+        return {name: future.result() for name, future in futures.items()}
+
+
 def caches(model, mode: str, window: int, params):
     """A context manager yielding a maker of fresh caches for ``mode``: "full" (DynamicCache), "swa_transformers"
     (transformers' sliding-window layers, model unwrapped), else a TensorCache of ``params`` (None: gate closed)."""
@@ -315,15 +343,17 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--window", type=int, default=32)
     parser.add_argument("--gaps", default="100,200,400,800", help="output lengths are gap + 26")
-    parser.add_argument("--fit-gap", type=int, default=200, help="the gap of the texts tc fit learns on")
+    parser.add_argument("--fit-gap", type=int, default=800, help="the gap of the texts tc fit learns on (the longest)")
     parser.add_argument("--fit-examples", type=int, default=200)
-    parser.add_argument("--fit-steps", type=int, default=6000)
-    parser.add_argument("--eval-sequences", type=int, default=512)
+    parser.add_argument("--fit-steps", type=int, default=3000)
+    parser.add_argument("--eval-sequences", type=int, default=256)
     parser.add_argument("--timing-steps", type=int, default=32)
     parser.add_argument("--timing-rounds", type=int, default=5)
     parser.add_argument("--real-size", default="bart-base", help="also time a random model of this size ('' to skip)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--jobs", type=int, default=1, help="fit in this many processes at once (each --threads)")
+    parser.add_argument("--fits", default=",".join(FITS), help="the fits to compare, of " + ", ".join(FITS))
     parser.add_argument("--retrain", action="store_true", help="train the model even when a cached one fits the recipe")
     parser.add_argument("--quick", action="store_true", help="smoke run: 150 training steps, short outputs, few sequences")
     args = parser.parse_args(argv)
@@ -340,8 +370,12 @@ def main(argv=None) -> None:
     model, history, train_seconds = trained_model(task, size, args.train_steps, args.batch, args.seed, folder, args.retrain)
     for parameter in model.parameters():
         parameter.requires_grad_(False)
-    reports = {name: fit(model, task, args.window, args.fit_gap, args.fit_examples, args.fit_steps, name, args.seed)
-               for name in FITS}
+    names = [name for name in args.fits.split(",") if name]
+    unknown = set(names) - set(FITS)
+    if unknown:
+        parser.error(f"unknown --fits {', '.join(sorted(unknown))}; choose from {', '.join(FITS)}")
+    reports = fit_all(model, folder, names, args.jobs, args.threads, task=task, window=args.window, gap=args.fit_gap,
+                      examples=args.fit_examples, steps=args.fit_steps, seed=args.seed)
     modes = {"full": None, "sliding_window": None, **{name: report.params for name, report in reports.items()}}
 
     results = {"task": asdict(task), "size": asdict(size), "window": args.window, "train_steps": args.train_steps,

@@ -50,7 +50,7 @@ class MemoryParams:
     query_map: torch.Tensor | None = None
     # [H_kv, d_k + 1]: weights u and bias c (last column) of a write gate per KV head: each evicted key is
     # written with strength s = 2 sigmoid(u·k/‖k‖ + c), A <- λA + η s k̂⊗v (s = 1 at u = c = 0); None: s = 1.
-    # It lets a fitted memory keep what is asked for later and skip the rest, so cross-talk does not grow with T.
+    # It lets a fitted memory keep what is asked for later and skip the rest: less cross-talk in the linear read.
     write_gate: torch.Tensor | None = None
 
     def __post_init__(self):
