@@ -14,10 +14,13 @@ linear in T: the streaming extend of streaming.py applied chunk by chunk.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from unlimisum.tensor_cache.streaming import (
-    KEY_EPS, READ_EPS, MemoryParams, MemoryState, band_mask, extend, local_attention, memory_queries, memory_read,
+    KEY_EPS, READ_EPS, MemoryParams, MemoryState, band_mask, extend_parts, fuse, local_attention, memory_queries,
+    memory_read,
 )
 
 
@@ -87,12 +90,15 @@ def tensor_cache_attention_chunked(
     normalize_keys: bool = True, normalize_read: bool = False, *, chunk: int = 64, scale: float | None = None,
     lag: int = 0, read_eps: float = READ_EPS, key_eps: float = KEY_EPS, return_state: bool = False,
     query_map: torch.Tensor | None = None, write_gate: torch.Tensor | None = None,
+    score_bias: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None, return_parts: bool = False,
 ):
     """The same result as ``tensor_cache_attention``, in time and memory linear in T.
 
     Runs the exact streaming extend over chunks of ``chunk`` tokens: each chunk reads the carried
     state A decayed to each of its queries plus its own newly evicted tokens (SPEC §4, chunkwise
-    scan). Differentiable. With ``return_state`` also returns the final MemoryState (A, z, ring).
+    scan). Differentiable. ``score_bias(query_positions, key_positions)`` adds e.g. T5's relative
+    position bias to the local scores. Returns out, or with ``return_parts`` (out, local, memory
+    read); with ``return_state`` the final MemoryState (A, z, ring) comes last.
     """
     heads = q.shape[-2]
     params = _params(window, decay, write_rate, gate, normalize_keys, normalize_read, lag, read_eps, key_eps, q.dtype, heads,
@@ -100,10 +106,16 @@ def tensor_cache_attention_chunked(
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     (qb, lead), (kb, _), (vb, _) = _batched(q), _batched(k), _batched(v)  # [B, H, T, d]
     state = MemoryState.empty(qb.shape[0], kb.shape[1], kb.shape[-1], vb.shape[-1], params, q.dtype, q.device)
-    outs = []
+    locals_, reads = [], []
     for start in range(0, qb.shape[2], chunk):
         block = slice(start, start + chunk)
-        out, state = extend(state, qb[:, :, block], kb[:, :, block], vb[:, :, block], params, scale)
-        outs.append(out)
-    out = _unbatched(torch.cat(outs, dim=2), lead)
-    return (out, state) if return_state else out
+        local, read, state = extend_parts(state, qb[:, :, block], kb[:, :, block], vb[:, :, block], params, scale,
+                                          score_bias)  # [B, H, n, d_v] each
+        locals_.append(local)
+        reads.append(read)
+    local = torch.cat(locals_, dim=2)  # [B, H, T, d_v]
+    read = torch.zeros_like(local) if params.gate is None else torch.cat(reads, dim=2)
+    out = fuse(local, None if params.gate is None else read, params)
+    result = (_unbatched(out, lead), _unbatched(local, lead), _unbatched(read, lead)) if return_parts \
+        else (_unbatched(out, lead),)
+    return (*result, state) if return_state else (result if return_parts else result[0])

@@ -25,8 +25,8 @@ from torch import nn
 from unlimisum.models import compat, wrapping
 from unlimisum.models.architectures import Architecture, architecture_named
 from unlimisum.tensor_cache.cache import find_tensor_cache
-from unlimisum.tensor_cache.scan import tensor_cache_attention
-from unlimisum.tensor_cache.streaming import MemoryParams, MemoryState, band_mask, extend_parts
+from unlimisum.tensor_cache.scan import tensor_cache_attention, tensor_cache_attention_chunked
+from unlimisum.tensor_cache.streaming import band_mask
 
 
 def resolve_architecture(architecture: Architecture | str) -> Architecture:
@@ -130,16 +130,17 @@ class TensorCacheSelfAttention(nn.Module):
 
     def whole_sequence(self, hidden_states: torch.Tensor, memory: ParallelMemory) -> torch.Tensor:
         """The parallel form over a whole sequence (no cache): [B, T, d_model] -> [B, T, d_model]."""
-        q, k, v = self._qkv(hidden_states)  # [B, H, T, dh]
-        if memory.chunk is not None:
-            return self._chunked_sequence(hidden_states, q, k, v, memory)
-        positions = torch.arange(q.shape[2], device=q.device)
-        bias = self.position_bias(positions, positions)
-        out, local, read = tensor_cache_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), memory.window, memory.decay, memory.write_rate,
-            memory.gate_logit, memory.normalize_keys, memory.normalize_read, scale=self.scaling, score_bias=bias,
-            return_parts=True, query_map=memory.query_map, write_gate=memory.write_gate,
-        )  # [B, T, H, dh] each
+        q, k, v = (x.transpose(1, 2) for x in self._qkv(hidden_states))  # [B, T, H, dh]
+        arguments = (q, k, v, memory.window, memory.decay, memory.write_rate, memory.gate_logit, memory.normalize_keys,
+                     memory.normalize_read)
+        options = dict(scale=self.scaling, return_parts=True, query_map=memory.query_map, write_gate=memory.write_gate)
+        if memory.chunk is None:
+            positions = torch.arange(q.shape[1], device=q.device)
+            out, local, read = tensor_cache_attention(*arguments, score_bias=self.position_bias(positions, positions),
+                                                      **options)  # [B, T, H, dh] each
+        else:
+            out, local, read = tensor_cache_attention_chunked(*arguments, chunk=memory.chunk,
+                                                              score_bias=self.position_bias, **options)
         rows, steps = hidden_states.shape[:2]
         output = self._projection("output")
         if memory.projection is None or memory.gate_logit is None:  # tied, or the gate closed
@@ -147,34 +148,6 @@ class TensorCacheSelfAttention(nn.Module):
         gate = torch.sigmoid(memory.gate_logit.to(read.dtype)).expand(self.num_heads)  # [H]
         projected = memory_output(read.transpose(1, 2), gate, memory.projection, hidden_states.dtype)
         return output(local.reshape(rows, steps, -1).to(hidden_states.dtype)) + projected
-
-    def _chunked_sequence(self, hidden_states, q, k, v, memory: ParallelMemory) -> torch.Tensor:
-        """``whole_sequence`` by the streaming extend over blocks of ``memory.chunk`` tokens: the same result, in
-        time and memory linear in T (the dense form scores every query against every key). Differentiable."""
-        gate = None if memory.gate_logit is None else torch.sigmoid(memory.gate_logit).expand(self.num_heads)  # [H]
-        params = MemoryParams(
-            window=memory.window, decay=memory.decay, write_rate=memory.write_rate, gate=gate,
-            normalize_keys=memory.normalize_keys, normalize_read=memory.normalize_read, query_map=memory.query_map,
-            write_gate=memory.write_gate,
-        )
-        state = MemoryState.empty(q.shape[0], k.shape[1], k.shape[-1], v.shape[-1], params, q.dtype, q.device)
-        locals_, reads = [], []
-        for start in range(0, q.shape[2], memory.chunk):
-            block = slice(start, start + memory.chunk)
-            local, read, state = extend_parts(state, q[:, :, block], k[:, :, block], v[:, :, block], params,
-                                              self.scaling, score_bias=self.position_bias)  # [B, H, n, dh] each
-            locals_.append(local)
-            reads.append(read)
-        local = torch.cat(locals_, dim=2)  # [B, H, T, dh]
-        rows, steps = hidden_states.shape[:2]
-        merge = lambda heads: heads.transpose(1, 2).reshape(rows, steps, -1).to(hidden_states.dtype)  # noqa: E731
-        output = self._projection("output")
-        if gate is None:
-            return output(merge(local))
-        read = torch.cat(reads, dim=2)  # [B, H, T, dh]
-        if memory.projection is None:  # tied: out_proj(local + γ r)
-            return output(merge(local.to(read.dtype) + gate.to(read.dtype)[None, :, None, None] * read))
-        return output(merge(local)) + memory_output(read, gate, memory.projection, hidden_states.dtype)
 
 
 class _LocalAttention:

@@ -269,11 +269,16 @@ def extend(state: MemoryState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     in is not modified.
     """
     local, read, new_state = extend_parts(state, q, k, v, params, scale, score_bias, attend)
+    return fuse(local, read, params), new_state
+
+
+def fuse(local: torch.Tensor, read: torch.Tensor | None, params: MemoryParams) -> torch.Tensor:
+    """local + γ r per head (in the read's dtype, returned in local's); read None (closed gate): local itself."""
     if read is None:
-        return local, new_state  # closed gate: exactly the sliding window
+        return local  # closed gate: exactly the sliding window
     if local.dtype == read.dtype:
-        return local + params.gate_view * read, new_state
-    return (local.to(read.dtype) + params.gate_view.to(read.dtype) * read).to(local.dtype), new_state
+        return local + params.gate_view * read
+    return (local.to(read.dtype) + params.gate_view.to(read.dtype) * read).to(local.dtype)
 
 
 def extend_parts(state: MemoryState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, params: MemoryParams,
