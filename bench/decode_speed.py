@@ -1,6 +1,6 @@
 """Decode speed against the truncated baseline and the memory-bandwidth floor, in one run.
 
-    python -m bench.decode_speed [--quick] [--tokens 16384,100000,300000] [--new-tokens 16]
+    python -m bench.decode_speed [--quick] [--tokens 16384,100000,300000] [--new-tokens 16] [--versus float32]
 
 A bart-base-sized model with random weights (weights do not change cost) generates greedily
 from synthetic encoder states of N tokens (bench/index_choice.py), exact index, at k=1,024
@@ -9,8 +9,10 @@ and k=N. In the same process and run:
 - the truncated baseline: the model's own generate() over the first 1,024 encoded states
   (plain cross-attention, no unlimisum), decode only;
 - the floor of an exact step: L decoder layers x one scores pass of the 12 head queries over the
-  whole store by the fastest way this machine has (16-bit matmul, or fp32-widened blocks), plus the
-  baseline's own step;
+  whole store by the fastest way this machine has (16-bit matmul, fp32-widened blocks, or the packed
+  fp16 copy when the store has one), plus the baseline's own step;
+- with --versus KERNEL (e.g. float32), every bart-base row again with that kernel forced, on the same
+  store in the same run: the speed-up of the kernel calibrated here over it;
 - 4 beams at the first N, per-step time against greedy;
 - LED-base's shape (d=768, 6+6 layers, 16,384-token window) at 100k tokens with the paper's
   default k (the window) and unlimisum's (1,024), unless --quick.
@@ -21,6 +23,8 @@ Prints a table and writes bench/results/decode_speed.json.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import time
 
 import torch
@@ -77,8 +81,11 @@ def scores_matmul_seconds(store, n_queries: int) -> float:
     queries16 = queries.to(states.dtype)
     block = store.kernel().block_rows
     best = float("inf")
-    for matmul in (lambda: queries16 @ states.T, lambda: states @ queries16.T,
-                   lambda: kernels.float32_scores(states, queries, block)):
+    ways = [lambda: queries16 @ states.T, lambda: states @ queries16.T,
+            lambda: kernels.float32_scores(states, queries, block)]
+    if store.packed() is not None:
+        ways.append(lambda: store.packed().scores(queries))
+    for matmul in ways:
         matmul()
         for _ in range(3):
             started = time.perf_counter()
@@ -87,7 +94,33 @@ def scores_matmul_seconds(store, n_queries: int) -> float:
     return best
 
 
-def run(n_values: list[int], new_tokens: int, led_tokens: int | None) -> dict:
+@contextlib.contextmanager
+def forced_kernel(name: str | None):
+    """UNLIMISUM_SCORE_KERNEL=name inside (kernels are calibrated per forced name, so both stay cached)."""
+    before = os.environ.get("UNLIMISUM_SCORE_KERNEL")
+    if name:
+        os.environ["UNLIMISUM_SCORE_KERNEL"] = name
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("UNLIMISUM_SCORE_KERNEL", None)
+        else:
+            os.environ["UNLIMISUM_SCORE_KERNEL"] = before
+
+
+def timed_both(loaded, store, k: int, new_tokens: int, versus: str | None, beams: int = 1) -> dict:
+    """Seconds per token and retrieval share with the calibrated kernel and, with ``versus``, that kernel forced."""
+    seconds, share = unlimisum_seconds_per_token(loaded, store, k, new_tokens, beams)
+    out = dict(seconds_per_token=seconds, retrieval_share=share)
+    if versus:
+        with forced_kernel(versus):
+            other, _ = unlimisum_seconds_per_token(loaded, store, k, new_tokens, beams)
+        out.update(versus_kernel=versus, versus_seconds_per_token=other, speedup_vs_versus=other / seconds)
+    return out
+
+
+def run(n_values: list[int], new_tokens: int, led_tokens: int | None, versus: str | None = None) -> dict:
     loaded = random_model("bart-base")
     config = loaded.model.config
     layers, heads, d = config.decoder_layers, config.decoder_attention_heads, config.d_model
@@ -96,24 +129,29 @@ def run(n_values: list[int], new_tokens: int, led_tokens: int | None) -> dict:
     for index, n in enumerate(n_values):
         states = synthetic_states(n, d)
         store = exact_store(states)
+        store.kernel()  # calibrated once, before the packing is timed
+        started = time.perf_counter()
+        packed = store.packed() is not None  # the packed kernel's copies, made here rather than in the first step
+        packing_seconds = time.perf_counter() - started if packed else None
         if baseline is None:
             baseline = truncated_seconds_per_token(loaded, states, new_tokens)
             baseline_beams = truncated_seconds_per_token(loaded, states, new_tokens, beams=4)
         floor = layers * scores_matmul_seconds(store, heads) + baseline
         for k in (1024, n):
-            seconds, share = unlimisum_seconds_per_token(loaded, store, k, new_tokens)
-            rows.append(dict(model="bart-base", n_tokens=n, k=k, beams=1, seconds_per_token=seconds,
-                             retrieval_share=share, floor_seconds=floor, vs_floor=seconds / floor,
-                             vs_baseline_rate=baseline / seconds, kernel=store.kernel().scores))
-            print(f"  N={n:,} k={k:,}: {seconds:.4f} s/token ({1 / seconds:.1f} tokens/s), floor {floor:.4f}",
-                  flush=True)
+            timed = timed_both(loaded, store, k, new_tokens, versus)
+            seconds = timed["seconds_per_token"]
+            rows.append(dict(model="bart-base", n_tokens=n, k=k, beams=1, **timed, floor_seconds=floor,
+                             vs_floor=seconds / floor, vs_baseline_rate=baseline / seconds,
+                             kernel=store.kernel().scores, packing_seconds=packing_seconds))
+            print(f"  N={n:,} k={k:,}: {seconds:.4f} s/token ({1 / seconds:.1f} tokens/s), floor {floor:.4f}"
+                  + (f"; {versus} forced {timed['versus_seconds_per_token']:.4f}" if versus else ""), flush=True)
         if index == 0:
-            seconds, share = unlimisum_seconds_per_token(loaded, store, 1024, new_tokens, beams=4)
+            timed = timed_both(loaded, store, 1024, new_tokens, versus, beams=4)
+            seconds = timed["seconds_per_token"]
             greedy = next(r for r in rows if r["n_tokens"] == n and r["k"] == 1024)["seconds_per_token"]
-            rows.append(dict(model="bart-base", n_tokens=n, k=1024, beams=4, seconds_per_token=seconds,
-                             retrieval_share=share, floor_seconds=None, vs_floor=None,
-                             vs_baseline_rate=baseline_beams / seconds, vs_greedy=seconds / greedy,
-                             kernel=store.kernel().scores))
+            rows.append(dict(model="bart-base", n_tokens=n, k=1024, beams=4, **timed, floor_seconds=None,
+                             vs_floor=None, vs_baseline_rate=baseline_beams / seconds, vs_greedy=seconds / greedy,
+                             kernel=store.kernel().scores, packing_seconds=packing_seconds))
             print(f"  N={n:,} k=1,024 4 beams: {seconds:.4f} s/token = {seconds / greedy:.2f}x greedy", flush=True)
         del store, states
     if led_tokens:
@@ -155,19 +193,24 @@ def main(argv=None) -> dict:
     parser.add_argument("--quick", action="store_true", help="N = 16k only, 6 tokens, no LED row")
     parser.add_argument("--tokens", default=None, help="comma-separated input lengths")
     parser.add_argument("--new-tokens", type=int, default=None)
+    parser.add_argument("--versus", choices=kernels.SCORE_KERNELS, default=None,
+                        help="also time every bart-base row with this kernel forced (same store, same run)")
     args = parser.parse_args(argv)
     n_values = [int(n) for n in args.tokens.split(",")] if args.tokens else (
         [16_384] if args.quick else [16_384, 100_000, 300_000])
     new_tokens = args.new_tokens or (6 if args.quick else 16)
-    result = run(n_values, new_tokens, None if args.quick else 100_000)
+    result = run(n_values, new_tokens, None if args.quick else 100_000, args.versus)
     print(f"\ntruncated baseline (first {BASELINE_WINDOW:,} states): {result['baseline_tokens_per_second']:.1f} tokens/s"
           f"; kernel: {result['kernel_reason']}")
     print_table(
-        ["model", "N", "k", "beams", "s/token", "tokens/s", "retrieval", "floor s", "x floor", "x baseline rate"],
-        [[r["model"], f"{r['n_tokens']:,}", f"{r['k']:,}", r["beams"], f"{r['seconds_per_token']:.4f}",
+        ["model", "N", "k", "beams", "kernel", "s/token", "tokens/s", "retrieval", "floor s", "x floor",
+         "x baseline rate", f"{args.versus or '-'} s/token", "speed-up"],
+        [[r["model"], f"{r['n_tokens']:,}", f"{r['k']:,}", r["beams"], r["kernel"], f"{r['seconds_per_token']:.4f}",
           f"{1 / r['seconds_per_token']:.1f}", f"{r['retrieval_share']:.0%}",
           f"{r['floor_seconds']:.4f}" if r["floor_seconds"] else "-", f"{r['vs_floor']:.2f}" if r["vs_floor"] else "-",
-          f"{r['vs_baseline_rate']:.2f}" if r["vs_baseline_rate"] else "-"] for r in result["runs"]],
+          f"{r['vs_baseline_rate']:.2f}" if r["vs_baseline_rate"] else "-",
+          f"{r['versus_seconds_per_token']:.4f}" if "versus_seconds_per_token" in r else "-",
+          f"{r['speedup_vs_versus']:.2f}" if "speedup_vs_versus" in r else "-"] for r in result["runs"]],
     )
     print("wrote", write_result("decode_speed", result))
     return result

@@ -101,3 +101,18 @@ def test_a_decoder_only_model_gets_its_own_plan(info, tmp_path, family, full_lay
     small = build_tiny_decoder_dir(tmp_path / "small", family, max_positions=256)  # 64 + 257 > 256 positions
     refused = json.loads(info("--json", "--tokens", 1000, "-m", small, "--index-device", "cpu").stdout)["plan"]
     assert refused["positions"].startswith("refused: ") and "lower --window or --max-new-tokens" in refused["positions"]
+
+
+def test_plan_says_when_a_store_would_be_too_large_to_pack(info, tiny_model_dir, monkeypatch):
+    from unlimisum.unlimiformer import kernels, packed
+
+    if not packed.available():
+        pytest.skip("this torch build has no fbgemm fp16 GEMM")
+    monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", "packed")
+    folder = tiny_model_dir("bart")
+    small = json.loads(info("--json", "--tokens", 5000, "-m", folder, "--index-device", "cpu").stdout)["plan"]
+    assert small["retrieval_kernel"].startswith("packed scores")
+    monkeypatch.setattr(packed, "PACKED_MEMORY_FRACTION", 1e-12)
+    large = json.loads(info("--json", "--tokens", 5000, "-m", folder, "--index-device", "cpu").stdout)["plan"]
+    assert large["retrieval_kernel"].startswith("float32 for 5,000 tokens: the packed copies")
+    assert kernels.SCORE_KERNELS == ("native", "float32", "packed")

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from unlimisum.unlimiformer import kernels
+from unlimisum.unlimiformer import packed as packing
 from unlimisum.config import IndexConfig
 from unlimisum.unlimiformer.datastore import DatastoreBuilder, IndexPlan, attention_mass_recall, plan_index
 from unlimisum.errors import ConfigError
@@ -40,11 +41,15 @@ def build(states: torch.Tensor, plan: IndexPlan = CPU, config: IndexConfig = Ind
     return builder.finish()
 
 
-@pytest.fixture(params=["native", "native-tokens-major", "float32"])
+@pytest.fixture(params=["native", "native-tokens-major", "float32", "packed"])
 def kernel(request, monkeypatch):
-    """Every exact test runs with both score kernels and both selection layouts, whichever this machine
-    would pick, and with blocks and gathers small enough that the stores here take several of each."""
+    """Every exact test runs with every score kernel and both selection layouts, whichever this machine
+    would pick, and with blocks, packed slices and gathers small enough that the stores here take several of
+    each."""
     name = request.param.split("-")[0]
+    if name == "packed" and not packing.available():
+        pytest.skip("this torch build has no fbgemm fp16 GEMM (the packed kernel falls back to float32)")
+    monkeypatch.setattr(packing, "SLICE_ROWS", 500)
     monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", name)
     real = kernels.kernel_for
     layout = request.param.endswith("tokens-major")
@@ -203,8 +208,12 @@ def test_kernel_choice_is_measured_and_can_be_forced(monkeypatch):
     assert forced.scores == "float32" and "forced" in forced.reason
     assert kernels.calibrate(torch.device("cpu"), torch.bfloat16, 64, rows=2048, force="native").scores == "native"
     assert kernels.calibrate(torch.device("cpu"), torch.float32, 64, rows=2048, force="native").scores == "float32"
+    packed = kernels.calibrate(torch.device("cpu"), torch.bfloat16, 64, rows=2048, force="packed")
+    assert packed.scores == ("packed" if packing.available() else "float32")
+    assert packed.unpacked().scores == "float32" and packed.unpacked().block_rows == packed.block_rows
+    assert kernels.calibrate(torch.device("cpu"), torch.float32, 64, rows=2048, force="packed").scores == "float32"
     monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", "fastest")
-    with pytest.raises(ValueError, match="native or float32"):
+    with pytest.raises(ValueError, match="native, float32 or packed"):
         kernels.forced_kernel()
 
 
@@ -495,3 +504,27 @@ def test_reused_buffers_work_inside_and_outside_inference_mode():
         torch.testing.assert_close(kernels.float32_scores(states, queries, 128), expected)
     with torch.inference_mode():
         torch.testing.assert_close(kernels.float32_scores(states, queries, 128), expected)
+
+
+@pytest.mark.skipif(not packing.available(), reason="this torch build has no fbgemm fp16 GEMM")
+def test_packed_kernel_packs_only_what_it_can_hold(monkeypatch):
+    """The packed copies are made for a 16-bit CPU store within fp16's range and the memory budget; any other
+    store runs the float32 kernel, with the same results."""
+    monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", "packed")
+    states = clustered_states(1200, 32)
+    queries = queries_near(states, 5) * 0.05
+    store = build(states)
+    unpacked_bytes = store.nbytes
+    assert store.kernel().scores == "packed" and store.packed() is not None
+    assert store.nbytes == unpacked_bytes + packing.packed_bytes(1200, 32)  # the copies are reported with the store
+    expected = reference_attention(store.states(), queries, 1200).float()
+    torch.testing.assert_close(store.attend(queries, 1200), expected, rtol=1e-4, atol=1e-4)
+    huge = states.clone()
+    huge[3, 5] = 1e6  # bfloat16 holds it, fp16 would not
+    beyond_fp16 = build(huge)
+    assert beyond_fp16.packed() is None
+    expected = reference_attention(beyond_fp16.states(), queries, 40).float()
+    torch.testing.assert_close(beyond_fp16.attend(queries, 40), expected, rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(packing, "PACKED_MEMORY_FRACTION", 1e-12)
+    assert build(states).packed() is None
+    assert build(states, config=IndexConfig(storage_dtype="float32")).packed() is None

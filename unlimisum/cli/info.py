@@ -160,10 +160,16 @@ def collect_plan(tokens: int, model: str, index: IndexConfig) -> dict:
     if plan.kind == "exact":  # what an exact step runs here, measured now (~0.3 s)
         import torch
 
+        from unlimisum.unlimiformer import packed
         from unlimisum.unlimiformer.kernels import kernel_for
         from unlimisum.unlimiformer.placement import storage_dtype
 
-        kernel = kernel_for(torch.device(plan.device), storage_dtype(index), d_model).reason
+        choice = kernel_for(torch.device(plan.device), storage_dtype(index), d_model)
+        kernel = choice.reason
+        if choice.scores == "packed" and not packed.memory_allows(tokens, d_model):
+            kernel = (f"float32 for {tokens:,} tokens: the packed copies ({packed.packed_bytes(tokens, d_model) / 2**30:.1f} "
+                      f"GiB) would exceed {packed.PACKED_MEMORY_FRACTION:.1%} of this machine's memory; "
+                      f"for smaller inputs {kernel}")
     return {
         "model_kind": "seq2seq",
         "tokens": tokens,

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from unlimisum.unlimiformer import kernels
+from unlimisum.unlimiformer import packed as packing
 from unlimisum.config import IndexConfig
 from unlimisum.errors import ConfigError
 from unlimisum.unlimiformer.placement import APPROXIMATE_KINDS, IndexPlan, plan_index, storage_dtype, validate_index_config
@@ -126,12 +127,26 @@ class Datastore:
 class TorchExactDatastore(Datastore):
     """Exact search and attention by one streaming pass over a torch tensor (CPU or GPU)."""
 
+    _packed = None  # the packed kernel's copies of the states (kernels.PackedStates), made on first use
+    _packing_checked = False
+
     def kernel(self) -> kernels.KernelChoice:
         """The measured kernel choice for this store's device, dtype and width."""
         return kernels.kernel_for(self._states.device, self.storage_dtype, self.dim)
 
+    def packed(self) -> "kernels.PackedStates | None":
+        """The packed copies the packed kernel reads, made once when that kernel was chosen, the states are
+        within fp16's range and the copies fit their memory budget (unlimisum/unlimiformer/packed.py); else None."""
+        if not self._packing_checked and self.kernel().scores == "packed":
+            self._packing_checked = True
+            if packing.memory_allows(self.n_tokens, self.dim) and packing.packable(self._states):
+                self._packed = kernels.PackedStates(self._states)
+                self.nbytes += packing.packed_bytes(self.n_tokens, self.dim)  # reported with the store from now on
+        return self._packed
+
     def attend(self, queries, k, coverage=None):
-        out = kernels.attend(self._states, queries.detach(), min(k, self.n_tokens), self.kernel(), coverage)
+        out = kernels.attend(self._states, queries.detach(), min(k, self.n_tokens), self.kernel(), coverage,
+                             self.packed())
         return out.to(queries.device)
 
     def view(self, start, end):
@@ -144,7 +159,7 @@ class TorchExactDatastore(Datastore):
     def _search(self, queries, k):
         """Top-k by the kernel's scores; the scores returned are recomputed in fp32 for the ids found."""
         queries = queries.to(self._states.device)  # [nq, d] fp32
-        _, ids = kernels.select(self._states, queries, k, self.kernel())  # [nq, k]
+        _, ids = kernels.select(self._states, queries, k, self.kernel(), self.packed())  # [nq, k]
         exact = torch.einsum("qkd,qd->qk", self._states[ids].float(), queries)  # [nq, k]
         exact, order = exact.sort(dim=1, descending=True)
         return exact, ids.gather(1, order)

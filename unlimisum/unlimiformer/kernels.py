@@ -10,7 +10,7 @@ weighted sum of its top-k stored states. How the store is read:
   either the k winners are gathered (k small next to N) or a second dense pass sums the masked
   softmax over every state (k a large share of N).
 
-Two score kernels, the same result within the documented precision:
+Three score kernels, the same result within the documented precision:
 
 - ``native``: the query is rounded to the storage dtype (on every machine alike) and the
   matmul runs in that dtype with fp32 accumulation; the scores come out rounded to the
@@ -18,13 +18,16 @@ Two score kernels, the same result within the documented precision:
   units (AVX512-BF16/AMX, tensor cores).
 - ``float32``: blocks of the store are widened to fp32 into a reused buffer that stays in cache
   and multiplied with the fp32 query: exact fp32 scores; faster on CPUs without 16-bit units.
+- ``packed`` (CPU, torch builds with fbgemm): the store packed once in fbgemm's fp16 layout, widened in
+  registers, fp32 arithmetic (unlimisum/unlimiformer/packed.py): the float32 kernel's scores within fp32 rounding, at
+  the cost of two packed copies beside the store; a store that cannot be packed runs the float32 kernel.
 
 Which one runs, the block size, the layout the top-k is selected in ([nq, N] scores, or
 [N, nq] from ``states @ queries^T``, the faster matmul orientation on some CPUs), and when a
 dense pass beats gathering are measured on the machine that runs (``calibrate``, once per
-process, device, dtype and width, one to two seconds on two CPU cores), never assumed.
+process, device, dtype and width, one to three seconds on two CPU cores), never assumed.
 The attention weights are the softmax of the kernel's scores in every path; the weighted sum
-of states runs in the storage dtype with the native kernel, in fp32 with the float32 kernel.
+of states runs in the storage dtype with the native kernel, in fp32 with the other two.
 """
 
 from __future__ import annotations
@@ -36,7 +39,10 @@ from dataclasses import dataclass
 
 import torch
 
-SCORE_KERNELS = ("native", "float32")
+from unlimisum.unlimiformer import packed as packing
+from unlimisum.unlimiformer.packed import PackedStates
+
+SCORE_KERNELS = ("native", "float32", "packed")
 # Calibration store: large enough to leave the caches (as real stores do), small enough to time quickly.
 CALIBRATION_ROWS = 32_768
 CALIBRATION_QUERIES = 12  # one greedy step of a 12-head layer, the common case
@@ -54,8 +60,8 @@ TOPK_BLOCK = 16
 class KernelChoice:
     """How exact retrieval runs on one device for one storage dtype and width (see ``calibrate``)."""
 
-    scores: str  # "native" | "float32"
-    block_rows: int  # rows per block of the float32 kernel's widened passes (scores, second dense pass)
+    scores: str  # "native" | "float32" | "packed"
+    block_rows: int  # rows per block of the float32 kernel's widened passes (also for unpacked stores)
     tokens_major: bool  # native top-k selection scores as states @ queries^T ([N, nq]), measured faster
     gather_row_cost: float  # seconds per gathered state (gather + the weighted sum)
     dense_row_cost: float  # seconds per stored state for one dense pass over the store
@@ -64,8 +70,15 @@ class KernelChoice:
 
     @property
     def widens(self) -> bool:
-        """The float32 kernel: 16-bit blocks are widened to fp32 before every matmul."""
+        """The float32 and packed kernels: 16-bit numbers are widened to fp32 before every multiplication."""
         return self.scores != "native"
+
+    def unpacked(self) -> "KernelChoice":
+        """The float32 kernel in place of the packed one, for a store that is not packed."""
+        if self.scores != "packed":
+            return self
+        return KernelChoice("float32", self.block_rows, False, self.gather_row_cost, self.dense_row_cost,
+                            self.reason, self.dense_block_rows)
 
     def dense_is_cheaper(self, n_queries: int, k: int, n_tokens: int) -> bool:
         """Gathering nq*k states costs more than a second dense pass over all N states."""
@@ -76,10 +89,10 @@ _CALIBRATED: dict[tuple, KernelChoice] = {}
 
 
 def forced_kernel() -> str | None:
-    """UNLIMISUM_SCORE_KERNEL=native|float32 forces a kernel (tests, benchmarks); unset: measured."""
+    """UNLIMISUM_SCORE_KERNEL=native|float32|packed forces a kernel (tests, benchmarks); unset: measured."""
     value = os.environ.get("UNLIMISUM_SCORE_KERNEL", "").strip().lower()
     if value and value not in SCORE_KERNELS:
-        raise ValueError(f"UNLIMISUM_SCORE_KERNEL must be native or float32, not {value!r}")
+        raise ValueError(f"UNLIMISUM_SCORE_KERNEL must be native, float32 or packed, not {value!r}")
     return value or None
 
 
@@ -93,33 +106,45 @@ def kernel_for(device: torch.device, dtype: torch.dtype, dim: int) -> KernelChoi
 
 def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str | None = None,
               rows: int = CALIBRATION_ROWS) -> KernelChoice:
-    """Time both score kernels and their block sizes, the one-pass dense attention, a gather and a dense
+    """Time the score kernels and their block sizes, the one-pass dense attention, a gather and a dense
     values pass on a synthetic store, and choose the kernel whose scores and dense pass cost least."""
     device = torch.device(device)
     generator = torch.Generator(device="cpu").manual_seed(0)
     states = torch.randn(rows, dim, generator=generator).to(device, dtype)  # [rows, d]
     queries = torch.randn(CALIBRATION_QUERIES, dim, generator=generator).to(device)  # [nq, d] fp32
     sixteen_bit = dtype != torch.float32
+    can_pack = sixteen_bit and device.type == "cpu" and packing.available()
     plain = {kernel: KernelChoice(kernel, BLOCK_CHOICES[1], False, 0.0, 0.0) for kernel in SCORE_KERNELS}
     score_runs = {f"float32/{block}": (lambda b=block: float32_scores(states, queries, b)) for block in BLOCK_CHOICES}
     if sixteen_bit:
         score_runs["native"] = lambda: native_scores(states, queries)
+    if can_pack and force in (None, "packed"):
+        packed_scores = PackedStates(states, values=False)  # freed after the race: it is as large as the store
+        score_runs["packed"] = lambda: packed_scores.scores(queries)
     timings = _race(score_runs, device)
+    score_runs.clear()
+    packed_scores = None
     block = min(BLOCK_CHOICES, key=lambda b: timings[f"float32/{b}"])
     plain["float32"] = KernelChoice("float32", block, False, 0.0, 0.0)
+    quarter = states[: rows // 4]
+    quarter_packed = PackedStates(quarter) if can_pack and force in (None, "packed") else None
     kernel = "float32"
     if sixteen_bit and force == "native":
         kernel = "native"
+    elif can_pack and force == "packed":
+        kernel = "packed"
     elif sixteen_bit and force is None:
         # on a quarter of the rows (times four): an emulated 16-bit dense pass can take a second at full size
-        quarter = states[: rows // 4]
-        quarters = _race({f"dense/{name}": (lambda c=plain[name]: dense_attention(quarter, queries, c))
-                          for name in SCORE_KERNELS}, device)
-        dense = {name: 4 * seconds for name, seconds in quarters.items()}
+        dense_runs = {f"dense/{name}": (lambda c=plain[name]: dense_attention(quarter, queries, c))
+                      for name in ("native", "float32")}
+        if quarter_packed is not None:
+            dense_runs["dense/packed"] = lambda: quarter_packed.dense_attention(queries)
+        dense = {name: 4 * seconds for name, seconds in _race(dense_runs, device).items()}
         timings.update(dense)
         cost = {name: timings[score] + dense[f"dense/{name}"]
-                for name, score in (("native", "native"), ("float32", f"float32/{block}"))}
-        kernel = "native" if cost["native"] < cost["float32"] else "float32"
+                for name, score in (("native", "native"), ("float32", f"float32/{block}"), ("packed", "packed"))
+                if f"dense/{name}" in dense}
+        kernel = min(cost, key=cost.get)
     tokens_major = False
     if kernel == "native":
         k = max(1, rows // (8 * TOPK_BLOCK))
@@ -129,27 +154,35 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
         tokens_major = layouts["select/tokens-major"] < layouts["select/queries-major"]
         timings.update(layouts)
     # the one-pass dense attention's block: larger blocks pay fewer steps (a few small ops each), smaller ones
-    # stay in cache; measured for the kernel chosen
-    blocks = _race({f"dense/{kernel}/{candidate}":
-                    (lambda c=KernelChoice(kernel, block, tokens_major, 0.0, 0.0, dense_block_rows=candidate):
+    # stay in cache; measured for the kernel chosen (for the packed kernel: for the float32 one that serves a
+    # store that is not packed)
+    blocked = "float32" if kernel == "packed" else kernel
+    blocks = _race({f"dense/{blocked}/{candidate}":
+                    (lambda c=KernelChoice(blocked, block, tokens_major, 0.0, 0.0, dense_block_rows=candidate):
                      dense_attention(states, queries, c)) for candidate in BLOCK_CHOICES}, device)
     timings.update(blocks)
-    dense_block = min(BLOCK_CHOICES, key=lambda b: blocks[f"dense/{kernel}/{b}"])
+    dense_block = min(BLOCK_CHOICES, key=lambda b: blocks[f"dense/{blocked}/{b}"])
     choice = KernelChoice(kernel, block, tokens_major, 0.0, 0.0, dense_block_rows=dense_block)
     ids = torch.randint(0, rows, (CALIBRATION_QUERIES, CALIBRATION_GATHER_ROWS // CALIBRATION_QUERIES),
                         generator=generator).to(device)
     weights = torch.rand(ids.shape, generator=generator).to(device)
+    if kernel == "packed":  # its dense values pass reads the packed copy: timed on the quarter, times four
+        dense_values_run, dense_rows = (lambda: quarter_packed.values(weights.new_zeros(CALIBRATION_QUERIES, rows // 4)),
+                                        rows // 4)
+    else:
+        dense_values_run, dense_rows = (lambda: dense_values(states, weights.new_zeros(CALIBRATION_QUERIES, rows), choice),
+                                        rows)
     costs = _race({"gather": lambda: gathered_attention(states, ids, weights, choice.widens),
-                   "dense values": lambda: dense_values(states, weights.new_zeros(CALIBRATION_QUERIES, rows), choice)},
-                  device)
+                   "dense values": dense_values_run}, device)
     measured = ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in timings.items()
                          if seconds < float("inf"))
-    reason = (f"{kernel} scores{' (forced)' if force else ''}, blocks of {block:,} rows (dense attention "
+    unavailable = " (packed unavailable here)" if force == "packed" and not can_pack else ""
+    reason = (f"{kernel} scores{' (forced)' if force else ''}{unavailable}, blocks of {block:,} rows (dense attention "
               f"{dense_block:,}); measured on {rows:,} x {dim} {str(dtype)[6:]} for {CALIBRATION_QUERIES} queries: "
               f"{measured}")
     return KernelChoice(
         scores=kernel, block_rows=block, tokens_major=tokens_major,
-        gather_row_cost=costs["gather"] / ids.numel(), dense_row_cost=costs["dense values"] / rows,
+        gather_row_cost=costs["gather"] / ids.numel(), dense_row_cost=costs["dense values"] / dense_rows,
         reason=reason, dense_block_rows=dense_block,
     )
 
@@ -363,46 +396,62 @@ def dense_attention(states: torch.Tensor, queries: torch.Tensor, choice: KernelC
 
 
 def attend(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelChoice,
-           coverage: torch.Tensor | None = None) -> torch.Tensor:
+           coverage: torch.Tensor | None = None, packed: PackedStates | None = None) -> torch.Tensor:
     """Exact top-k retrieval attention: queries [nq, d] fp32 (scaling folded in) -> [nq, d] fp32.
 
     Per query: softmax over its k highest scores, times those states. k >= N is dense attention.
-    ``coverage`` [N] fp32, when given, gets every query's attention weights added to it.
+    ``coverage`` [N] fp32, when given, gets every query's attention weights added to it. ``packed``: the
+    store's packed copies, which the packed kernel reads (without them it runs the float32 kernel).
     """
     n, nq = states.shape[0], queries.shape[0]
     queries = queries.to(states.device, torch.float32)
+    if packed is None or choice.scores != "packed":
+        choice, packed = choice.unpacked(), None
     if k >= n:
+        if packed is not None and n > 0:
+            return packed.dense_attention(queries, coverage, keep_bytes=MAX_SCORE_BYTES)
         return dense_attention(states, queries, choice, coverage)
     if nq * n * 4 <= MAX_SCORE_BYTES and choice.dense_is_cheaper(nq, k, n):
-        logits = scores(states, queries, choice)  # [nq, N]
+        logits = scores(states, queries, choice) if packed is None else packed.scores(queries)  # [nq, N]
         keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
         keep.scatter_(1, top_k(logits, k)[1], True)  # exactly the k ids the gather path would take
         weights = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=1, dtype=torch.float32)
         if coverage is not None:
             coverage += weights.sum(dim=0)
-        return dense_values(states, weights, choice)
-    logits, ids = select(states, queries, k, choice)
+        return dense_values(states, weights, choice) if packed is None else packed.values(weights)
+    logits, ids = select(states, queries, k, choice, packed)
     weights = torch.softmax(logits, dim=1, dtype=torch.float32)  # [nq, k]
     if coverage is not None:
         coverage.index_add_(0, ids.reshape(-1), weights.reshape(-1))
     return gathered_attention(states, ids, weights, choice.widens)
 
 
-def select(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelChoice):
+def select(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelChoice,
+           packed: PackedStates | None = None):
     """(scores, ids) [nq, k] of each query's top-k by the kernel's scores, sorted descending.
 
-    One pass over the store; beyond MAX_SCORE_BYTES of scores it goes in slices with a running top-k.
+    One pass over the store; beyond MAX_SCORE_BYTES of scores it goes in slices with a running top-k
+    (with ``packed`` and the packed kernel: in the packed copy's slices).
     """
     n = states.shape[0]
-    step = max(k, MAX_SCORE_BYTES // (queries.shape[0] * 4))
-    best_scores = best_ids = None
+    queries = queries.to(states.device, torch.float32)
+    if packed is None or choice.scores != "packed":
+        choice, packed = choice.unpacked(), None
     tokens_major = choice.tokens_major and choice.scores == "native" and states.dtype != torch.float32
-    for start in range(0, n, step):
-        block = states[start:start + step]
-        if tokens_major:
+    if packed is not None:
+        parts = packed.slice_scores(queries)
+    else:
+        step = max(k, MAX_SCORE_BYTES // (queries.shape[0] * 4))
+        parts = ((start, None) for start in range(0, n, step))
+    best_scores = best_ids = None
+    for start, part in parts:
+        if part is not None:
+            top, ids = top_k(part, min(k, part.shape[1]))
+        elif tokens_major:
+            block = states[start:start + step]
             top, ids = top_k_tokens_major(native_scores_tokens_major(block, queries), min(k, block.shape[0]))
         else:
-            part = scores(block, queries, choice)  # [nq, <=step]
+            part = scores(states[start:start + step], queries, choice)  # [nq, <=step]
             top, ids = top_k(part, min(k, part.shape[1]))
         ids += start
         if best_scores is not None:

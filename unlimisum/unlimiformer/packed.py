@@ -1,0 +1,141 @@
+"""The packed score kernel: the store in fbgemm's fp16 GEMM layout, multiplied in fp32 (CPU only).
+
+On CPUs without 16-bit arithmetic units the float32 kernel widens each block of the 16-bit store to fp32
+in memory before multiplying it. fbgemm's fp16 GEMM (shipped with torch's x86 builds, the engine behind
+``torch.ops.quantized.linear_dynamic_fp16``) reads a matrix packed once in its own fp16 layout and widens
+it in registers instead: fp32 queries times fp32 values of the packed fp16 numbers, accumulated in fp32.
+The scores are the float32 kernel's within fp32 rounding (the sums run in another order).
+
+``PackedStates`` keeps two packed copies of the store, in slices of ``SLICE_ROWS`` rows: the states
+[b, d] (scores: queries @ states^T) and their transpose [d, b] (values: weights @ states). Together
+they take about 2.5 times the 16-bit store's bytes, beside it (the store itself still serves gathers,
+chapter views and coverage), so a store is packed only when the kernel is measured faster
+(``kernels.calibrate``) and the copies fit ``PACKED_MEMORY_FRACTION`` of this machine's memory.
+
+bfloat16 values become fp16 exactly when |x| >= 2^-17 (fp16's 11 significant bits hold bfloat16's 8);
+smaller ones are rounded to fp16's grid of 2^-24, an absolute error below 3e-8. A store holding a value
+beyond fp16's range (|x| > 65504) is not packed.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+SLICE_ROWS = 16_384  # rows per packed slice: bounds the temporaries (packing them); fbgemm blocks for the caches inside
+FP16_MAX = 65504.0
+PACKED_MEMORY_FRACTION = 0.125  # the packed copies of one store may take this share of physical memory
+BYTES_PER_NUMBER = 2.6  # packed copy bytes per stored number, each of the two (measured: 2.54 at d=768)
+
+
+@functools.lru_cache(maxsize=None)
+def available() -> bool:
+    """Whether this torch build has fbgemm's fp16 GEMM (x86 CPU builds do; others fall back)."""
+    try:
+        packed = torch.ops.quantized.linear_prepack_fp16(torch.ones(2, 2), None)
+        return torch.ops.quantized.linear_dynamic_fp16(torch.ones(1, 2), packed).shape == (1, 2)
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+
+
+def packed_bytes(n_tokens: int, dim: int) -> int:
+    """About how many bytes the two packed copies of an [n_tokens, dim] store take."""
+    return int(2 * BYTES_PER_NUMBER * n_tokens * dim)
+
+
+def memory_allows(n_tokens: int, dim: int) -> bool:
+    """The packed copies of an [n_tokens, dim] store fit PACKED_MEMORY_FRACTION of physical memory."""
+    try:
+        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return False
+    return packed_bytes(n_tokens, dim) <= PACKED_MEMORY_FRACTION * physical
+
+
+def packable(states: torch.Tensor) -> bool:
+    """A CPU store of 16-bit numbers within fp16's range, on a torch build with fbgemm."""
+    if states.device.type != "cpu" or states.dtype not in (torch.float16, torch.bfloat16) or not available():
+        return False
+    if states.dtype == torch.float16 or states.numel() == 0:
+        return True
+    low, high = torch.aminmax(states)  # no temporary as large as the store
+    return -FP16_MAX <= float(low) and float(high) <= FP16_MAX
+
+
+class PackedStates:
+    """Two packed fp16 copies of a store [N, d], for scores and for weighted sums of its rows."""
+
+    def __init__(self, states: torch.Tensor, slice_rows: int | None = None, values: bool = True):
+        """Pack ``states`` [N, d] (16-bit, within fp16's range: see ``packable``) in slices of ``slice_rows``
+        (default SLICE_ROWS); ``values=False`` packs only the copy for scores (``values`` and
+        ``dense_attention`` then cannot run)."""
+        slice_rows = slice_rows or SLICE_ROWS
+        self.n_tokens, self.dim = states.shape
+        self.starts = list(range(0, self.n_tokens, slice_rows))
+
+        def pack(start: int):
+            with torch.inference_mode(False):
+                block = states[start:start + slice_rows].float()  # [b, d]
+                rows = torch.ops.quantized.linear_prepack_fp16(block, None)
+                columns = torch.ops.quantized.linear_prepack_fp16(block.T.contiguous(), None) if values else None
+            return rows, columns
+
+        # fbgemm packs on one thread (about 15 ns per number per copy) and lets go of the GIL: slices in parallel
+        workers = min(torch.get_num_threads(), len(self.starts))
+        if workers > 1:
+            with ThreadPoolExecutor(workers) as pool:
+                packed = list(pool.map(pack, self.starts))
+        else:
+            packed = [pack(start) for start in self.starts]
+        self._rows = [rows for rows, _ in packed]
+        self._columns = [columns for _, columns in packed] if values else []
+
+    def slice_scores(self, queries: torch.Tensor):
+        """(start, scores [nq, b] fp32) for every slice of the store, in order; queries [nq, d] fp32."""
+        queries = queries.contiguous()
+        for start, packed in zip(self.starts, self._rows):
+            yield start, torch.ops.quantized.linear_dynamic_fp16(queries, packed)
+
+    def scores(self, queries: torch.Tensor) -> torch.Tensor:
+        """[nq, N] fp32 scores of every query against every stored state."""
+        return torch.cat([part for _, part in self.slice_scores(queries)], dim=1)
+
+    def slice_values(self, index: int, weights: torch.Tensor) -> torch.Tensor:
+        """weights [nq, b] @ the rows of slice ``index`` -> [nq, d] fp32."""
+        return torch.ops.quantized.linear_dynamic_fp16(weights.contiguous(), self._columns[index])
+
+    def values(self, weights: torch.Tensor) -> torch.Tensor:
+        """weights [nq, N] @ states [N, d] -> [nq, d] fp32."""
+        out = weights.new_zeros(weights.shape[0], self.dim)
+        for index, start in enumerate(self.starts):
+            end = self.starts[index + 1] if index + 1 < len(self.starts) else self.n_tokens
+            out += self.slice_values(index, weights[:, start:end])
+        return out
+
+    def dense_attention(self, queries: torch.Tensor, coverage: torch.Tensor | None = None,
+                        keep_bytes: int = 0) -> torch.Tensor:
+        """Softmax over every stored state times the states, queries [nq, d] fp32 -> [nq, d] fp32, under running
+        maxima and sums across slices (the online softmax). ``coverage`` [N] gets every query's weights added;
+        it reuses the scores when they fit ``keep_bytes``, else the slices are scored again."""
+        nq = queries.shape[0]
+        peak = queries.new_full((nq, 1), float("-inf"))
+        total = queries.new_zeros(nq, 1)
+        out = queries.new_zeros(nq, self.dim)
+        kept = [] if coverage is not None and nq * self.n_tokens * 4 <= keep_bytes else None
+        for index, (start, logits) in enumerate(self.slice_scores(queries)):
+            new_peak = torch.maximum(peak, logits.amax(dim=1, keepdim=True))
+            rescale = torch.exp(peak - new_peak)  # [nq, 1]; 0 on the first slice
+            if kept is not None:
+                kept.append((start, logits.clone()))
+            weights = torch.exp(logits.sub_(new_peak))  # [nq, b]
+            total.mul_(rescale).add_(weights.sum(dim=1, keepdim=True))
+            out.mul_(rescale).add_(self.slice_values(index, weights))
+            peak = new_peak
+        out.div_(total)
+        if coverage is not None:
+            for start, logits in kept if kept is not None else self.slice_scores(queries):
+                coverage[start:start + logits.shape[1]] += torch.exp(logits - peak).div_(total).sum(dim=0)
+        return out
