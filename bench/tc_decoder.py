@@ -23,12 +23,13 @@ fed 64 tokens per call):
     tc_own_map       own projection and a query map per head, --no-write-gate
     tc_own_map_gate  tc fit's defaults: own projection, query maps and a write gate per head
 
-fitted on outputs of the longest length (--fit-gap), accuracy of the answers and retained self-attention
-bytes at growing output lengths, and the time of one decoding step (one token, batch 1) of each mode at the
-longest length.
+each fitted in stages (--fit-gap 200,800 --fit-steps 2000,2000): first on shorter outputs, then, continuing
+from there (`tc fit --start`), on outputs of the longest length; accuracy of the answers and retained
+self-attention bytes at growing output lengths, and the time of one decoding step (one token, batch 1) of each
+mode at the longest length.
 
     python -m bench.tc_decoder            # trains the model once (about 10 minutes; cached in bench/.cache/)
-    python -m bench.tc_decoder --jobs 2   # the four fits (12-17 minutes each) two at a time
+    python -m bench.tc_decoder --jobs 2   # the four fits (15-20 minutes each) two at a time
     python -m bench.tc_decoder --quick    # smoke run: a briefly trained model, short outputs
 """
 
@@ -198,17 +199,26 @@ FITS = {"tc_tied": (True, False, False), "tc_own": (False, False, False), "tc_ow
         "tc_own_map_gate": (False, True, True)}
 
 
-def fit(model, task: Task, window: int, gap: int, examples: int, steps: int, name: str, seed: int):
+def fit(model, task: Task, window: int, gaps: list[int], examples: int, steps: list[int], name: str, seed: int):
+    """`tc fit` in stages, shortest outputs first: each stage fits on texts of its gap for its steps, continuing
+    from the stage before (`tc fit --start`). Returns the last stage's report, its "stages" listing every stage."""
     from unlimisum.tensor_cache.fit import FitSettings, fit_tensor_cache
 
     tie, query_map, write_gate = FITS[name]
-    settings = FitSettings(window=window, context=task.output_length(gap), steps=steps, encoder_tokens=task.listed,
-                           tie_projection=tie, query_map=query_map, write_gate=write_gate, seed=seed)
-    started = time.perf_counter()
-    report = fit_tensor_cache(model, tokenizer(), texts(task, examples, gap, seed=1000 + seed), settings=settings,
-                              architecture=model.config.model_type, model_name="tc_decoder bench model")
-    print(f"  [fit {name}] {time.perf_counter() - started:.0f}s, held-out far NLL: "
-          + ", ".join(f"{k} {v['far']:.4f}" for k, v in report.nll.items()), flush=True)
+    report, stages = None, []
+    for stage, (gap, stage_steps) in enumerate(zip(gaps, steps)):
+        settings = FitSettings(window=window, context=task.output_length(gap), steps=stage_steps,
+                               encoder_tokens=task.listed, tie_projection=tie, query_map=query_map,
+                               write_gate=write_gate, seed=seed + stage)
+        started = time.perf_counter()
+        report = fit_tensor_cache(model, tokenizer(), texts(task, examples, gap, seed=1000 + seed + stage),
+                                  settings=settings, architecture=model.config.model_type,
+                                  model_name="tc_decoder bench model", start=report.params if report else None)
+        stages.append({"gap": gap, "context": report.context, "steps": stage_steps, "seconds": round(report.seconds, 1),
+                       "chunk": report.chunk, "nll_held_out": report.nll, "final_loss": report.losses[-1]})
+        print(f"  [fit {name}, stage {stage + 1}: {report.context} tokens] {time.perf_counter() - started:.0f}s, "
+              "held-out far NLL: " + ", ".join(f"{k} {v['far']:.4f}" for k, v in report.nll.items()), flush=True)
+    report.stages = stages
     return report
 
 
@@ -343,9 +353,10 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--window", type=int, default=32)
     parser.add_argument("--gaps", default="100,200,400,800", help="output lengths are gap + 26")
-    parser.add_argument("--fit-gap", type=int, default=800, help="the gap of the texts tc fit learns on (the longest)")
+    parser.add_argument("--fit-gap", default="200,800",
+                        help="the gaps of the texts tc fit learns on, one per stage, shortest first (the last: the longest)")
     parser.add_argument("--fit-examples", type=int, default=200)
-    parser.add_argument("--fit-steps", type=int, default=3000)
+    parser.add_argument("--fit-steps", default="2000,2000", help="optimizer steps of each stage")
     parser.add_argument("--eval-sequences", type=int, default=256)
     parser.add_argument("--timing-steps", type=int, default=32)
     parser.add_argument("--timing-rounds", type=int, default=5)
@@ -361,11 +372,17 @@ def main(argv=None) -> None:
     folder = CACHE / "tc_decoder_model"
     if args.quick:
         task = Task(min_gap=16, max_gap=48)
-        args.train_steps, args.batch, args.gaps, args.fit_gap, args.fit_examples = 150, 16, "48,80", 64, 24
-        args.fit_steps, args.eval_sequences, args.timing_steps, args.timing_rounds, args.real_size = 10, 32, 8, 2, ""
+        args.train_steps, args.batch, args.gaps, args.fit_gap, args.fit_examples = 150, 16, "48,80", "32,64", 24
+        args.fit_steps, args.eval_sequences, args.timing_steps, args.timing_rounds, args.real_size = "5,5", 32, 8, 2, ""
         folder = CACHE / "tc_decoder_model_quick"
     torch.set_num_threads(args.threads)
     gaps = [int(g) for g in args.gaps.split(",")]
+    fit_gaps = [int(g) for g in args.fit_gap.split(",")]
+    fit_steps = [int(s) for s in args.fit_steps.split(",")]
+    if len(fit_steps) == 1:
+        fit_steps *= len(fit_gaps)
+    if len(fit_steps) != len(fit_gaps):
+        parser.error(f"--fit-steps gives {len(fit_steps)} stages, --fit-gap {len(fit_gaps)}")
 
     model, history, train_seconds = trained_model(task, size, args.train_steps, args.batch, args.seed, folder, args.retrain)
     for parameter in model.parameters():
@@ -374,13 +391,14 @@ def main(argv=None) -> None:
     unknown = set(names) - set(FITS)
     if unknown:
         parser.error(f"unknown --fits {', '.join(sorted(unknown))}; choose from {', '.join(FITS)}")
-    reports = fit_all(model, folder, names, args.jobs, args.threads, task=task, window=args.window, gap=args.fit_gap,
-                      examples=args.fit_examples, steps=args.fit_steps, seed=args.seed)
+    reports = fit_all(model, folder, names, args.jobs, args.threads, task=task, window=args.window, gaps=fit_gaps,
+                      examples=args.fit_examples, steps=fit_steps, seed=args.seed)
     modes = {"full": None, "sliding_window": None, **{name: report.params for name, report in reports.items()}}
 
     results = {"task": asdict(task), "size": asdict(size), "window": args.window, "train_steps": args.train_steps,
-               "train_seconds": round(train_seconds, 1), "train_history": history, "fit_gap": args.fit_gap,
-               "fit_examples": args.fit_examples, "fit": {name: report.summary() for name, report in reports.items()},
+               "train_seconds": round(train_seconds, 1), "train_history": history, "fit_gaps": fit_gaps,
+               "fit_steps": fit_steps, "fit_examples": args.fit_examples,
+               "fit": {name: {**report.summary(), "stages": report.stages} for name, report in reports.items()},
                "accuracy": {}, "machine": machine()}
     for gap in gaps:
         row = results["accuracy"][str(task.output_length(gap))] = {}

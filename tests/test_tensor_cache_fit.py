@@ -112,6 +112,35 @@ def test_fitted_parameters_drive_generate(tiny_loaded, tmp_path):
         assert out.shape[1] >= 20 and session.retained_bytes() > 0
 
 
+def test_a_fit_continues_from_a_file_of_this_model(tiny_loaded, tmp_path):
+    """start=: every fitted tensor begins where the earlier fit ended (zero steps give it back unchanged), and
+    all of them move on; a file of another shape is refused, naming what does not fit."""
+    from dataclasses import replace
+
+    from unlimisum.tensor_cache import save_params
+
+    loaded = tiny_loaded("bart")
+    first = fit_tensor_cache(loaded.model, loaded.tokenizer, TEXTS, settings=QUICK, architecture=loaded.architecture)
+    save_params(first.params, tmp_path / "first.safetensors")
+    earlier = load_params(tmp_path / "first.safetensors")
+    names = ("decay_logit", "write_logit", "gate_logit", "memory_projection", "memory_query_map", "memory_write_gate")
+    unchanged = fit_tensor_cache(loaded.model, loaded.tokenizer, TEXTS, settings=replace(QUICK, steps=0),
+                                 architecture=loaded.architecture, start=earlier).params
+    for name in names:
+        torch.testing.assert_close(getattr(unchanged, name), getattr(first.params, name), rtol=0, atol=0)
+    moved = fit_tensor_cache(loaded.model, loaded.tokenizer, TEXTS, settings=QUICK, architecture=loaded.architecture,
+                             start=earlier).params
+    for name in names:
+        assert not torch.equal(getattr(moved, name), getattr(first.params, name)), name
+    with pytest.raises(ConfigError, match="query map of shape"):
+        bad = replace(earlier, memory_query_map=earlier.memory_query_map[:, :, :2, :2])
+        fit_tensor_cache(loaded.model, loaded.tokenizer, TEXTS, settings=QUICK, architecture=loaded.architecture,
+                         start=bad)
+    with pytest.raises(ConfigError, match="gate_logit of shape"):
+        fit_tensor_cache(loaded.model, loaded.tokenizer, TEXTS, settings=replace(QUICK, gate="head"),
+                         architecture=loaded.architecture, start=earlier)
+
+
 def test_fit_explains_too_little_text(tiny_loaded):
     loaded = tiny_loaded("bart")
     with pytest.raises(ConfigError, match="at least 2"):
@@ -170,3 +199,28 @@ def test_tc_fit_command_refuses_a_chunk_it_cannot_use(tiny_model_dir, tmp_path):
         ])
         assert result.exit_code == 2, result.output
         assert "--chunk must be" in result.output and not (tmp_path / "tc.safetensors").exists()
+
+
+def test_tc_fit_command_continues_from_a_file(tiny_model_dir, tmp_path):
+    """--start FILE: the fit goes on from an earlier one of the same model; one of another model is refused."""
+    text = tmp_path / "book.txt"
+    text.write_text(SAMPLE_TEXT * 4)
+
+    def fit(folder, out, *extra):
+        return CliRunner().invoke(app, [
+            "tc", "fit", "--model", str(folder), "--text", str(text), "--text", str(text), "--window", "6",
+            "--context", "24", "--steps", "2", "--batch-size", "2", "--encoder-tokens", "12", "--device", "cpu",
+            "--out", str(out), *extra,
+        ])
+
+    bart = tiny_model_dir("bart")
+    assert fit(bart, tmp_path / "first.safetensors").exit_code == 0
+    result = fit(bart, tmp_path / "second.safetensors", "--start", str(tmp_path / "first.safetensors"))
+    assert result.exit_code == 0, result.output
+    first, second = load_params(tmp_path / "first.safetensors"), load_params(tmp_path / "second.safetensors")
+    assert second.memory_write_gate.shape == first.memory_write_gate.shape
+    assert not torch.equal(second.memory_write_gate, first.memory_write_gate)
+    refused = fit(tiny_model_dir("t5"), tmp_path / "t5.safetensors", "--start", str(tmp_path / "first.safetensors"))
+    assert refused.exit_code == 2 and "fitted on a bart model" in refused.output
+    missing = fit(bart, tmp_path / "third.safetensors", "--start", str(tmp_path / "none.safetensors"))
+    assert missing.exit_code != 0 and "none.safetensors" in missing.output

@@ -93,6 +93,11 @@ def fit(
         "float32", "--dtype", metavar="DTYPE", help="Model dtype while fitting (float32 recommended)."
     ),
     seed: int = typer.Option(0, "--seed", metavar="N", help="Block order."),
+    start: Optional[Path] = typer.Option(
+        None, "--start", metavar="FILE",
+        help="Continue from this parameter file (an earlier tc fit of the same model), e.g. fitted on shorter "
+             "outputs first, instead of the usual starting values.",
+    ),
     password: Optional[str] = typer.Option(None, "--password", metavar="TEXT", help="Password for encrypted PDFs."),
     as_json: bool = typer.Option(False, "--json", help="Print the numbers as one JSON object on stdout."),
 ) -> None:
@@ -103,7 +108,7 @@ def fit(
     from unlimisum.ingest import read_document
     from unlimisum.models import load_model
     from unlimisum.tensor_cache.fit import FitSettings, fit_tensor_cache, nll_summary
-    from unlimisum.tensor_cache.params import save_params
+    from unlimisum.tensor_cache.params import load_params, save_params
 
     try:
         settings = FitSettings(
@@ -114,8 +119,11 @@ def fit(
             write_gate=write_gate, write_gate_learning_rate=write_gate_lr, chunk=_chunk_setting(chunk),
         )
         documents = [read_document(path, password=password) for path in texts]
+        started = load_params(start) if start is not None else None
         typer.echo(f"unlimisum: loading {model}", err=True)
         loaded = load_model(ModelConfig(name=model, device=device, dtype=dtype))
+        if started is not None and started.model_type and started.model_type != loaded.model.config.model_type:
+            raise ConfigError(f"{start}: fitted on a {started.model_type} model, not {loaded.model.config.model_type}")
         torch.manual_seed(seed)
         every = max(1, steps // 10)
 
@@ -125,7 +133,7 @@ def fit(
 
         report = fit_tensor_cache(
             loaded.model, loaded.tokenizer, [document.text for document in documents], window,
-            architecture=loaded.architecture, settings=settings, model_name=model, progress=progress,
+            architecture=loaded.architecture, settings=settings, model_name=model, progress=progress, start=started,
         )
         save_params(report.params, out)
     except ConfigError as error:  # options that do not fit together or do not fit the model

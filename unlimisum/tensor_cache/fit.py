@@ -23,6 +23,10 @@ tokens, so the decoder cannot copy the far past from the cross-attention.
 The loss is the mean NLL over far positions (t >= W, where L2 holds something; nearer positions
 do not depend on the parameters). The report compares, on held-out blocks, the NLL of the full
 cache, the plain sliding window (gate closed) and the fitted Tensor Cache, near and far.
+
+A fit can continue from an earlier one (``start``; `tc fit --start`). Fitted first on short blocks,
+where the rare far-dependent tokens are a larger share of the loss, and then on blocks as long as the
+outputs to be generated, the memory learns what to keep first and then how long to keep it.
 """
 
 from __future__ import annotations
@@ -190,6 +194,25 @@ def _fastest_form(model, wrappers, batch: list[_Block], window: int, context: in
     return min(times, key=times.get)
 
 
+def _check_start(start: TensorCacheParams, fresh: TensorCacheParams) -> None:
+    """A fit to continue from must have this model's layers, KV heads and gates."""
+    for name in ("decay_logit", "write_logit", "gate_logit"):
+        have, want = getattr(start, name).shape, getattr(fresh, name).shape
+        if have != want:
+            raise ConfigError(f"the Tensor Cache file to continue from has {name} of shape {list(have)}; "
+                              f"this model and --gate need {list(want)}")
+
+
+def _parameter(started: torch.Tensor | None, fresh: torch.Tensor, name: str) -> nn.Parameter:
+    """A fitted tensor: from the fit continued from when it has one (of the fresh one's shape), else fresh."""
+    if started is None:
+        return nn.Parameter(fresh.clone())
+    if started.shape != fresh.shape:
+        raise ConfigError(f"the Tensor Cache file to continue from has a {name} of shape {list(started.shape)}; "
+                          f"this model needs {list(fresh.shape)}")
+    return nn.Parameter(started.float().clone().to(fresh.device))
+
+
 def _evaluate(model, wrappers, blocks, window, chunk, batch_size, memory) -> dict:
     """Mean NLL at t < W and t >= W over ``blocks``; memory: None = full attention, else _set_memory args."""
     near, far = [], []
@@ -208,14 +231,15 @@ def _evaluate(model, wrappers, blocks, window, chunk, batch_size, memory) -> dic
 
 def fit_tensor_cache(model: nn.Module, tokenizer, texts: list[str], window: int | None = None, *,
                      architecture: Architecture | str | None = None, settings: FitSettings | None = None,
-                     model_name: str = "", progress=None) -> FitReport:
+                     model_name: str = "", progress=None, start: TensorCacheParams | None = None) -> FitReport:
     """Learn λ, η (per KV head), g (per layer or head) and, as ``settings`` ask, the memory projections, query
     maps and write gates of a frozen model on ``texts``.
 
     ``window`` overrides ``settings.window``. ``progress(step, steps, loss)`` is called after each
-    step. The model's weights are not changed (they are frozen during fitting and their
-    requires_grad flags and train/eval mode are restored); returns a FitReport whose ``params``
-    go to ``save_params``.
+    step. ``start``: a fit to continue from (its λ, η, gates, and the projections, query maps and write
+    gates it has and ``settings`` ask for) instead of the usual starting values. The model's weights are
+    not changed (they are frozen during fitting and their requires_grad flags and train/eval mode are
+    restored); returns a FitReport whose ``params`` go to ``save_params``.
     """
     settings = settings or FitSettings()
     if window is not None:
@@ -254,24 +278,26 @@ def fit_tensor_cache(model: nn.Module, tokenizer, texts: list[str], window: int 
                 len(wrappers), kv_heads, window, gate_heads=heads if settings.gate == "head" else 1,
                 gate_logit=settings.init_gate_logit, normalize_read=settings.normalize_read,
             )
+            if start is not None:
+                _check_start(start, initial)
+                initial = start
             device = next(model.parameters()).device
             decay_logit = nn.Parameter(initial.decay_logit.clone().to(device))
             write_logit = nn.Parameter(initial.write_logit.clone().to(device))
             gate_logit = nn.Parameter(initial.gate_logit.clone().to(device))
             groups = [{"params": [decay_logit, write_logit, gate_logit], "lr": settings.learning_rate}]
-            projections = None
-            if not settings.tie_projection:  # start from out_proj: the tied model, whatever the gate
-                projections = nn.Parameter(torch.stack([
-                    wrapper._projection("output").weight.detach().float() for wrapper in wrappers
-                ]))  # [L, d_model, H d_v]
+            projections = query_maps = write_gates = None
+            if not settings.tie_projection:  # fresh: out_proj, the tied model whatever the gate
+                fresh = torch.stack([wrapper._projection("output").weight.detach().float() for wrapper in wrappers])
+                projections = _parameter(initial.memory_projection, fresh, "memory projection")  # [L, d_model, H d_v]
                 groups.append({"params": [projections], "lr": settings.projection_learning_rate})
-            query_maps = None
-            if settings.query_map:  # identity: the layer's own queries, as without a map
-                query_maps = nn.Parameter(torch.eye(head_dim, device=device).expand(len(wrappers), heads, head_dim, head_dim).clone())
+            if settings.query_map:  # fresh: identity, the layer's own queries as without a map
+                fresh = torch.eye(head_dim, device=device).expand(len(wrappers), heads, head_dim, head_dim)
+                query_maps = _parameter(initial.memory_query_map, fresh, "query map")  # [L, H, d_k, d_k]
                 groups.append({"params": [query_maps], "lr": settings.query_map_learning_rate})
-            write_gates = None
-            if settings.write_gate:  # u = 0, c = 0: strength 2 sigmoid(0) = 1 for every key, as without a gate
-                write_gates = nn.Parameter(torch.zeros(len(wrappers), kv_heads, head_dim + 1, device=device))
+            if settings.write_gate:  # fresh: u = 0, c = 0, strength 2 sigmoid(0) = 1 for every key, as without a gate
+                fresh = torch.zeros(len(wrappers), kv_heads, head_dim + 1, device=device)
+                write_gates = _parameter(initial.memory_write_gate, fresh, "write gate")  # [L, H_kv, d_k + 1]
                 groups.append({"params": [write_gates], "lr": settings.write_gate_learning_rate})
             optimizer = torch.optim.Adam(groups)
             generator = torch.Generator().manual_seed(settings.seed)
