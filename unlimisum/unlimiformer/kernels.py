@@ -431,15 +431,16 @@ def select(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelCh
     """(scores, ids) [nq, k] of each query's top-k by the kernel's scores, sorted descending.
 
     One pass over the store; beyond MAX_SCORE_BYTES of scores it goes in slices with a running top-k
-    (with ``packed`` and the packed kernel: in the packed copy's slices).
+    (with ``packed`` and the packed kernel: in the packed copy's slices, merged likewise).
     """
     n = states.shape[0]
     queries = queries.to(states.device, torch.float32)
     if packed is None or choice.scores != "packed":
         choice, packed = choice.unpacked(), None
     tokens_major = choice.tokens_major and choice.scores == "native" and states.dtype != torch.float32
-    if packed is not None:
-        parts = packed.slice_scores(queries)
+    if packed is not None:  # all scores at once while they fit: one top-k over the whole row is cheapest
+        whole = queries.shape[0] * n * 4 <= MAX_SCORE_BYTES
+        parts = [(0, packed.scores(queries))] if whole else packed.slice_scores(queries)
     else:
         step = max(k, MAX_SCORE_BYTES // (queries.shape[0] * 4))
         parts = ((start, None) for start in range(0, n, step))

@@ -101,7 +101,10 @@ class PackedStates:
 
     def scores(self, queries: torch.Tensor) -> torch.Tensor:
         """[nq, N] fp32 scores of every query against every stored state."""
-        return torch.cat([part for _, part in self.slice_scores(queries)], dim=1)
+        out = queries.new_empty(queries.shape[0], self.n_tokens)
+        for start, part in self.slice_scores(queries):
+            out[:, start:start + part.shape[1]] = part
+        return out
 
     def slice_values(self, index: int, weights: torch.Tensor) -> torch.Tensor:
         """weights [nq, b] @ the rows of slice ``index`` -> [nq, d] fp32."""
