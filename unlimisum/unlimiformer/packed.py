@@ -8,8 +8,8 @@ The scores are the float32 kernel's within fp32 rounding (the sums run in anothe
 
 ``PackedStates`` keeps two packed copies of the store, in slices of ``SLICE_ROWS`` rows: the states
 [b, d] (scores: queries @ states^T) and their transpose [d, b] (values: weights @ states). Together
-they take about 2.5 times the 16-bit store's bytes, beside it (the store itself still serves gathers,
-chapter views and coverage), so a store is packed only when the kernel is measured faster
+they take about 2.5 times the 16-bit store's bytes, beside it (the store itself still serves gathers
+and chapter views), so a store is packed only when the kernel is measured faster
 (``kernels.calibrate``) and the copies fit ``PACKED_MEMORY_FRACTION`` of this machine's memory.
 
 bfloat16 values become fp16 exactly when |x| >= 2^-17 (fp16's 11 significant bits hold bfloat16's 8);
