@@ -507,7 +507,7 @@ def test_reused_buffers_work_inside_and_outside_inference_mode():
 
 
 @pytest.mark.skipif(not packing.available(), reason="this torch build has no fbgemm fp16 GEMM")
-def test_packed_kernel_packs_only_what_it_can_hold(monkeypatch):
+def test_packed_kernel_packs_only_what_it_can_hold(monkeypatch, tmp_path):
     """The packed copies are made for a 16-bit CPU store within fp16's range and the memory budget; any other
     store runs the float32 kernel, with the same results."""
     monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", "packed")
@@ -527,4 +527,13 @@ def test_packed_kernel_packs_only_what_it_can_hold(monkeypatch):
     torch.testing.assert_close(beyond_fp16.attend(queries, 40), expected, rtol=1e-4, atol=1e-4)
     monkeypatch.setattr(packing, "PACKED_MEMORY_FRACTION", 1e-12)
     assert build(states).packed() is None
+    monkeypatch.undo()
+    monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", "packed")
+    limit = tmp_path / "memory.max"  # a container allowed less than the copies' eight times
+    limit.write_text(f"{8 * packing.packed_bytes(1200, 32) - 1}\n")
+    monkeypatch.setattr(packing, "CGROUP_LIMIT_FILES", (str(tmp_path / "absent"), str(limit)))
+    assert packing.usable_memory() == 8 * packing.packed_bytes(1200, 32) - 1
+    assert build(states).packed() is None
+    limit.write_text("max\n")  # no limit: physical memory decides
+    assert build(states).packed() is not None
     assert build(states, config=IndexConfig(storage_dtype="float32")).packed() is None

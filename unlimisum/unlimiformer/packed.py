@@ -10,7 +10,8 @@ The scores are the float32 kernel's within fp32 rounding (the sums run in anothe
 [b, d] (scores: queries @ states^T) and their transpose [d, b] (values: weights @ states). Together
 they take about 2.5 times the 16-bit store's bytes, beside it (the store itself still serves gathers
 and chapter views), so a store is packed only when the kernel is measured faster
-(``kernels.calibrate``) and the copies fit ``PACKED_MEMORY_FRACTION`` of this machine's memory.
+(``kernels.calibrate``) and the copies fit ``PACKED_MEMORY_FRACTION`` of this machine's memory (or of
+the container's limit, when lower).
 
 bfloat16 values become fp16 exactly when |x| >= 2^-17 (fp16's 11 significant bits hold bfloat16's 8);
 smaller ones are rounded to fp16's grid of 2^-24, an absolute error below 3e-8. A store holding a value
@@ -46,13 +47,31 @@ def packed_bytes(n_tokens: int, dim: int) -> int:
     return int(2 * BYTES_PER_NUMBER * n_tokens * dim)
 
 
-def memory_allows(n_tokens: int, dim: int) -> bool:
-    """The packed copies of an [n_tokens, dim] store fit PACKED_MEMORY_FRACTION of physical memory."""
+# where a container's memory limit is written (cgroup v2, then v1); "max" or a huge number: no limit
+CGROUP_LIMIT_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+
+
+def usable_memory() -> int | None:
+    """Bytes this process may use: physical memory, or the container's limit when that is lower."""
     try:
-        physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        usable = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
-        return False
-    return packed_bytes(n_tokens, dim) <= PACKED_MEMORY_FRACTION * physical
+        return None
+    for path in CGROUP_LIMIT_FILES:
+        try:
+            with open(path) as file:
+                text = file.read().strip()
+        except OSError:
+            continue
+        if text.isdigit():
+            usable = min(usable, int(text))
+    return usable
+
+
+def memory_allows(n_tokens: int, dim: int) -> bool:
+    """The packed copies of an [n_tokens, dim] store fit PACKED_MEMORY_FRACTION of the usable memory."""
+    usable = usable_memory()
+    return usable is not None and packed_bytes(n_tokens, dim) <= PACKED_MEMORY_FRACTION * usable
 
 
 def packable(states: torch.Tensor) -> bool:
