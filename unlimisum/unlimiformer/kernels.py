@@ -138,7 +138,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
         dense_runs = {f"dense/{name}": (lambda c=plain[name]: dense_attention(quarter, queries, c))
                       for name in ("native", "float32")}
         if quarter_packed is not None:
-            dense_runs["dense/packed"] = lambda: quarter_packed.dense_attention(queries)
+            dense_runs["dense/packed"] = lambda: dense_attention(quarter, queries, plain["packed"], packed=quarter_packed)
         dense = {name: 4 * seconds for name, seconds in _race(dense_runs, device).items()}
         timings.update(dense)
         cost = {name: timings[score] + dense[f"dense/{name}"]
@@ -351,9 +351,10 @@ def dense_values(states: torch.Tensor, weights: torch.Tensor, choice: KernelChoi
 
 
 def dense_attention(states: torch.Tensor, queries: torch.Tensor, choice: KernelChoice,
-                    coverage: torch.Tensor | None = None) -> torch.Tensor:
-    """Softmax over every stored state times the states, in one pass: each block of the store is scored
-    and summed while it is in cache, under running maxima and sums (the online softmax).
+                    coverage: torch.Tensor | None = None, packed: PackedStates | None = None) -> torch.Tensor:
+    """Softmax over every stored state times the states, in one pass: each block of the store (or each slice
+    of its ``packed`` copies) is scored and summed while it is in cache, under running maxima and sums (the
+    online softmax).
 
     queries [nq, d] fp32 -> [nq, d] fp32. ``coverage`` [N] gets every query's weights added; it reuses the
     scores when they fit in MAX_SCORE_BYTES, else a second scoring pass computes them.
@@ -361,36 +362,52 @@ def dense_attention(states: torch.Tensor, queries: torch.Tensor, choice: KernelC
     n, nq = states.shape[0], queries.shape[0]
     if n == 0:  # nothing to attend to: no weights, a zero sum (not 0/0)
         return queries.new_zeros(nq, states.shape[1])
-    native = not choice.widens and states.dtype != torch.float32
-    keep_scores = coverage is not None and nq * n * 4 <= MAX_SCORE_BYTES
-    kept = queries.new_empty(nq, n) if keep_scores else None  # [nq, N]
-    q16 = queries.to(states.dtype) if native else None
-    peak = queries.new_full((nq, 1), float("-inf"))  # running maximum score per query
-    total = queries.new_zeros(nq, 1)  # running sum of exp(score - peak)
-    out = queries.new_zeros(nq, states.shape[1])  # running sum of exp(score - peak) * state
+    if packed is not None:
+        parts = ((start, logits, lambda weights, i=index: packed.slice_values(i, weights))
+                 for index, (start, logits) in enumerate(packed.slice_scores(queries)))
+        return _online_softmax(parts, queries, states.shape[1], n, coverage, lambda: packed.slice_scores(queries))
     block = choice.dense_block_rows or choice.block_rows
-    for start in range(0, n, block):
+    rescored = lambda: ((start, scores(states[start:start + block], queries, choice).float())  # noqa: E731
+                        for start in range(0, n, block))
+    return _online_softmax(_dense_blocks(states, queries, choice, block), queries, states.shape[1], n, coverage,
+                           rescored)
+
+
+def _dense_blocks(states: torch.Tensor, queries: torch.Tensor, choice: KernelChoice, block: int):
+    """(start, logits [nq, b] fp32, weighted sum of the block's rows) for each block of the store, scored by the
+    native kernel in the storage dtype or from rows widened into the reused buffer."""
+    native = not choice.widens and states.dtype != torch.float32
+    q16 = queries.to(states.dtype) if native else None
+    for start in range(0, states.shape[0], block):
         rows = states[start:start + block]  # [b, d]
         if native:
-            logits = (q16 @ rows.T).float()  # [nq, b]
+            yield start, (q16 @ rows.T).float(), lambda weights, r=rows: (weights.to(r.dtype) @ r).float()
         else:
-            rows = _widened(rows)
-            logits = queries @ rows.T
+            rows = _widened(rows)  # valid until the next block is widened: the sum is taken before that
+            yield start, queries @ rows.T, lambda weights, r=rows: weights @ r
+
+
+def _online_softmax(parts, queries: torch.Tensor, dim: int, n: int, coverage: torch.Tensor | None,
+                    rescored) -> torch.Tensor:
+    """sum_i softmax(logits)_i rows_i over ``parts`` (start, logits [nq, b], weighted_sum(weights) -> [nq, d]),
+    kept as running maxima and sums; coverage from the logits kept, or from ``rescored()`` (start, logits)."""
+    nq = queries.shape[0]
+    kept = [] if coverage is not None and nq * n * 4 <= MAX_SCORE_BYTES else None
+    peak = queries.new_full((nq, 1), float("-inf"))  # running maximum score per query
+    total = queries.new_zeros(nq, 1)  # running sum of exp(score - peak)
+    out = queries.new_zeros(nq, dim)  # running sum of exp(score - peak) * state
+    for start, logits, weighted_sum in parts:
         if kept is not None:
-            kept[:, start:start + rows.shape[0]] = logits
+            kept.append((start, logits.clone()))
         new_peak = torch.maximum(peak, logits.amax(dim=1, keepdim=True))
         rescale = torch.exp(peak - new_peak)  # [nq, 1]; 0 on the first block
         weights = torch.exp(logits.sub_(new_peak))  # [nq, b]
         total.mul_(rescale).add_(weights.sum(dim=1, keepdim=True))
-        if native:
-            out.mul_(rescale).add_((weights.to(states.dtype) @ rows).float())
-        else:
-            out.mul_(rescale).addmm_(weights, rows)
+        out.mul_(rescale).add_(weighted_sum(weights))
         peak = new_peak
     out.div_(total)
     if coverage is not None:
-        for start in range(0, n, block if kept is None else n):
-            logits = kept if kept is not None else scores(states[start:start + block], queries, choice).float()
+        for start, logits in kept if kept is not None else rescored():
             coverage[start:start + logits.shape[1]] += torch.exp(logits - peak).div_(total).sum(dim=0)
     return out
 
@@ -408,9 +425,7 @@ def attend(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelCh
     if packed is None or choice.scores != "packed":
         choice, packed = choice.unpacked(), None
     if k >= n:
-        if packed is not None and n > 0:
-            return packed.dense_attention(queries, coverage, keep_bytes=MAX_SCORE_BYTES)
-        return dense_attention(states, queries, choice, coverage)
+        return dense_attention(states, queries, choice, coverage, packed)
     if nq * n * 4 <= MAX_SCORE_BYTES and choice.dense_is_cheaper(nq, k, n):
         logits = scores(states, queries, choice) if packed is None else packed.scores(queries)  # [nq, N]
         keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)

@@ -90,7 +90,7 @@ class PackedStates:
     def __init__(self, states: torch.Tensor, slice_rows: int | None = None, values: bool = True):
         """Pack ``states`` [N, d] (16-bit, within fp16's range: see ``packable``) in slices of ``slice_rows``
         (default SLICE_ROWS); ``values=False`` packs only the copy for scores (``values`` and
-        ``dense_attention`` then cannot run)."""
+        ``slice_values`` then cannot run)."""
         slice_rows = slice_rows or SLICE_ROWS
         self.n_tokens, self.dim = states.shape
         self.starts = list(range(0, self.n_tokens, slice_rows))
@@ -135,29 +135,4 @@ class PackedStates:
         for index, start in enumerate(self.starts):
             end = self.starts[index + 1] if index + 1 < len(self.starts) else self.n_tokens
             out += self.slice_values(index, weights[:, start:end])
-        return out
-
-    def dense_attention(self, queries: torch.Tensor, coverage: torch.Tensor | None = None,
-                        keep_bytes: int = 0) -> torch.Tensor:
-        """Softmax over every stored state times the states, queries [nq, d] fp32 -> [nq, d] fp32, under running
-        maxima and sums across slices (the online softmax). ``coverage`` [N] gets every query's weights added;
-        it reuses the scores when they fit ``keep_bytes``, else the slices are scored again."""
-        nq = queries.shape[0]
-        peak = queries.new_full((nq, 1), float("-inf"))
-        total = queries.new_zeros(nq, 1)
-        out = queries.new_zeros(nq, self.dim)
-        kept = [] if coverage is not None and nq * self.n_tokens * 4 <= keep_bytes else None
-        for index, (start, logits) in enumerate(self.slice_scores(queries)):
-            new_peak = torch.maximum(peak, logits.amax(dim=1, keepdim=True))
-            rescale = torch.exp(peak - new_peak)  # [nq, 1]; 0 on the first slice
-            if kept is not None:
-                kept.append((start, logits.clone()))
-            weights = torch.exp(logits.sub_(new_peak))  # [nq, b]
-            total.mul_(rescale).add_(weights.sum(dim=1, keepdim=True))
-            out.mul_(rescale).add_(self.slice_values(index, weights))
-            peak = new_peak
-        out.div_(total)
-        if coverage is not None:
-            for start, logits in kept if kept is not None else self.slice_scores(queries):
-                coverage[start:start + logits.shape[1]] += torch.exp(logits - peak).div_(total).sum(dim=0)
         return out
