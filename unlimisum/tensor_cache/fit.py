@@ -194,15 +194,6 @@ def _fastest_form(model, wrappers, batch: list[_Block], window: int, context: in
     return min(times, key=times.get)
 
 
-def _check_start(start: TensorCacheParams, fresh: TensorCacheParams) -> None:
-    """A fit to continue from must have this model's layers, KV heads and gates."""
-    for name in ("decay_logit", "write_logit", "gate_logit"):
-        have, want = getattr(start, name).shape, getattr(fresh, name).shape
-        if have != want:
-            raise ConfigError(f"the Tensor Cache file to continue from has {name} of shape {list(have)}; "
-                              f"this model and --gate need {list(want)}")
-
-
 def _parameter(started: torch.Tensor | None, fresh: torch.Tensor, name: str) -> nn.Parameter:
     """A fitted tensor: from the fit continued from when it has one (of the fresh one's shape), else fresh."""
     if started is None:
@@ -278,26 +269,24 @@ def fit_tensor_cache(model: nn.Module, tokenizer, texts: list[str], window: int 
                 len(wrappers), kv_heads, window, gate_heads=heads if settings.gate == "head" else 1,
                 gate_logit=settings.init_gate_logit, normalize_read=settings.normalize_read,
             )
-            if start is not None:
-                _check_start(start, initial)
-                initial = start
             device = next(model.parameters()).device
-            decay_logit = nn.Parameter(initial.decay_logit.clone().to(device))
-            write_logit = nn.Parameter(initial.write_logit.clone().to(device))
-            gate_logit = nn.Parameter(initial.gate_logit.clone().to(device))
+            from_start = lambda name: None if start is None else getattr(start, name)  # noqa: E731
+            decay_logit = _parameter(from_start("decay_logit"), initial.decay_logit.to(device), "decay_logit")
+            write_logit = _parameter(from_start("write_logit"), initial.write_logit.to(device), "write_logit")
+            gate_logit = _parameter(from_start("gate_logit"), initial.gate_logit.to(device), "gate_logit")  # G: --gate
             groups = [{"params": [decay_logit, write_logit, gate_logit], "lr": settings.learning_rate}]
             projections = query_maps = write_gates = None
             if not settings.tie_projection:  # fresh: out_proj, the tied model whatever the gate
                 fresh = torch.stack([wrapper._projection("output").weight.detach().float() for wrapper in wrappers])
-                projections = _parameter(initial.memory_projection, fresh, "memory projection")  # [L, d_model, H d_v]
+                projections = _parameter(from_start("memory_projection"), fresh, "memory projection")  # [L, d_model, H d_v]
                 groups.append({"params": [projections], "lr": settings.projection_learning_rate})
             if settings.query_map:  # fresh: identity, the layer's own queries as without a map
                 fresh = torch.eye(head_dim, device=device).expand(len(wrappers), heads, head_dim, head_dim)
-                query_maps = _parameter(initial.memory_query_map, fresh, "query map")  # [L, H, d_k, d_k]
+                query_maps = _parameter(from_start("memory_query_map"), fresh, "query map")  # [L, H, d_k, d_k]
                 groups.append({"params": [query_maps], "lr": settings.query_map_learning_rate})
             if settings.write_gate:  # fresh: u = 0, c = 0, strength 2 sigmoid(0) = 1 for every key, as without a gate
                 fresh = torch.zeros(len(wrappers), kv_heads, head_dim + 1, device=device)
-                write_gates = _parameter(initial.memory_write_gate, fresh, "write gate")  # [L, H_kv, d_k + 1]
+                write_gates = _parameter(from_start("memory_write_gate"), fresh, "write gate")  # [L, H_kv, d_k + 1]
                 groups.append({"params": [write_gates], "lr": settings.write_gate_learning_rate})
             optimizer = torch.optim.Adam(groups)
             generator = torch.Generator().manual_seed(settings.seed)
