@@ -159,6 +159,32 @@ def test_exact_attention_equals_the_reference(kernel, dtype, path, monkeypatch):
             assert (got - wrong).abs().max() > 10 * atol
 
 
+@pytest.mark.parametrize("path", ["gather", "dense"])
+@pytest.mark.parametrize("kernel", ["float32", "packed"])
+def test_attention_with_scores_hundreds_apart_equals_the_reference(kernel, path, monkeypatch):
+    """Sharp heads over long inputs: scores spread far beyond exp's normal range. The online softmax raises
+    the weights below e^EXP_FLOOR of the largest to it (torch.exp is slow below it); the result is still the
+    reference's, and so is every query's coverage (its weights sum to one). With fp32 scores: the native
+    kernel's 16-bit scores of this size are only as exact as their rounding (test_exact_attention_...)."""
+    if kernel == "packed" and not packing.available():
+        pytest.skip("this torch build has no fbgemm fp16 GEMM")
+    monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", kernel)
+    monkeypatch.setattr(packing, "SLICE_ROWS", 500)
+    states = clustered_states(2000, 48)
+    queries = queries_near(states, 9) * 4.0
+    store = build(states, config=IndexConfig(storage_dtype="bfloat16"), chunks=700)
+    stored = store.states()
+    logits = queries.double() @ stored.double().T
+    assert float((logits.amax(1) - logits.amin(1)).min()) > 3 * -kernels.EXP_FLOOR
+    monkeypatch.setattr(type(store.kernel()), "dense_is_cheaper", lambda self, nq, k, n: path == "dense")
+    for k in (300, 2000):
+        coverage = torch.zeros(2000)
+        got = store.attend(queries, k, coverage)
+        expected = reference_attention(stored, queries, k, kernel).float()
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(coverage.sum(), torch.tensor(9.0), rtol=1e-5, atol=1e-5)
+
+
 def test_dense_and_gather_paths_take_exactly_k_tokens_even_with_ties(monkeypatch):
     """Many equal scores at the k-th place: both paths keep exactly the same k states."""
     monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", "native")
@@ -446,6 +472,11 @@ def test_blocked_top_k_equals_torch_topk(n, k):
     values, ids = kernels.top_k_tokens_major(logits.T.contiguous(), k)
     torch.testing.assert_close(values, expected_values)
     torch.testing.assert_close(logits.gather(1, ids), values)
+    # in no particular order: the same values, each at its column
+    for top_k in (kernels.top_k, lambda x, k, ordered: kernels.top_k_tokens_major(x.T.contiguous(), k, ordered)):
+        values, ids = top_k(logits, k, ordered=False)
+        torch.testing.assert_close(values.sort(dim=1, descending=True).values, expected_values)
+        torch.testing.assert_close(logits.gather(1, ids), values)
 
 
 @pytest.mark.parametrize("kind", ["exact", "ivf", "hnsw"])

@@ -54,6 +54,10 @@ MAX_SCORE_BYTES = 256 * 2**20
 GATHER_ROWS = 2_048
 # top_k: columns per block of the block-maxima pre-selection (rows shorter than 4 k blocks use torch.topk).
 TOPK_BLOCK = 16
+# exp's floor in the online softmax: torch.exp is about 10x slower on CPUs for arguments whose result falls
+# below fp32's normal range (under -87.3); a weight below e^-87 (1.6e-38) of the largest, whose own weight is
+# 1, is raised to it, which changes the normalising sum by less than N * 1.6e-38 (nothing at fp32's precision).
+EXP_FLOOR = -87.0
 
 
 @dataclass(frozen=True)
@@ -302,40 +306,41 @@ def gathered_attention(states: torch.Tensor, ids: torch.Tensor, weights: torch.T
     return out
 
 
-def top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logits.topk(k, dim=1)`` (sorted), faster for long rows: the top-k elements lie in the k blocks of
-    TOPK_BLOCK columns with the highest maxima (any other block has k larger elements above its max)."""
+def top_k(logits: torch.Tensor, k: int, ordered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logits.topk(k, dim=1, sorted=ordered)``: [nq, k] values and columns, sorted descending when ``ordered``
+    (sorting them costs more than finding them on CPUs), faster for long rows: the top-k elements lie in the
+    k blocks of TOPK_BLOCK columns with the highest maxima (any other block has k larger elements above its max)."""
     nq, n = logits.shape
     block = TOPK_BLOCK
     if n < 4 * k * block:
-        return logits.topk(k, dim=1)
+        return logits.topk(k, dim=1, sorted=ordered)
     usable = n - n % block
     maxima = logits[:, :usable].view(nq, -1, block).amax(dim=2)  # [nq, n / block]
-    _, blocks = maxima.topk(k, dim=1)  # [nq, k]
-    return _top_k_of_blocks(logits, blocks, k, usable)
+    _, blocks = maxima.topk(k, dim=1, sorted=False)  # [nq, k]
+    return _top_k_of_blocks(logits, blocks, k, usable, ordered)
 
 
-def top_k_tokens_major(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def top_k_tokens_major(logits: torch.Tensor, k: int, ordered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``top_k`` of ``logits.T`` for scores laid out [N, nq] (as ``states @ queries.T`` gives them, the
     fast matmul orientation on some CPUs), without transposing all of them: [nq, k] values and ids."""
     n, nq = logits.shape
     block = TOPK_BLOCK
     if n < 4 * k * block:
-        values, ids = logits.topk(k, dim=0)  # [k, nq]
+        values, ids = logits.topk(k, dim=0, sorted=ordered)  # [k, nq]
         return values.T, ids.T
     usable = n - n % block
     maxima = logits[:usable].view(-1, block, nq).amax(dim=1).T.contiguous()  # [nq, n / block]
-    _, blocks = maxima.topk(k, dim=1)  # [nq, k]
-    return _top_k_of_blocks(logits.T, blocks, k, usable)
+    _, blocks = maxima.topk(k, dim=1, sorted=False)  # [nq, k]
+    return _top_k_of_blocks(logits.T, blocks, k, usable, ordered)
 
 
-def _top_k_of_blocks(logits: torch.Tensor, blocks: torch.Tensor, k: int, usable: int):
+def _top_k_of_blocks(logits: torch.Tensor, blocks: torch.Tensor, k: int, usable: int, ordered: bool):
     """The top-k of ``logits`` [nq, n] among the columns of ``blocks`` [nq, k] and the last, partial block."""
     nq, n = logits.shape
     columns = (blocks.unsqueeze(2) * TOPK_BLOCK + torch.arange(TOPK_BLOCK, device=logits.device)).view(nq, -1)
     if usable < n:  # the last, partial block always takes part
         columns = torch.cat([columns, torch.arange(usable, n, device=logits.device).expand(nq, -1)], 1)
-    values, order = logits.gather(1, columns).topk(k, dim=1)
+    values, order = logits.gather(1, columns).topk(k, dim=1, sorted=ordered)
     return values, columns.gather(1, order)
 
 
@@ -401,14 +406,15 @@ def _online_softmax(parts, queries: torch.Tensor, dim: int, n: int, coverage: to
             kept.append((start, logits.clone()))
         new_peak = torch.maximum(peak, logits.amax(dim=1, keepdim=True))
         rescale = torch.exp(peak - new_peak)  # [nq, 1]; 0 on the first block
-        weights = torch.exp(logits.sub_(new_peak))  # [nq, b]
+        weights = torch.exp(logits.sub_(new_peak).clamp_(min=EXP_FLOOR))  # [nq, b]
         total.mul_(rescale).add_(weights.sum(dim=1, keepdim=True))
         out.mul_(rescale).add_(weighted_sum(weights))
         peak = new_peak
     out.div_(total)
     if coverage is not None:
         for start, logits in kept if kept is not None else rescored():
-            coverage[start:start + logits.shape[1]] += torch.exp(logits - peak).div_(total).sum(dim=0)
+            coverage[start:start + logits.shape[1]] += (torch.exp((logits - peak).clamp_(min=EXP_FLOOR))
+                                                        .div_(total).sum(dim=0))
     return out
 
 
@@ -428,11 +434,12 @@ def attend(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelCh
         return dense_attention(states, queries, choice, coverage, packed)
     if nq * n * 4 <= MAX_SCORE_BYTES and choice.dense_is_cheaper(nq, k, n):
         logits = scores(states, queries, choice) if packed is None else packed.scores(queries)  # [nq, N]
-        keep = torch.zeros(logits.shape, dtype=torch.bool, device=logits.device)
-        keep.scatter_(1, top_k(logits, k)[1], True)  # exactly the k ids the gather path would take
-        weights = torch.softmax(logits.masked_fill(~keep, float("-inf")), dim=1, dtype=torch.float32)
+        top, ids = top_k(logits, k, ordered=False)  # exactly the k ids the gather path would take
+        # the masked softmax over all N columns, as the softmax over the k kept ones put in place
+        kept = torch.softmax(top, dim=1, dtype=torch.float32)  # [nq, k]
+        weights = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(1, ids, kept)
         if coverage is not None:
-            coverage += weights.sum(dim=0)
+            coverage.index_add_(0, ids.reshape(-1), kept.reshape(-1))
         return dense_values(states, weights, choice) if packed is None else packed.values(weights)
     logits, ids = select(states, queries, k, choice, packed)
     weights = torch.softmax(logits, dim=1, dtype=torch.float32)  # [nq, k]
@@ -443,7 +450,7 @@ def attend(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelCh
 
 def select(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelChoice,
            packed: PackedStates | None = None):
-    """(scores, ids) [nq, k] of each query's top-k by the kernel's scores, sorted descending.
+    """(scores, ids) [nq, k] of each query's top-k by the kernel's scores, in no particular order.
 
     One pass over the store; beyond MAX_SCORE_BYTES of scores it goes in slices with a running top-k
     (with ``packed`` and the packed kernel: in the packed copy's slices, merged likewise).
@@ -462,17 +469,18 @@ def select(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelCh
     best_scores = best_ids = None
     for start, part in parts:
         if part is not None:
-            top, ids = top_k(part, min(k, part.shape[1]))
+            top, ids = top_k(part, min(k, part.shape[1]), ordered=False)
         elif tokens_major:
             block = states[start:start + step]
-            top, ids = top_k_tokens_major(native_scores_tokens_major(block, queries), min(k, block.shape[0]))
+            top, ids = top_k_tokens_major(native_scores_tokens_major(block, queries), min(k, block.shape[0]),
+                                          ordered=False)
         else:
             part = scores(states[start:start + step], queries, choice)  # [nq, <=step]
-            top, ids = top_k(part, min(k, part.shape[1]))
+            top, ids = top_k(part, min(k, part.shape[1]), ordered=False)
         ids += start
         if best_scores is not None:
             top, ids = torch.cat([best_scores, top], 1), torch.cat([best_ids, ids], 1)
-            top, order = top.topk(min(k, top.shape[1]), dim=1)
+            top, order = top.topk(min(k, top.shape[1]), dim=1, sorted=False)
             ids = ids.gather(1, order)
         best_scores, best_ids = top, ids
     return best_scores, best_ids
