@@ -106,10 +106,14 @@ def test_stats_and_progress_events(tiny_loaded):
     if kernels.kernel_for(torch.device("cpu"), torch.bfloat16, d_model).scores == "packed":
         one_copy += packing.packed_bytes(stats.input_tokens, d_model)  # ...and the packed kernel's copies, if it ran
     assert stats.datastore_bytes <= one_copy
-    assert set(stats.timings) >= {"tokenize", "encode", "index", "generate", "search"}
+    assert set(stats.timings) >= {"tokenize", "encode", "index", "prepare", "generate", "search"}
     assert stats.peak_rss_bytes > 0 and stats.peak_gpu_bytes is None
     stages = [event.stage for event in events]
-    assert stages.index("tokenize") < stages.index("encode") < stages.index("index") < stages.index("generate")
+    assert (stages.index("tokenize") < stages.index("encode") < stages.index("index") < stages.index("prepare")
+            < stages.index("generate"))
+    prepared = [event for event in events if event.stage == "prepare"]
+    assert [(event.completed, event.total) for event in prepared] == [(0, 1), (1, 1)]
+    assert prepared[-1].info["bytes"] == stats.datastore_bytes
     encode_events = [event for event in events if event.stage == "encode"]
     assert encode_events[-1].completed == encode_events[-1].total == stats.windows
     assert max(event.completed for event in events if event.stage == "generate") >= 1

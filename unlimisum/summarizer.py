@@ -36,12 +36,15 @@ CHAPTERS_PER_BATCH = 8
 
 @dataclass(frozen=True)
 class ProgressEvent:
-    """One progress report: ``stage`` is cache, tokenize, encode, index, prefill, generate or chapter.
+    """One progress report: ``stage`` is cache, tokenize, encode, index, prefill, prepare, generate or chapter.
 
     ``cache`` (with a cache of encoded books): 0/1 when it is looked up, 1/1 when the encoded
     document came from it (then no tokenize/encode/index events follow).
     ``prefill`` (decoder-only models, instead of encode and index): ``completed`` of ``total`` chunks of the
     prompt read, ``info["tokens"]`` and ``info["window"]``.
+    ``prepare`` (before ``generate``): 0 of ``total`` datastores, then all, made ready for retrieval
+    (the kernels measured, once per process, and an exact store's packed copies made: seconds at 100k tokens);
+    with one datastore, ``info["bytes"]`` is its size then, packed copies included.
     ``chapter`` (``summarize(per_chapter=True)``, after the whole-document summary): before each
     batch of chapters, ``completed`` chapters of ``total`` are summarized and ``document`` is the
     title of the next one (``info["titles"]``: the titles of the batch, generated together from
@@ -71,7 +74,7 @@ class SummaryStats:
     retrieval_k: int  # input tokens each cross-attention head attended to per step
     datastore_bytes: int
     generated_tokens: int
-    timings: dict  # stage -> seconds: tokenize, encode, index (or cache_load), generate, search
+    timings: dict  # stage -> seconds: tokenize, encode, index (or cache_load), prepare, generate, search
     peak_rss_bytes: int  # the process's peak resident memory so far
     peak_gpu_bytes: int | None  # peak CUDA memory during this call, when on CUDA
     tensor_cache_bytes: int | None = None  # decoder self-attention state retained, with --tensor-cache
@@ -127,6 +130,7 @@ class Generated:
     token_ids: torch.Tensor  # [B, T]
     seconds: float
     search_seconds: float  # within `seconds`
+    prepare_seconds: float  # before `seconds`: the stores made ready for retrieval (Datastore.prepare)
     tensor_cache_bytes: int | None  # self-attention state retained at the end, with a Tensor Cache
     coverage: tuple[torch.Tensor, ...] = ()  # per store, [N] attention mass per input token
 
@@ -302,7 +306,8 @@ class Summarizer:
         for part, store, mass, text, n_generated, ids in zip(parts, stores, run.coverage, texts, counts,
                                                                 output.tolist()):
             windows = part.windows()
-            timings = dict(part.encoded.seconds, generate=run.seconds, search=run.search_seconds)
+            timings = dict(part.encoded.seconds, prepare=run.prepare_seconds, generate=run.seconds,
+                           search=run.search_seconds)
             stats = SummaryStats(
                 model=self.loaded.name, input_tokens=store.n_tokens, windows=len(windows),
                 window=self._window(), index_kind=store.kind, index_device=store.device,
@@ -358,6 +363,13 @@ class Summarizer:
         mass = tuple(torch.zeros(store.n_tokens, device=store.states().device) for store in stores)
         session = RetrievalSession(stores=list(stores), retrieval_k=self._retrieval_k(), coverage=mass)
         started = time.perf_counter()
+        self.progress(ProgressEvent("prepare", 0, batch, name))
+        for store in stores:  # kernels measured and stores packed here, not silently inside the first step
+            store.prepare()
+        # one store: its bytes now count the packed copies, if made (views of one book would count it again)
+        self.progress(ProgressEvent("prepare", batch, batch, name, {"bytes": stores[0].nbytes} if batch == 1 else {}))
+        prepare_seconds = time.perf_counter() - started
+        started = time.perf_counter()
         self.progress(ProgressEvent("generate", 0, total, name))
         with ExitStack() as stack:
             stack.enter_context(retrieval(model, self.loaded.architecture, session))
@@ -372,7 +384,8 @@ class Summarizer:
                 stopping_criteria=[progress], **kwargs,
             )
             retained = memory.retained_bytes() if self.tensor_cache is not None else None
-        return Generated(output, time.perf_counter() - started, session.stats.search_seconds, retained, mass)
+        return Generated(output, time.perf_counter() - started, session.stats.search_seconds, prepare_seconds,
+                         retained, mass)
 
 
 

@@ -272,6 +272,12 @@ class ProgressDisplay:
             self._progress.update(self._book_task, description=f"{event.total} chapters summarized")
             self.log(f"{event.total} chapter summaries done")
 
+    def _on_prepare(self, event: ProgressEvent) -> None:
+        if event.completed == 0:
+            self._stage("preparing retrieval (measuring kernels, packing the store)")
+        elif event.info.get("bytes"):
+            self._datastore_bytes = event.info["bytes"]
+
     def _on_generate(self, event: ProgressEvent) -> None:
         if event.completed == 0 and self._book.active:
             self._progress.update(self._book_task, description=self._book.generating())

@@ -89,6 +89,10 @@ class Datastore:
     def _search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
+    def prepare(self) -> None:
+        """Make now what the first search would otherwise make inside the first decoding step (for the exact
+        store: the measured kernel choice and the packed kernel's copies); nothing to make for faiss indexes."""
+
     def attend(self, queries: torch.Tensor, k: int, coverage: torch.Tensor | None = None) -> torch.Tensor:
         """Retrieval attention in hidden space: per query, softmax over its top-k scores times those states.
 
@@ -133,6 +137,9 @@ class TorchExactDatastore(Datastore):
     def kernel(self) -> kernels.KernelChoice:
         """The measured kernel choice for this store's device, dtype and width."""
         return kernels.kernel_for(self._states.device, self.storage_dtype, self.dim)
+
+    def prepare(self) -> None:
+        self.packed()  # calibrates the kernels first (once per process), then packs when that kernel was chosen
 
     def packed(self) -> "kernels.PackedStates | None":
         """The packed copies the packed kernel reads, made once when that kernel was chosen, the states are
