@@ -54,9 +54,9 @@ MAX_SCORE_BYTES = 256 * 2**20
 GATHER_ROWS = 2_048
 # top_k: columns per block of the block-maxima pre-selection (rows shorter than 4 k blocks use torch.topk).
 TOPK_BLOCK = 16
-# exp's floor in the online softmax: torch.exp is about 10x slower on CPUs for arguments whose result falls
-# below fp32's normal range (under -87.3); a weight below e^-87 (1.6e-38) of the largest, whose own weight is
-# 1, is raised to it, which changes the normalising sum by less than N * 1.6e-38 (nothing at fp32's precision).
+# exp's floor in the online softmax: torch.exp took ~10x longer (AVX2 CPU, torch 2.13) on arguments whose result
+# falls below fp32's normal range (under -87.3); a weight below e^-87 (1.6e-38) of the largest, whose own weight
+# is 1, is raised to it, which changes the normalising sum by less than N * 1.6e-38 (nothing at fp32's precision).
 EXP_FLOOR = -87.0
 
 
