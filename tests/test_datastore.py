@@ -459,8 +459,10 @@ def test_cuda_store_matches_cpu_store():
                                cpu.weighted_sum(ids.cpu(), weights.cpu()), rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("n, k", [(20_000, 64), (20_003, 100), (5_000, 1024)])
-def test_blocked_top_k_equals_torch_topk(n, k):
+@pytest.mark.parametrize("n, k, block", [(20_000, 64, 16), (20_003, 100, 16), (40_001, 1024, 8), (100_000, 50, 32),
+                                         (5_000, 1024, None)])
+def test_blocked_top_k_equals_torch_topk(n, k, block):
+    assert kernels.topk_block(n, k) == block  # blocks of about sqrt(n / k) columns, or the whole row
     g = torch.Generator().manual_seed(5)
     logits = torch.randn(6, n, generator=g)
     logits[2, 1000:1500] += 10  # the winners crowded into a few blocks

@@ -32,6 +32,7 @@ of states runs in the storage dtype with the native kernel, in fp32 with the oth
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -52,8 +53,9 @@ BLOCK_CHOICES = (512, 2_048, 8_192)  # rows per block of the blocked passes (wid
 MAX_SCORE_BYTES = 256 * 2**20
 # Rows gathered at a time (16-bit rows plus their fp32 widening stay in a reused buffer of a few MB).
 GATHER_ROWS = 2_048
-# top_k: columns per block of the block-maxima pre-selection (rows shorter than 4 k blocks use torch.topk).
-TOPK_BLOCK = 16
+# top_k: the block-maxima pre-selection runs with blocks of at least this many columns (about sqrt(N / k));
+# shorter rows save too little against torch.topk over the whole row.
+TOPK_MIN_BLOCK = 8
 # exp's floor in the online softmax: torch.exp took ~10x longer (AVX2 CPU, torch 2.13) on arguments whose result
 # falls below fp32's normal range (under -87.3); a weight below e^-87 (1.6e-38) of the largest, whose own weight
 # is 1, is raised to it, which changes the normalising sum by less than N * 1.6e-38 (nothing at fp32's precision).
@@ -151,7 +153,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
         kernel = min(cost, key=cost.get)
     tokens_major = False
     if kernel == "native":
-        k = max(1, rows // (8 * TOPK_BLOCK))
+        k = max(1, rows // 128)  # a long row for k: the block-maxima pre-selection takes part
         layouts = _race({f"select/{'tokens' if layout else 'queries'}-major":
                          (lambda c=KernelChoice("native", block, layout, 0.0, 0.0): select(states, queries, k, c))
                          for layout in (False, True)}, device)
@@ -306,38 +308,47 @@ def gathered_attention(states: torch.Tensor, ids: torch.Tensor, weights: torch.T
     return out
 
 
+def topk_block(n: int, k: int) -> int | None:
+    """Columns per block for the top-k of rows of n: about sqrt(n / k), a power of two, so that the block maxima
+    (n / block) and the candidates (k * block) are both few; None: torch.topk over the whole row."""
+    block = 2 ** round(math.log2(max(n, 1) / k) / 2)
+    return block if block >= TOPK_MIN_BLOCK and n >= 4 * k * block else None
+
+
 def top_k(logits: torch.Tensor, k: int, ordered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits.topk(k, dim=1, sorted=ordered)``: [nq, k] values and columns, sorted descending when ``ordered``
     (sorting them costs more than finding them on CPUs), faster for long rows: the top-k elements lie in the
-    k blocks of TOPK_BLOCK columns with the highest maxima (any other block has k larger elements above its max)."""
+    k blocks (of ``topk_block`` columns) with the highest maxima (any other block has k larger elements above
+    its max)."""
     nq, n = logits.shape
-    block = TOPK_BLOCK
-    if n < 4 * k * block:
+    block = topk_block(n, k)
+    if block is None:
         return logits.topk(k, dim=1, sorted=ordered)
     usable = n - n % block
     maxima = logits[:, :usable].view(nq, -1, block).amax(dim=2)  # [nq, n / block]
     _, blocks = maxima.topk(k, dim=1, sorted=False)  # [nq, k]
-    return _top_k_of_blocks(logits, blocks, k, usable, ordered)
+    return _top_k_of_blocks(logits, blocks, block, k, usable, ordered)
 
 
 def top_k_tokens_major(logits: torch.Tensor, k: int, ordered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``top_k`` of ``logits.T`` for scores laid out [N, nq] (as ``states @ queries.T`` gives them, the
     fast matmul orientation on some CPUs), without transposing all of them: [nq, k] values and ids."""
     n, nq = logits.shape
-    block = TOPK_BLOCK
-    if n < 4 * k * block:
+    block = topk_block(n, k)
+    if block is None:
         values, ids = logits.topk(k, dim=0, sorted=ordered)  # [k, nq]
         return values.T, ids.T
     usable = n - n % block
     maxima = logits[:usable].view(-1, block, nq).amax(dim=1).T.contiguous()  # [nq, n / block]
     _, blocks = maxima.topk(k, dim=1, sorted=False)  # [nq, k]
-    return _top_k_of_blocks(logits.T, blocks, k, usable, ordered)
+    return _top_k_of_blocks(logits.T, blocks, block, k, usable, ordered)
 
 
-def _top_k_of_blocks(logits: torch.Tensor, blocks: torch.Tensor, k: int, usable: int, ordered: bool):
-    """The top-k of ``logits`` [nq, n] among the columns of ``blocks`` [nq, k] and the last, partial block."""
+def _top_k_of_blocks(logits: torch.Tensor, blocks: torch.Tensor, block: int, k: int, usable: int, ordered: bool):
+    """The top-k of ``logits`` [nq, n] among the columns of ``blocks`` [nq, k] (of ``block`` columns each) and the
+    last, partial block."""
     nq, n = logits.shape
-    columns = (blocks.unsqueeze(2) * TOPK_BLOCK + torch.arange(TOPK_BLOCK, device=logits.device)).view(nq, -1)
+    columns = (blocks.unsqueeze(2) * block + torch.arange(block, device=logits.device)).view(nq, -1)
     if usable < n:  # the last, partial block always takes part
         columns = torch.cat([columns, torch.arange(usable, n, device=logits.device).expand(nq, -1)], 1)
     values, order = logits.gather(1, columns).topk(k, dim=1, sorted=ordered)
