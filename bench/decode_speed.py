@@ -162,22 +162,30 @@ def run(n_values: list[int], new_tokens: int, led_tokens: int | None, versus: st
                 kernel_reason=choice.reason, runs=rows)
 
 
-def led_rows(n: int, new_tokens: int) -> list[dict]:
-    """LED-base's shape (random weights) decoding from N synthetic states with its default k (the window)."""
+LED_WINDOW = 16_384
+
+
+def random_led():
+    """A LoadedModel of LED-base's shape (d=768, 6+6 layers, 16,384-token window) with random weights."""
     from transformers import LEDConfig, LEDForConditionalGeneration
 
     from bench.common import VOCAB, word_tokenizer
     from unlimisum.models.architectures import architecture_for
     from unlimisum.models import LoadedModel
 
-    window = 16_384
     config = LEDConfig(vocab_size=VOCAB, d_model=768, encoder_layers=6, decoder_layers=6,
                        encoder_attention_heads=12, decoder_attention_heads=12, encoder_ffn_dim=3072,
-                       decoder_ffn_dim=3072, max_encoder_position_embeddings=window,
+                       decoder_ffn_dim=3072, max_encoder_position_embeddings=LED_WINDOW,
                        max_decoder_position_embeddings=1024, attention_window=1024)
     torch.manual_seed(0)
-    loaded = LoadedModel(model=LEDForConditionalGeneration(config).eval(), tokenizer=word_tokenizer(max_length=window),
-                         architecture=architecture_for(config), name="random led-base")
+    return LoadedModel(model=LEDForConditionalGeneration(config).eval(), tokenizer=word_tokenizer(max_length=LED_WINDOW),
+                       architecture=architecture_for(config), name="random led-base")
+
+
+def led_rows(n: int, new_tokens: int) -> list[dict]:
+    """LED-base's shape (random weights) decoding from N synthetic states with its default k (the window)."""
+    loaded = random_led()
+    window = LED_WINDOW
     store = exact_store(synthetic_states(n, 768))
     rows = []
     for k in (window, 1024):  # the paper's default (the window), and unlimisum's capped default
