@@ -14,11 +14,10 @@ turns) and the median pair-by-pair ratio, and writes bench/results/kernels_versu
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import subprocess
 import sys
-import tempfile
+import types
 from pathlib import Path
 
 import torch
@@ -38,13 +37,9 @@ def kernels_at(revision: str):
     root = Path(__file__).resolve().parent.parent
     source = subprocess.run(["git", "show", f"{revision}:{KERNELS_PATH}"], cwd=root, capture_output=True,
                             text=True, check=True).stdout
-    folder = Path(tempfile.mkdtemp(prefix="kernels-"))
-    path = folder / "kernels_before.py"
-    path.write_text(source)
-    spec = importlib.util.spec_from_file_location("kernels_before", path)
-    module = importlib.util.module_from_spec(spec)
+    module = types.ModuleType("kernels_before")
     sys.modules["kernels_before"] = module  # dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
+    exec(compile(source, f"{revision}:{KERNELS_PATH}", "exec"), module.__dict__)
     module._CALIBRATED = kernels._CALIBRATED  # the same measured choice for both
     return module
 
