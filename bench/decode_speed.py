@@ -185,10 +185,9 @@ def random_led():
 def led_rows(n: int, new_tokens: int) -> list[dict]:
     """LED-base's shape (random weights) decoding from N synthetic states with its default k (the window)."""
     loaded = random_led()
-    window = LED_WINDOW
     store = exact_store(synthetic_states(n, 768))
     rows = []
-    for k in (window, 1024):  # the paper's default (the window), and unlimisum's capped default
+    for k in (LED_WINDOW, 1024):  # the paper's default (the window), and unlimisum's capped default
         seconds, share = unlimisum_seconds_per_token(loaded, store, k, new_tokens)
         print(f"  LED-base shape, N={n:,} k={k:,}: {seconds:.4f} s/token", flush=True)
         rows.append(dict(model="led-base", n_tokens=n, k=k, beams=1, seconds_per_token=seconds, retrieval_share=share,

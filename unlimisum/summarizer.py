@@ -362,14 +362,14 @@ class Summarizer:
         progress = _GenerationProgress(lambda steps: self.progress(ProgressEvent("generate", steps, total, name)))
         mass = tuple(torch.zeros(store.n_tokens, device=store.states().device) for store in stores)
         session = RetrievalSession(stores=list(stores), retrieval_k=self._retrieval_k(), coverage=mass)
-        started = time.perf_counter()
+        preparing = time.perf_counter()
         self.progress(ProgressEvent("prepare", 0, batch, name))
         for store in stores:  # kernels measured and stores packed here, not silently inside the first step
             store.prepare()
         # one store: its bytes now count the packed copies, if made (views of one book would count it again)
         self.progress(ProgressEvent("prepare", batch, batch, name, {"bytes": stores[0].nbytes} if batch == 1 else {}))
-        prepare_seconds = time.perf_counter() - started
         started = time.perf_counter()
+        prepare_seconds = started - preparing
         self.progress(ProgressEvent("generate", 0, total, name))
         with ExitStack() as stack:
             stack.enter_context(retrieval(model, self.loaded.architecture, session))
