@@ -268,6 +268,98 @@ def test_per_chapter_progress_names_the_chapter_over_a_bar_of_the_book():
         display.refresh()
         after = console.file.getvalue()[len(generating) + len(second):]
     # chapters are generated in batches from views of the one encoded book: the bar names the batch
-    assert "chapters 1-8/10: Part 1 … Part 8" in generating and "0/10" in generating
+    assert "chapters 1-8/10" in generating and "0/10" in generating and "Part 1" not in generating
     assert "chapter 9/10: Part 9" in second and "8/10" in second
     assert "chapter" not in after.split("done book.epub")[-1]  # the book's bar goes with its document
+
+
+# -- the display as a terminal shows it ------------------------------------------------------
+
+
+def shared_terminal(width: int, lines: int = 24):
+    """A console on a terminal of ``width`` columns and a writer of stdout to the same terminal; the
+    third item renders what both wrote as a terminal emulator's final screen."""
+    pyte = pytest.importorskip("pyte")
+    terminal_file = io.StringIO()
+    console = Console(file=terminal_file, force_terminal=True, width=width, height=lines, color_system=None)
+
+    def write_stdout(text: str) -> None:
+        terminal_file.write(text)
+
+    def final_screen() -> list[str]:
+        screen = pyte.Screen(width, lines)
+        pyte.Stream(screen).feed(terminal_file.getvalue().replace("\n", "\r\n"))  # the tty's own onlcr
+        return [line.rstrip() for line in screen.display]
+
+    return console, write_stdout, final_screen
+
+
+def test_a_redraw_after_the_summary_keeps_it_on_the_screen():
+    """The display steps aside for stdout and comes back; its next redraws (here forced, in a run the
+    refresh thread's) happen below the summary instead of over it."""
+    console, write_stdout, final_screen = shared_terminal(80)
+    clock = FakeClock()
+    display = ProgressDisplay(console, clock=clock, memory=FakeMemory(), auto_refresh=False)
+    with display:
+        display.begin_document(1, 2, "book.txt")
+        display(ProgressEvent("generate", 0, 8, "Book"))
+        display(ProgressEvent("generate", 5, 8, "Book"))
+        display.refresh()
+        with display.paused():
+            write_stdout("The keeper counted the ships.\n")
+        display.refresh()
+        display.refresh()
+        display.document_done(make_summary(), "book.txt", 1.0)
+        display.refresh()
+        display.begin_document(2, 2, "other.txt")
+        display.refresh()
+        with display.paused():
+            write_stdout("\nA second summary.\n")
+        display.refresh()
+        display.document_done(make_summary(), "other.txt", 1.0)
+    screen = [line for line in final_screen() if line]
+    assert screen[0] == "The keeper counted the ships."
+    assert screen[1].startswith("done book.txt:")
+    assert "A second summary." in screen
+    assert not any("generating" in line or "━" in line for line in screen), screen
+
+
+@pytest.mark.parametrize("width", [80, 100])
+def test_long_labels_are_cut_and_the_bar_and_counts_never_are(width):
+    console, _, final_screen = shared_terminal(width)
+    clock = FakeClock()
+    display = ProgressDisplay(console, clock=clock, auto_refresh=False)
+    titles = [f"Chapter {number}: What the Sea Said to the Lighthouse Keeper at Night" for number in range(1, 41)]
+    with display:
+        display.begin_document(1, 1, "shelf/a folder with a long name/and another one inside it/"
+                                     "moby-dick-or-the-whale-complete-and-unabridged.epub")
+        display(ProgressEvent("chapter", 8, 40, titles[8], {"titles": titles[8:16]}))
+        display(ProgressEvent("tokenize", 0, 1, titles[11]))
+        display(ProgressEvent("generate", 0, 100, "8 documents"))
+        clock.now += 2.0
+        display(ProgressEvent("generate", 94, 100, "8 documents"))
+        display.refresh()
+        screen = [line for line in final_screen() if line]
+    chapter_row, stage_row, status_row = screen[-3:]
+    assert chapter_row.split()[1:3] == ["chapters", "9-16/40"] and "8/40" in chapter_row
+    assert "generating tokens" in stage_row and "94/100" in stage_row and "47 tokens/s" in stage_row
+    assert stage_row.count("━") >= 9 and chapter_row.count("━") + chapter_row.count("╸") >= 1
+    assert all(len(row) <= width for row in screen)
+    assert status_row.endswith("…")  # the long path is cut to the line
+
+
+def test_the_chapter_being_read_is_named_and_long_titles_are_cut():
+    console, _, final_screen = shared_terminal(80)
+    display = ProgressDisplay(console, clock=FakeClock(), auto_refresh=False)
+    long_title = "What the Sea Said to the Lighthouse Keeper at Night, and What She Answered"
+    with display:
+        display.begin_document(1, 1, "book.epub")
+        display(ProgressEvent("chapter", 8, 31, "Loomings", {"titles": ["Loomings", long_title]}))
+        display(ProgressEvent("tokenize", 0, 1, "Loomings"))
+        display.refresh()
+        first = [line for line in final_screen() if line]
+        display(ProgressEvent("tokenize", 0, 1, long_title))
+        display.refresh()
+        second = [line for line in final_screen() if line]
+    assert "chapter 9/31: Loomings" in first[-3]
+    assert "chapter 10/31: What the Sea" in second[-3] and "…" in second[-3] and "8/31" in second[-3]

@@ -14,10 +14,12 @@ import time
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 
+from rich.cells import cell_len
 from rich.console import Console, RenderableType
+from rich.live import Live
 from rich.markup import escape
 from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Task, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.table import Column, Table
 from rich.text import Text
 
 if TYPE_CHECKING:  # the summarizer imports torch; keep `unlimisum --help` and completion fast
@@ -25,6 +27,12 @@ if TYPE_CHECKING:  # the summarizer imports torch; keep `unlimisum --help` and c
 
 MEMORY_SAMPLE_SECONDS = 0.25  # how often the live display reads RSS/GPU memory (psutil is cheap, not free)
 CHAPTER_TITLE_CELLS = 40  # chapter titles are cut to this many characters in the live display
+# The live rows at the console's width: the bar is 30 cells when the label keeps LABEL_CELLS beside it,
+# narrower (down to 10) before the label is cut; counts, rate and clock are never cut.
+MAX_BAR_CELLS = 30
+MIN_BAR_CELLS = 10
+LABEL_CELLS = 40
+MIN_LABEL_CELLS = 12
 
 
 def make_stderr_console() -> Console:
@@ -55,18 +63,67 @@ def format_seconds(seconds: float) -> str:
     return f"{hours}h{minutes:02d}m{secs:02d}s"
 
 
-@contextmanager
-def off_screen(progress: Progress, live: bool) -> Iterator[None]:
-    """Within the block a live transient ``progress`` is off the screen (stopped, its lines erased),
-    so that stdout, which may be the same terminal, is not drawn over; it starts again after."""
-    if not live or not progress.live.is_started:
-        yield
-        return
-    progress.stop()  # transient: the display is erased and the cursor left where it was
-    try:
-        yield
-    finally:
-        progress.start()
+class LiveArea:
+    """A transient live area on a terminal console, drawing ``render()``; ``paused()`` takes it off the screen.
+
+    Each start is a new ``rich.live.Live``. A Live that is stopped and started again positions its
+    cursor for the lines it drew before the pause, so its first redraw would erase the last lines
+    written in the meantime (the summary, on stdout, when both go to one terminal).
+    """
+
+    def __init__(self, console: Console, render: Callable[[], RenderableType], *, enabled: bool,
+                 auto_refresh: bool = True, refresh_per_second: float = 10):
+        self.console = console
+        self.render = render
+        self.enabled = enabled  # False: nothing is ever drawn (stderr is not a terminal, or --quiet)
+        self.auto_refresh = auto_refresh
+        self.refresh_per_second = refresh_per_second
+        self._live: Live | None = None
+
+    @property
+    def is_started(self) -> bool:
+        return self._live is not None
+
+    def start(self) -> None:
+        """Draw the area below what the terminal holds now (no-op when disabled or already drawn)."""
+        if not self.enabled or self._live is not None:
+            return
+        self._live = Live(
+            console=self.console, get_renderable=self.render, transient=True, auto_refresh=self.auto_refresh,
+            refresh_per_second=self.refresh_per_second,
+            redirect_stdout=False,  # stdout carries the summaries; never route it through the display
+            redirect_stderr=True,  # library warnings written to stderr are printed above the area
+        )
+        self._live.start(refresh=True)
+
+    def stop(self) -> None:
+        """Erase the area, leaving the cursor where its first line was."""
+        live, self._live = self._live, None
+        if live is not None:
+            live.stop()
+
+    def refresh(self) -> None:
+        """Redraw now (the area also redraws by itself when ``auto_refresh``)."""
+        if self._live is not None:
+            self._live.refresh()
+
+    def print(self, *objects, **options) -> None:
+        """Print above the area, with the area as it is now under it (not as it was last drawn)."""
+        self.refresh()
+        self.console.print(*objects, **options)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Within the block the area is off the screen, so that what is written to stdout (which may be
+        the same terminal) stays; it is drawn anew below that after."""
+        if self._live is None:
+            yield
+            return
+        self.stop()
+        try:
+            yield
+        finally:
+            self.start()
 
 
 class MemoryProbe:
@@ -100,15 +157,41 @@ class _CountColumn(ProgressColumn):
 
 
 class _StatusProgress(Progress):
-    """Rich Progress with a status line (document, memory, datastore) under the task rows."""
+    """Rich Progress with a status line (document, memory, datastore) under the task rows, laid out for the
+    console's width: the description is cut (with an ellipsis) before the bar narrows, and the bar before
+    the counts, rate and clock, which are never cut. It never draws itself: a ``LiveArea`` draws it."""
 
-    def __init__(self, *columns, status: Callable[[], RenderableType], **options):
+    def __init__(self, *, status: Callable[[], RenderableType], console: Console, **options):
         self._status = status  # before super().__init__, which renders once
-        super().__init__(*columns, **options)
+        self._width_of = console  # the console whose width the rows fit (super() keeps it on its own Live)
+        self._bar = BarColumn(bar_width=MAX_BAR_CELLS)
+        super().__init__(
+            SpinnerColumn(),
+            TextColumn("{task.description}", table_column=Column(no_wrap=True, overflow="ellipsis")),
+            self._bar,
+            _CountColumn(table_column=Column(no_wrap=True, justify="right")),
+            TextColumn("{task.fields[rate]}", table_column=Column(no_wrap=True)),
+            TimeElapsedColumn(table_column=Column(no_wrap=True)),
+            console=console, disable=True, **options,
+        )
+
+    def make_tasks_table(self, tasks: Iterable[Task]) -> Table:
+        tasks = [task for task in tasks if task.visible]
+        width = self._width_of.width
+        fixed = sum(max((cell_len(str(column.render(task))) for task in tasks), default=0)
+                    for column in (self.columns[0], self.columns[3], self.columns[4], self.columns[5]))
+        room = width - fixed - (len(self.columns) - 1)  # one cell between columns
+        self._bar.bar_width = max(MIN_BAR_CELLS, min(MAX_BAR_CELLS, room - LABEL_CELLS))
+        table = super().make_tasks_table(tasks)
+        table.columns[1].max_width = max(MIN_LABEL_CELLS, room - self._bar.bar_width)
+        return table
 
     def get_renderables(self) -> Iterable[RenderableType]:
         yield self.make_tasks_table(self.tasks)
-        yield self._status()
+        status = self._status()
+        if isinstance(status, Text):
+            status.no_wrap, status.overflow = True, "ellipsis"
+        yield status
 
 
 class ProgressDisplay:
@@ -146,21 +229,8 @@ class ProgressDisplay:
         self._stage_started = self._started
         self._stage_units = ""
         self._tokens = 0
-        self._progress = _StatusProgress(
-            SpinnerColumn(),
-            TextColumn("{task.description}"),
-            BarColumn(bar_width=30),
-            _CountColumn(),
-            TextColumn("{task.fields[rate]}"),
-            TimeElapsedColumn(),
-            status=self._status_line,
-            console=console,
-            transient=True,
-            get_time=clock,
-            auto_refresh=auto_refresh,
-            redirect_stdout=False,  # stdout carries the summaries; never route it through the display
-            disable=not self.live,
-        )
+        self._progress = _StatusProgress(status=self._status_line, console=console, get_time=clock)
+        self._area = LiveArea(console, self._progress.get_renderable, enabled=self.live, auto_refresh=auto_refresh)
         # --per-chapter: which chapter, and a bar over the book's chapters (above the stage, shown when needed)
         self._book_task = self._progress.add_task("", total=None, rate="", counted=True, visible=False)
         self._book = _ChapterProgress()
@@ -169,22 +239,22 @@ class ProgressDisplay:
     # -- context ---------------------------------------------------------------------------
 
     def __enter__(self) -> "ProgressDisplay":
-        self._progress.start()
+        self._area.start()
         return self
 
     def __exit__(self, *exc_info) -> None:
-        self._progress.stop()
+        self._area.stop()
 
     @contextmanager
     def paused(self) -> Iterator[None]:
         """Within the block the live display is off the screen, so that what is written to stdout
-        (which may be the same terminal) is not drawn over by the next redraw; it comes back after."""
-        with off_screen(self._progress, self.live):
+        (which may be the same terminal) stays there; it is drawn anew below it after."""
+        with self._area.paused():
             yield
 
     def refresh(self) -> None:
         """Redraw now (the display also redraws by itself when ``auto_refresh``)."""
-        self._progress.refresh()
+        self._area.refresh()
 
     # -- stages the CLI drives ---------------------------------------------------------------
 
@@ -281,7 +351,7 @@ class ProgressDisplay:
     def _on_generate(self, event: ProgressEvent) -> None:
         if event.completed == 0 and self._book.active:
             self._progress.update(self._book_task, description=self._book.generating())
-            self._progress.refresh()
+            self.refresh()
         if event.completed == 0:
             self._stage("generating tokens", total=event.total, units="tokens/s")
             limit = f"up to {event.total:,} tokens" if event.total else "tokens"
@@ -316,14 +386,14 @@ class ProgressDisplay:
         line = f"[green]done[/] {escape(_display_name(source))}: " + escape(" · ".join(parts))
         if output is not None:
             line += f" -> {escape(str(output))}"
-        self.console.print(line, soft_wrap=True)
+        self._area.print(line, soft_wrap=True)
         if self.console.is_terminal and len(summary.coverage) > 1:
-            self.console.print(coverage_line(summary), soft_wrap=True, highlight=False)
+            self._area.print(coverage_line(summary), soft_wrap=True, highlight=False)
 
     def document_skipped(self, source: str, output) -> None:
         """An input whose output exists and was written by unlimisum (--skip-existing)."""
         if self.show:
-            self.console.print(
+            self._area.print(
                 f"[yellow]skipped[/] {escape(_display_name(source))}: its summary {escape(str(output))} exists",
                 soft_wrap=True,
             )
@@ -334,19 +404,19 @@ class ProgressDisplay:
             count = len(paths)
             example = f" (e.g. {paths[0]})" if count > 1 else f": {paths[0]}"
             noun = "summary" if count == 1 else "summaries"
-            self.console.print(
+            self._area.print(
                 escape(f"unlimisum: not reading {count} {noun} that unlimisum wrote{example}"), soft_wrap=True
             )
 
     def reading_stdin_hint(self) -> None:
         """Standard input is a terminal: say how to end it, or the run looks frozen."""
         if self.show:
-            self.console.print("unlimisum: reading standard input; end with Ctrl-D", soft_wrap=True)
+            self._area.print("unlimisum: reading standard input; end with Ctrl-D", soft_wrap=True)
 
     def document_failed(self, source: str, problem: str) -> None:
         """An input that failed: always printed, even in quiet mode."""
         self._end_chapters()
-        self.console.print(f"[red]unlimisum: error:[/] {escape(_display_name(source))}: {escape(problem)}", soft_wrap=True)
+        self._area.print(f"[red]unlimisum: error:[/] {escape(_display_name(source))}: {escape(problem)}", soft_wrap=True)
 
     def failure_report(self, failures: list[tuple[str, str]], total: int) -> None:
         """The closing list of failed inputs (always printed)."""
@@ -357,22 +427,22 @@ class ProgressDisplay:
             table.add_column("problem", overflow="fold")
             for source, problem in failures:
                 table.add_row(_display_name(source), problem)
-            self.console.print(table)
+            self._area.print(table)
             return
-        self.console.print(heading, soft_wrap=True)
+        self._area.print(heading, soft_wrap=True)
         for source, problem in failures:
-            self.console.print(f"  {escape(_display_name(source))}: {escape(problem)}", soft_wrap=True)
+            self._area.print(f"  {escape(_display_name(source))}: {escape(problem)}", soft_wrap=True)
 
     def log(self, message: str) -> None:
         """A log line (only with -v)."""
         if self.verbose:
             elapsed = self.clock() - self._started
-            self.console.print(f"[dim]{elapsed:8.2f}s[/] {escape(message)}", soft_wrap=True)
+            self._area.print(f"[dim]{elapsed:8.2f}s[/] {escape(message)}", soft_wrap=True)
 
     def note(self, message: str) -> None:
         """A line for the user that is neither an error nor a log (not in quiet mode)."""
         if self.show:
-            self.console.print(escape(message), soft_wrap=True)
+            self._area.print(escape(message), soft_wrap=True)
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -380,7 +450,7 @@ class ProgressDisplay:
         """Name the chapter being read; redrawn at once, since a chapter may take less than a refresh."""
         self._progress.update(self._book_task, description=description)
         self.log(description)
-        self._progress.refresh()
+        self.refresh()
 
     def _end_chapters(self) -> None:
         """Hide the book's chapter bar (the document is done, failed, or the next one begins)."""
@@ -448,16 +518,12 @@ class _ChapterProgress:
         return _chapter_label(self.next, self.total, title)
 
     def generating(self) -> str:
-        """``chapter 12/31: Title``, or ``chapters 9-16/31: First … Last`` while a batch of chapters
-        (views of the one encoded book) is generated together."""
+        """``chapter 12/31: Title``, or ``chapters 9-16/31`` while a batch of chapters (views of the one
+        encoded book) is generated together."""
         last = self.batch_start + max(1, len(self.titles))
         if last - self.batch_start == 1:
             return _chapter_label(last, self.total, self.titles[0] if self.titles else "")
-        first_title, last_title = (" ".join(title.split()) for title in (self.titles[0], self.titles[-1]))
-        names = f"{first_title} … {last_title}" if first_title or last_title else "summarizing"
-        if len(names) > 2 * CHAPTER_TITLE_CELLS:
-            names = names[: 2 * CHAPTER_TITLE_CELLS - 1] + "\u2026"
-        return f"chapters {self.batch_start + 1}-{last}/{self.total}: {names}"
+        return f"chapters {self.batch_start + 1}-{last}/{self.total}"
 
 
 def coverage_line(summary: Summary, width: int = 48) -> Text:

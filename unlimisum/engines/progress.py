@@ -15,7 +15,7 @@ from typing import Callable, Iterator
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from unlimisum.cli.progress import ProgressDisplay, format_seconds, off_screen
+from unlimisum.cli.progress import LiveArea, ProgressDisplay, format_seconds
 
 
 class BatchProgress:
@@ -33,21 +33,22 @@ class BatchProgress:
         self._progress = Progress(
             SpinnerColumn(), TextColumn("documents"), BarColumn(bar_width=30), MofNCompleteColumn(),
             TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
-            console=display.console, transient=True, redirect_stdout=False, disable=not display.live,
+            console=display.console, disable=True,  # drawn by the LiveArea
         )
+        self._area = LiveArea(display.console, self._progress.get_renderable, enabled=display.live)
         self._task = self._progress.add_task("documents", total=total, status="starting workers")
 
     def __enter__(self) -> "BatchProgress":
-        self._progress.start()
+        self._area.start()
         return self
 
     def __exit__(self, *exc_info) -> None:
-        self._progress.stop()
+        self._area.stop()
 
     @contextmanager
     def paused(self) -> Iterator[None]:
         """The live row off the screen while stdout (maybe the same terminal) is written."""
-        with off_screen(self._progress, self.display.live):
+        with self._area.paused():
             yield
 
     def status(self) -> str:
