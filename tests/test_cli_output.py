@@ -195,7 +195,7 @@ def test_live_display_shows_stages_rates_memory_and_datastore():
         display(ProgressEvent("prepare", 0, 1, "Book"))
         display.refresh()
         preparing = console.file.getvalue()[len(encoding):]
-        display(ProgressEvent("prepare", 1, 1, "Book", {"bytes": 10 * 2**20}))  # the packed copies added
+        display(ProgressEvent("prepare", 1, 1, "Book", {"bytes": 3 * 2**20, "packed_bytes": 7 * 2**20}))
         display(ProgressEvent("generate", 0, 256, "Book"))
         clock.now += 4.0
         display(ProgressEvent("generate", 100, 256, "Book"))  # 100 tokens in 4 s
@@ -205,7 +205,7 @@ def test_live_display_shows_stages_rates_memory_and_datastore():
     assert "shelf/book.epub (2/3)" in encoding and "RSS 512.0 MiB" in encoding and "GPU 3.0 GiB" in encoding
     assert "generating tokens" in generating and "100/256" in generating and "25 tokens/s" in generating
     assert "preparing retrieval" in preparing and "datastore 3.0 MiB" in preparing
-    assert "datastore 10.0 MiB" in generating
+    assert "datastore 3.0 MiB + 7.0 MiB packed copies" in generating
 
 
 def test_done_line_and_failures_without_a_terminal():

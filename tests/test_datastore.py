@@ -549,14 +549,15 @@ def test_packed_kernel_packs_only_what_it_can_hold(monkeypatch, tmp_path):
     store = build(states)
     unpacked_bytes = store.nbytes
     assert store.kernel().scores == "packed" and store.packed() is not None
-    assert store.nbytes == unpacked_bytes + packing.packed_bytes(1200, 32)  # the copies are reported with the store
+    assert store.nbytes == unpacked_bytes  # the store's own bytes; the copies are reported beside them
+    assert store.packed_nbytes == packing.packed_bytes(1200, 32)
     prepared = build(states)
     prepared.prepare()  # what Summarizer.generate does before its first step: the copies are made now
-    assert prepared.nbytes == unpacked_bytes + packing.packed_bytes(1200, 32)
+    assert prepared.packed_nbytes == packing.packed_bytes(1200, 32)
     approximate = build(states, IndexPlan("hnsw", "cpu", "test"))
     approximate_bytes = approximate.nbytes
     approximate.prepare()  # nothing to make for a faiss index
-    assert approximate.nbytes == approximate_bytes
+    assert approximate.nbytes == approximate_bytes and approximate.packed_nbytes == 0
     expected = reference_attention(store.states(), queries, 1200).float()
     torch.testing.assert_close(store.attend(queries, 1200), expected, rtol=1e-4, atol=1e-4)
     huge = states.clone()

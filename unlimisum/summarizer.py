@@ -44,7 +44,10 @@ class ProgressEvent:
     prompt read, ``info["tokens"]`` and ``info["window"]``.
     ``prepare`` (before ``generate``): 0 of ``total`` datastores, then all, made ready for retrieval
     (the kernels measured, once per process, and an exact store's packed copies made: seconds at 100k tokens);
-    with one datastore, ``info["bytes"]`` is its size then, packed copies included.
+    ``info["packed_bytes"]``: the packed kernel's copies made beside the stores, ``info["seconds"]`` the time it
+    took; with one datastore, ``info["bytes"]`` is the store's own size.
+    ``generate``: ``completed`` summary tokens written of at most ``total``; the last event's count is the
+    summary's (for a batch, the longest one's).
     ``chapter`` (``summarize(per_chapter=True)``, after the whole-document summary): before each
     batch of chapters, ``completed`` chapters of ``total`` are summarized and ``document`` is the
     title of the next one (``info["titles"]``: the titles of the batch, generated together from
@@ -72,8 +75,8 @@ class SummaryStats:
     index_kind: str
     index_device: str
     retrieval_k: int  # input tokens each cross-attention head attended to per step
-    datastore_bytes: int
-    generated_tokens: int
+    datastore_bytes: int  # the encoded input's one store (16-bit states, plus an approximate index's own)
+    generated_tokens: int  # summary tokens: generated tokens other than special tokens
     timings: dict  # stage -> seconds: tokenize, encode, index (or cache_load), prepare, generate, search
     peak_rss_bytes: int  # the process's peak resident memory so far
     peak_gpu_bytes: int | None  # peak CUDA memory during this call, when on CUDA
@@ -81,6 +84,7 @@ class SummaryStats:
     cached: bool = False  # the encoded document came from the cache of encoded books
     model_dtype: str = ""  # the weights' dtype ("--dtype auto" chooses bfloat16 where measured faster)
     positions: str | None = None  # decoder-only: "true", or "fixed distance W" when prompt + summary exceed them
+    packed_bytes: int = 0  # beside the store: the packed retrieval kernel's copies of it, when that kernel ran
 
 
 @dataclass(frozen=True)
@@ -107,15 +111,23 @@ class Summary:
 
 
 class _GenerationProgress:
-    """A stopping criterion that never stops: it reports each generated token."""
+    """A stopping criterion that never stops: it reports the summary tokens written so far.
 
-    def __init__(self, report: Callable[[int], None]):
+    A step counts when some row's new token is not a special token (the forced start and end tokens and
+    the padding after a row's end are not summary tokens), so that the count ends where the statistics'
+    ``generated_tokens`` does for one summary.
+    """
+
+    def __init__(self, report: Callable[[int], None], special_ids: Sequence[int] = ()):
         self.report = report
-        self.steps = 0
+        self.special = torch.tensor(sorted(set(special_ids)), dtype=torch.long)
+        self.written = 0
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        self.steps += 1
-        self.report(self.steps)
+        newest = input_ids[:, -1]  # [rows]
+        if not torch.isin(newest, self.special.to(newest.device)).all():
+            self.written += 1
+            self.report(self.written)
         return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
 
 
@@ -128,6 +140,7 @@ class Generated:
     """What one generate() call over a batch of datastores produced and cost."""
 
     token_ids: torch.Tensor  # [B, T]
+    total: int | None  # the most tokens it could write (max_new_tokens)
     seconds: float
     search_seconds: float  # within `seconds`
     prepare_seconds: float  # before `seconds`: the stores made ready for retrieval (Datastore.prepare)
@@ -301,6 +314,7 @@ class Summarizer:
         texts = [text.strip() for text in tokenizer.batch_decode(output, skip_special_tokens=True)]
         special = torch.tensor(sorted(set(tokenizer.all_special_ids)), device=output.device)
         counts = (~torch.isin(output, special)).sum(dim=1).tolist()
+        self.progress(ProgressEvent("generate", max(counts), run.total, name))  # the count ends at the summary's
         peak_gpu = torch.cuda.max_memory_allocated(self.loaded.device) if on_cuda else None
         summaries = []
         for part, store, mass, text, n_generated, ids in zip(parts, stores, run.coverage, texts, counts,
@@ -312,6 +326,7 @@ class Summarizer:
                 model=self.loaded.name, input_tokens=store.n_tokens, windows=len(windows),
                 window=self._window(), index_kind=store.kind, index_device=store.device,
                 retrieval_k=min(self._retrieval_k(), store.n_tokens), datastore_bytes=store.nbytes,
+                packed_bytes=store.packed_nbytes,
                 generated_tokens=n_generated, timings=timings, peak_rss_bytes=_peak_rss_bytes(),
                 peak_gpu_bytes=peak_gpu, tensor_cache_bytes=run.tensor_cache_bytes, cached=part.encoded.cached,
                 model_dtype=str(self.loaded.dtype).removeprefix("torch."),
@@ -359,15 +374,19 @@ class Summarizer:
         stand_in = torch.zeros(batch, 1, model.config.d_model, dtype=self.loaded.dtype, device=self.loaded.device)
         attention_mask = torch.ones(batch, 1, dtype=torch.long, device=self.loaded.device)
         total = kwargs.get("max_new_tokens")
-        progress = _GenerationProgress(lambda steps: self.progress(ProgressEvent("generate", steps, total, name)))
+        progress = _GenerationProgress(lambda written: self.progress(ProgressEvent("generate", written, total, name)),
+                                       self.loaded.tokenizer.all_special_ids)
         mass = tuple(torch.zeros(store.n_tokens, device=store.states().device) for store in stores)
         session = RetrievalSession(stores=list(stores), retrieval_k=self._retrieval_k(), coverage=mass)
         preparing = time.perf_counter()
         self.progress(ProgressEvent("prepare", 0, batch, name))
         for store in stores:  # kernels measured and stores packed here, not silently inside the first step
             store.prepare()
-        # one store: its bytes now count the packed copies, if made (views of one book would count it again)
-        self.progress(ProgressEvent("prepare", batch, batch, name, {"bytes": stores[0].nbytes} if batch == 1 else {}))
+        prepared = {"packed_bytes": sum(store.packed_nbytes for store in stores),
+                    "seconds": time.perf_counter() - preparing}
+        if batch == 1:  # views of one book (a batch of chapters) share its store: their sum would count it again
+            prepared["bytes"] = stores[0].nbytes
+        self.progress(ProgressEvent("prepare", batch, batch, name, prepared))
         started = time.perf_counter()
         prepare_seconds = started - preparing
         self.progress(ProgressEvent("generate", 0, total, name))
@@ -384,8 +403,8 @@ class Summarizer:
                 stopping_criteria=[progress], **kwargs,
             )
             retained = memory.retained_bytes() if self.tensor_cache is not None else None
-        return Generated(output, time.perf_counter() - started, session.stats.search_seconds, prepare_seconds,
-                         retained, mass)
+        return Generated(output, total, time.perf_counter() - started, session.stats.search_seconds,
+                         prepare_seconds, retained, mass)
 
 
 

@@ -20,10 +20,11 @@ JSON schema (one object per document; JSON Lines on stdout, one file per input w
       "stats": {
         "model": "...", "input_tokens": 0, "windows": 0, "window": 0,
         "index_kind": "exact", "index_device": "cpu", "retrieval_k": 0,
-        "datastore_bytes": 0,
+        "datastore_bytes": 0,             # the encoded input's store (16-bit states; an approximate index's own)
+        "packed_bytes": 0,                # beside it: the packed retrieval kernel's copies, when that kernel ran
         "generated_tokens": 0,            # summary tokens: generated tokens other than special tokens
                                           # (the "N summary tokens" of the done line)
-        "timings": {"read": 0.0, "tokenize": 0.0, "encode": 0.0, "index": 0.0,
+        "timings": {"read": 0.0, "tokenize": 0.0, "encode": 0.0, "index": 0.0, "prepare": 0.0,
                     "generate": 0.0, "search": 0.0},       # seconds per stage ("cache_load" instead of
                                                            # tokenize/encode/index when cached)
         "peak_rss_bytes": 0, "peak_gpu_bytes": null,      # null unless on CUDA

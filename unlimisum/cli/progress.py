@@ -52,6 +52,13 @@ def format_bytes(count: int | None) -> str:
     raise AssertionError("unreachable")
 
 
+def store_figure(store_bytes: int, packed_bytes: int = 0) -> str:
+    """``1.3 MiB``, or ``1.3 MiB + 3.5 MiB packed copies``: the encoded input's store, and beside it the packed
+    retrieval kernel's copies of it when that kernel made them."""
+    figure = format_bytes(store_bytes)
+    return f"{figure} + {format_bytes(packed_bytes)} packed copies" if packed_bytes else figure
+
+
 def format_seconds(seconds: float) -> str:
     """``5.25`` -> ``5.2 s``; ``125`` -> ``2m05s``; ``3725`` -> ``1h02m05s``."""
     if seconds < 60:
@@ -223,6 +230,7 @@ class ProgressDisplay:
         self._document = ""
         self._document_number = ""
         self._datastore_bytes: int | None = None
+        self._packed_bytes = 0  # the packed kernel's copies beside the store, once made
         self._rss: int | None = None
         self._gpu: int | None = None
         self._memory_sampled_at = float("-inf")
@@ -275,6 +283,7 @@ class ProgressDisplay:
         self._document = "standard input" if source == "-" else source
         self._document_number = f"{number}/{total}" if total > 1 else ""
         self._datastore_bytes = None
+        self._packed_bytes = 0
         self._stage("reading")
         self.log(f"reading {self._document}")
 
@@ -345,8 +354,12 @@ class ProgressDisplay:
     def _on_prepare(self, event: ProgressEvent) -> None:
         if event.completed == 0:
             self._stage("preparing retrieval (measuring kernels, packing the store)")
-        elif event.info.get("bytes"):
+            return
+        if event.info.get("bytes"):
             self._datastore_bytes = event.info["bytes"]
+        self._packed_bytes = event.info.get("packed_bytes") or 0
+        packed = f": packed copies of the store made, {format_bytes(self._packed_bytes)}" if self._packed_bytes else ""
+        self.log(f"retrieval prepared in {format_seconds(event.info.get('seconds', 0.0))}{packed}")
 
     def _on_generate(self, event: ProgressEvent) -> None:
         if event.completed == 0 and self._book.active:
@@ -372,7 +385,8 @@ class ProgressDisplay:
         parts = [
             f"{stats.input_tokens:,} tokens in {stats.windows:,} window{'s' if stats.windows != 1 else ''}"
             + (" (encoded book from the cache)" if stats.cached else ""),
-            f"{stats.index_kind} index on {stats.index_device} ({format_bytes(stats.datastore_bytes)}), k={stats.retrieval_k}",
+            f"{stats.index_kind} index on {stats.index_device} ({store_figure(stats.datastore_bytes, stats.packed_bytes)})"
+            f", k={stats.retrieval_k}",
             f"{stats.generated_tokens:,} summary tokens{rate}",
         ]
         if stats.tensor_cache_bytes is not None:
@@ -490,7 +504,7 @@ class ProgressDisplay:
         if self._gpu is not None:
             parts.append(f"GPU {format_bytes(self._gpu)}")
         if self._datastore_bytes is not None:
-            parts.append(f"datastore {format_bytes(self._datastore_bytes)}")
+            parts.append(f"datastore {store_figure(self._datastore_bytes, self._packed_bytes)}")
         return Text("  " + " · ".join(parts), style="dim")
 
 

@@ -122,7 +122,8 @@ class DecoderOnlySummarizer:
         chunks = -(-n_read // plan.window)
         info = {"tokens": n_read, "window": plan.window}
         total = kwargs.get("max_new_tokens")
-        progress = _GenerationProgress(lambda steps: self.progress(ProgressEvent("generate", steps, total, name)))
+        progress = _GenerationProgress(lambda written: self.progress(ProgressEvent("generate", written, total, name)),
+                                       tokenizer.all_special_ids)
         started = time.perf_counter()
         with torch.inference_mode(), reading.session(model, architecture, plan) as cache:
             self.progress(ProgressEvent("prefill", 0, chunks, name, info))

@@ -61,6 +61,7 @@ class Datastore:
         self.device = device
         self.storage_dtype = states.dtype
         self.nbytes = nbytes  # states + index structures
+        self.packed_nbytes = 0  # the packed kernel's copies of the states, once made (TorchExactDatastore.packed)
         self._owner = None  # the datastore a view was taken from, kept alive with it
 
     def __repr__(self) -> str:
@@ -148,7 +149,7 @@ class TorchExactDatastore(Datastore):
             self._packing_checked = True
             if packing.memory_allows(self.n_tokens, self.dim) and packing.packable(self._states):
                 self._packed = kernels.PackedStates(self._states)
-                self.nbytes += packing.packed_bytes(self.n_tokens, self.dim)  # reported with the store from now on
+                self.packed_nbytes = packing.packed_bytes(self.n_tokens, self.dim)  # reported beside the store
         return self._packed
 
     def attend(self, queries, k, coverage=None):
