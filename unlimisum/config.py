@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 # The Unlimiformer paper's BookSum model: BART-base fine-tuned *through* retrieval (alternating training), so it
@@ -73,11 +73,16 @@ class RetrievalConfig:
 DEFAULT_RETRIEVAL_K = 1024
 
 
+DEFAULT_MAX_NEW_TOKENS = 256  # a few paragraphs; books want more, headlines less
+
+
 @dataclass(frozen=True)
 class GenerationOptions:
     """Options forwarded to the model's own ``generate()``; None leaves the model's default."""
 
-    max_new_tokens: int | None = 256  # a few paragraphs; books want more, headlines less
+    # None: DEFAULT_MAX_NEW_TOKENS, at most the positions the model's decoder has (``for_decoder``); a value
+    # given is used as it is, and one the decoder cannot write is an error.
+    max_new_tokens: int | None = None
     min_new_tokens: int | None = None  # None: the model's own (summarization checkpoints often set one)
     num_beams: int | None = None  # None: the model's own (often 4 for summarization checkpoints)
     no_repeat_ngram_size: int | None = None  # None: the model's own
@@ -91,6 +96,14 @@ class GenerationOptions:
     # Anything else generate() accepts, passed through untouched.
     extra: dict = field(default_factory=dict)
 
+    def for_decoder(self, positions: int | None) -> "GenerationOptions":
+        """These options with the default ``max_new_tokens`` resolved for a decoder of ``positions`` (None: no
+        limit): DEFAULT_MAX_NEW_TOKENS, or ``positions`` when fewer."""
+        if self.max_new_tokens is not None:
+            return self
+        default = DEFAULT_MAX_NEW_TOKENS if positions is None else min(DEFAULT_MAX_NEW_TOKENS, positions)
+        return replace(self, max_new_tokens=default)
+
     def to_generate_kwargs(self) -> dict:
         """The keyword arguments for ``model.generate`` (unset options omitted)."""
         names = (
@@ -98,6 +111,7 @@ class GenerationOptions:
             "repetition_penalty", "do_sample", "temperature", "top_p", "top_k",
         )
         kwargs = {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+        kwargs.setdefault("max_new_tokens", DEFAULT_MAX_NEW_TOKENS)
         kwargs.update(self.extra)
         return kwargs
 

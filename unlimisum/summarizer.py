@@ -208,7 +208,6 @@ class Summarizer:
         self.encoding = encoding
         self.index = index
         self.retrieval = retrieval
-        self.generation = generation
         self.tensor_cache = tensor_cache
         self.cache = cache
         self.progress = progress or (lambda event: None)
@@ -220,6 +219,7 @@ class Summarizer:
                 f"max_new_tokens {wanted} exceeds the {limit} positions the decoder of model "
                 f"'{self.loaded.name}' has"
             )
+        self.generation = generation.for_decoder(limit)  # the default, at most the decoder's positions
         window = encoding.window
         if not self.loaded.is_decoder_only and window is not None and window > self.loaded.max_source_length:
             raise ConfigError(f"window {window} exceeds the {self.loaded.max_source_length}-token encoder window of "

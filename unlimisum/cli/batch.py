@@ -30,7 +30,7 @@ from unlimisum.cli.output import (
 )
 from unlimisum.cli.progress import MemoryProbe, ProgressDisplay
 from unlimisum.config import (
-    DecoderOnlyConfig, EncodingConfig, GenerationOptions, IndexConfig, ModelConfig, PromptConfig, RetrievalConfig,
+    DEFAULT_MAX_NEW_TOKENS, DecoderOnlyConfig, EncodingConfig, GenerationOptions, IndexConfig, ModelConfig, PromptConfig, RetrievalConfig,
 )
 from unlimisum.engines import manifest as run_manifest
 from unlimisum.engines.manifest import DONE, FAILED, SKIPPED, DocumentOutcome
@@ -197,8 +197,12 @@ class BatchRunner:
             generation=settings.generation, tensor_cache=settings.tensor_cache, cache=cache, progress=self.display,
             prompt=settings.prompt, decoder=settings.decoder,
         )
+        limit = self.summarizer.generation.max_new_tokens
+        if settings.generation.max_new_tokens is None and limit < DEFAULT_MAX_NEW_TOKENS:
+            self.display.log(f"--max-new-tokens: {limit}, not the default {DEFAULT_MAX_NEW_TOKENS}: the decoder of "
+                             f"{settings.model.name} has {limit} positions")
         if settings.tensor_cache is not None:
-            self.display.note(tensor_cache_note(settings.tensor_cache, settings.generation.max_new_tokens))
+            self.display.note(tensor_cache_note(settings.tensor_cache, limit))
 
     def summarize_job(self, job: Job, *, several: bool) -> JobResult:
         """Read, summarize and (with -o) write one input; a failure of this input is a failed JobResult.

@@ -190,7 +190,7 @@ def collect_decoder_plan(tokens: int, model: str, config, index: IndexConfig) ->
     sinks, k, position regime (or why it is refused), the store's bytes by its formula, and where it goes."""
     import torch
 
-    from unlimisum.config import DecoderOnlyConfig, GenerationOptions
+    from unlimisum.config import DEFAULT_MAX_NEW_TOKENS, DecoderOnlyConfig
     from unlimisum.decoder_only.plan import (
         MIN_SINKS, default_retrieval_k, default_window, kv_shape, plan_retrieval, store_bytes_per_token, store_devices,
     )
@@ -207,7 +207,7 @@ def collect_decoder_plan(tokens: int, model: str, config, index: IndexConfig) ->
     store = (tokens - 1) * per_token  # generate() reads the prompt's last token itself
     model_device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where --device auto loads it
     keys_device, values_device, placement = store_devices(store // 2, store // 2, index, model_device)
-    max_new_tokens = GenerationOptions().max_new_tokens
+    max_new_tokens = DEFAULT_MAX_NEW_TOKENS
     try:
         plan = plan_retrieval(prompt_tokens=tokens - 1, text_start=0, max_new_tokens=max_new_tokens,
                               max_positions=max_positions, window=window, retrieval_k=retrieval_k,

@@ -22,14 +22,13 @@ from unlimisum.cli.batch import BatchResult, BatchRunner, SummarizeSettings
 from unlimisum.cli.jobs import JSON_EXTENSION, MARKDOWN_EXTENSION, Job, plan_jobs
 from unlimisum.cli.progress import ProgressDisplay, make_stderr_console
 from unlimisum.config import (
-    DEFAULT_MODEL, DEFAULT_PROMPT, EncodingConfig, GenerationOptions, IndexConfig, ModelConfig, PromptConfig,
-    RetrievalConfig,
+    DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, DEFAULT_PROMPT, EncodingConfig, GenerationOptions, IndexConfig, ModelConfig,
+    PromptConfig, RetrievalConfig,
 )
 from unlimisum.engines import manifest as run_manifest
 from unlimisum.engines.manifest import DocumentOutcome
 from unlimisum.errors import ConfigError, UnlimisumError
 
-_DEFAULT_GENERATION = GenerationOptions()
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
 
 MODEL_PANEL = "Model"
@@ -179,8 +178,10 @@ def summarize(
         rich_help_panel=DECODER_PANEL,
     ),
     # -- generation
-    max_new_tokens: int = typer.Option(
-        _DEFAULT_GENERATION.max_new_tokens, "--max-new-tokens", min=1, metavar="N", help="Longest summary, in tokens.",
+    max_new_tokens: Optional[int] = typer.Option(
+        None, "--max-new-tokens", min=1, metavar="N",
+        help=f"Longest summary, in tokens (default: {DEFAULT_MAX_NEW_TOKENS}, at most the positions of the "
+        "model's decoder).",
         rich_help_panel=GENERATION_PANEL,
     ),
     min_new_tokens: Optional[int] = typer.Option(
@@ -324,8 +325,9 @@ def summarize(
         raise fail("--skip-existing needs --output-dir", EXIT_USAGE)
     if quiet and verbose:
         raise fail("--quiet and --verbose contradict each other", EXIT_USAGE)
-    if min_new_tokens is not None and min_new_tokens > max_new_tokens:
-        raise fail(f"--min-new-tokens {min_new_tokens} exceeds --max-new-tokens {max_new_tokens}", EXIT_USAGE)
+    if min_new_tokens is not None and min_new_tokens > (max_new_tokens or DEFAULT_MAX_NEW_TOKENS):
+        shown = max_new_tokens or f"{DEFAULT_MAX_NEW_TOKENS} (the default)"
+        raise fail(f"--min-new-tokens {min_new_tokens} exceeds --max-new-tokens {shown}", EXIT_USAGE)
     for option, value in (("--temperature", temperature), ("--repetition-penalty", repetition_penalty),
                           ("--top-p", top_p)):
         if value is not None and value <= 0:
