@@ -227,15 +227,21 @@ class EncodedCache:
     def clear(self, older_than_seconds: float | None = None) -> tuple[int, int]:
         """Remove entries (only those unused for ``older_than_seconds``, when given); (count, bytes) removed."""
         now, count, freed = time.time(), 0, 0
-        for entry in self.entries():
+        entries, damaged = self._scan()
+        for entry in entries:
             if older_than_seconds is not None and now - entry.last_used < older_than_seconds:
                 continue
             shutil.rmtree(self.directory / entry.key, ignore_errors=True)
             count, freed = count + 1, freed + entry.nbytes
-        for leftover in self.directory.glob(f"{_TEMPORARY}*") if self.directory.is_dir() else ():
+        # damaged entries count as entries; the folders of stores (interrupted or under way) do not
+        temporary = list(self.directory.glob(f"{_TEMPORARY}*")) if self.directory.is_dir() else []
+        for folder, counted in [(folder, True) for folder in damaged] + [(folder, False) for folder in temporary]:
             try:
-                if older_than_seconds is None or now - leftover.stat().st_mtime >= older_than_seconds:
-                    shutil.rmtree(leftover, ignore_errors=True)
+                if older_than_seconds is None or now - folder.stat().st_mtime >= older_than_seconds:
+                    nbytes = _folder_bytes(folder)
+                    shutil.rmtree(folder, ignore_errors=True)
+                    if counted:
+                        count, freed = count + 1, freed + nbytes
             except OSError:  # renamed into place or removed meanwhile
                 continue
         return count, freed
