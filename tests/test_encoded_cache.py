@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
+import unlimisum
+from unlimisum.unlimiformer import cache as cache_module
 from unlimisum.unlimiformer.cache import CacheKey, EncodedCache, text_sha256
 
 
@@ -17,6 +21,11 @@ def key(**changes) -> CacheKey:
                   storage_dtype="bfloat16", model_dtype="float32", device_type="cpu")
     fields.update(changes)
     return CacheKey(**fields)
+
+
+def meta(title: str = "A Book", source: str = "book.txt", n: int = 300) -> dict:
+    """What the encoder stores with an entry: title, source and the windows' kept ranges."""
+    return {"title": title, "source": source, "windows": [[0, n // 3], [n // 3, n]]}
 
 
 def entry(n: int = 300, d: int = 16, dtype=torch.bfloat16):
@@ -28,7 +37,7 @@ def entry(n: int = 300, d: int = 16, dtype=torch.bfloat16):
 def test_round_trip_is_bit_for_bit_and_never_writes_the_file(tmp_path, dtype):
     cache = EncodedCache(tmp_path)
     states, ids = entry(dtype=dtype)
-    folder = cache.store(key(storage_dtype=str(dtype)[6:]), states, ids, {"title": "A Book", "windows": [[0, 300]]})
+    folder = cache.store(key(storage_dtype=str(dtype)[6:]), states, ids, meta())
     assert folder is not None and folder.is_dir() and not list(tmp_path.glob(".tmp-*"))
     loaded = cache.load(key(storage_dtype=str(dtype)[6:]))
     assert loaded is not None
@@ -40,10 +49,11 @@ def test_round_trip_is_bit_for_bit_and_never_writes_the_file(tmp_path, dtype):
 
 def test_any_change_of_what_makes_the_states_is_another_entry(tmp_path):
     cache = EncodedCache(tmp_path)
-    cache.store(key(), *entry(), {})
+    cache.store(key(), *entry(), meta())
     for change in (dict(text_sha256=text_sha256("another book")), dict(model="tiny@def"), dict(window=128),
                    dict(overlap=0.25), dict(storage_dtype="float16"), dict(model_dtype="bfloat16"),
-                   dict(device_type="cuda"), dict(tokenizer="other"), dict(format_version=999)):
+                   dict(device_type="cuda"), dict(tokenizer="other"), dict(format_version=999),
+                   dict(unlimisum="0.0.1"), dict(software="transformers 5.15; encoder another")):
         assert cache.load(key(**change)) is None
 
 
@@ -52,7 +62,7 @@ def test_unusable_entries_are_reported_removed_and_never_loaded(tmp_path, damage
     warnings = []
     cache = EncodedCache(tmp_path, warn=warnings.append)
     states, ids = entry()
-    folder = cache.store(key(), states, ids, {})
+    folder = cache.store(key(), states, ids, meta())
     data = folder / "states.bin"
     if damage == "truncate":
         data.write_bytes(data.read_bytes()[:-10])
@@ -63,9 +73,9 @@ def test_unusable_entries_are_reported_removed_and_never_loaded(tmp_path, damage
     elif damage == "meta":
         (folder / "meta.json").write_text("{not json")
     else:  # an entry written for another model under this key's folder name
-        meta = json.loads((folder / "meta.json").read_text())
-        meta["key"]["model"] = "someone-else"
-        (folder / "meta.json").write_text(json.dumps(meta))
+        record = json.loads((folder / "meta.json").read_text())
+        record["key"]["model"] = "someone-else"
+        (folder / "meta.json").write_text(json.dumps(record))
     assert cache.load(key()) is None
     assert len(warnings) == 1 and "encoding again" in warnings[0] and "\n" not in warnings[0]
     assert not folder.exists()
@@ -73,22 +83,22 @@ def test_unusable_entries_are_reported_removed_and_never_loaded(tmp_path, damage
 
 def test_size_cap_evicts_the_least_recently_used(tmp_path):
     cache = EncodedCache(tmp_path)
-    first = cache.store(key(window=1), *entry(), {})
-    cache.store(key(window=2), *entry(), {})
+    first = cache.store(key(window=1), *entry(), meta())
+    cache.store(key(window=2), *entry(), meta())
     one_entry = sum(path.stat().st_size for path in first.iterdir())
     old = time.time() - 100
     os.utime(first / "meta.json", (old, old))
     cache.load(key(window=1))  # used now: the second one becomes the least recently used
     capped = EncodedCache(tmp_path, max_bytes=int(2.5 * one_entry))
-    capped.store(key(window=3), *entry(), {})
+    capped.store(key(window=3), *entry(), meta())
     left = {entry.key for entry in capped.entries()}
     assert key(window=1).digest in left and key(window=3).digest in left and key(window=2).digest not in left
 
 
 def test_list_and_clear_older_than(tmp_path):
     cache = EncodedCache(tmp_path)
-    old = cache.store(key(window=1), *entry(), {"title": "Old", "source": "old.txt"})
-    cache.store(key(window=2), *entry(), {"title": "New", "source": "new.txt"})
+    old = cache.store(key(window=1), *entry(), meta("Old", "old.txt"))
+    cache.store(key(window=2), *entry(), meta("New", "new.txt"))
     then = time.time() - 40 * 86400
     os.utime(old / "meta.json", (then, then))
     listed = cache.entries()
@@ -96,3 +106,146 @@ def test_list_and_clear_older_than(tmp_path):
     assert cache.clear(older_than_seconds=30 * 86400) == (1, listed[1].nbytes)
     assert [entry.title for entry in cache.entries()] == ["New"]
     assert cache.clear()[0] == 1 and cache.entries() == []
+
+
+def test_another_release_of_unlimisum_never_reads_the_entries_of_this_one(tmp_path, monkeypatch):
+    cache = EncodedCache(tmp_path)
+    cache.store(key(), *entry(), meta())
+    assert cache.load(key()) is not None
+    monkeypatch.setattr(unlimisum, "__version__", "99.0.0")  # a release that may compute states otherwise
+    assert cache.load(key()) is None
+
+
+def test_the_encoders_code_path_is_in_the_key(tiny_loaded):
+    """LED encodes through unlimisum's blocked local attention: a key says so, and another path is another key."""
+    import dataclasses
+
+    from unlimisum.unlimiformer.encoder import software_identity
+
+    led = tiny_loaded("led")
+    assert "encoder unlimisum.models.local_attention.blocked_local_attention" in software_identity(led)
+    plain = dataclasses.replace(led, architecture=dataclasses.replace(led.architecture, fast_encoding=None))
+    assert "encoder the model's own" in software_identity(plain)
+
+
+DAMAGED_META = {
+    "no windows": lambda record: record.pop("windows"),
+    "a gap between windows": lambda record: record.update(windows=[[0, 100], [101, 300]]),
+    "windows short of the end": lambda record: record.update(windows=[[0, 100], [100, 299]]),
+    "a window that is not a pair": lambda record: record.update(windows=[[0, 100, 7], [100, 300]]),
+    "a title that is a list": lambda record: record.update(title=["A", "Book"]),
+    "a source that is a number": lambda record: record.update(source=7),
+    "n_tokens as text": lambda record: record.update(n_tokens="300"),
+    "a checksum that is a flag": lambda record: record.update(ids_crc32=True),
+    "no dtype": lambda record: record.pop("dtype"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGED_META) + ["not an object"])
+def test_metadata_of_the_wrong_shape_is_reported_removed_and_rebuilt(tmp_path, damage):
+    warnings = []
+    cache = EncodedCache(tmp_path, warn=warnings.append)
+    folder = cache.store(key(), *entry(), meta())
+    record = json.loads((folder / "meta.json").read_text())
+    if damage == "not an object":
+        record = [record]
+    else:
+        DAMAGED_META[damage](record)
+    (folder / "meta.json").write_text(json.dumps(record))
+    assert cache.entries() == []  # `cache list` does not fail on it either
+    if damage == "no windows":  # `cache clear` removes it too
+        nbytes = sum(path.stat().st_size for path in folder.iterdir())
+        assert cache.clear() == (1, nbytes)
+        assert not folder.exists()
+        return
+    assert cache.load(key()) is None
+    assert len(warnings) == 1 and "encoding again" in warnings[0] and "\n" not in warnings[0], warnings
+    assert not folder.exists()
+    assert cache.store(key(), *entry(), meta()) is not None and cache.load(key()) is not None  # rebuilt
+
+
+def test_a_summary_from_an_entry_without_windows_is_rebuilt_with_a_warning(tiny_loaded, tmp_path):
+    from unlimisum.config import GenerationOptions
+    from unlimisum.summarizer import Summarizer
+
+    warnings = []
+    cache = EncodedCache(tmp_path, warn=warnings.append)
+    fast = GenerationOptions(max_new_tokens=4, num_beams=1, do_sample=False)
+    text = "The keeper counted the ships. " * 30
+    first = Summarizer(tiny_loaded("bart"), generation=fast, cache=cache).summarize(text)
+    (folder,) = [path for path in tmp_path.iterdir() if not path.name.startswith(".")]
+    record = json.loads((folder / "meta.json").read_text())
+    del record["windows"]
+    (folder / "meta.json").write_text(json.dumps(record))
+    again = Summarizer(tiny_loaded("bart"), generation=fast, cache=cache).summarize(text)
+    assert not again.stats.cached and again.token_ids == first.token_ids
+    assert len(warnings) == 1 and "no 'windows'" in warnings[0]
+    assert Summarizer(tiny_loaded("bart"), generation=fast, cache=cache).summarize(text).stats.cached
+
+
+def test_an_entry_evicted_between_stat_and_memory_map_is_a_miss(tmp_path, monkeypatch):
+    warnings = []
+    cache = EncodedCache(tmp_path, warn=warnings.append)
+    folder = cache.store(key(), *entry(), meta())
+    real = cache_module.np.memmap
+
+    def evicted_meanwhile(path, *args, **kwargs):
+        import shutil
+
+        shutil.rmtree(folder)  # another process's eviction, right after this one's stat
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(cache_module.np, "memmap", evicted_meanwhile)
+    assert cache.load(key()) is None and warnings == []
+
+
+def leftover(directory, name: str, nbytes: int, age: float = 0.0):
+    """A temporary folder as a writer leaves it: a partly written states.bin."""
+    folder = directory / name
+    folder.mkdir(parents=True)
+    (folder / "states.bin").write_bytes(b"\0" * nbytes)
+    then = time.time() - age
+    for path in (folder / "states.bin", folder):
+        os.utime(path, (then, then))
+    return folder
+
+
+def gone_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_leftovers_of_killed_writers_are_removed_on_store_and_by_cache_list(tmp_path):
+    from typer.testing import CliRunner
+
+    from unlimisum.cli.app import app
+
+    host = getattr(cache_module, '_HOST', '')
+    cache = EncodedCache(tmp_path)
+    old = leftover(tmp_path, ".tmp-0123abcd", 10_000, age=getattr(cache_module, "STALE_SECONDS", 3600) + 60)  # an earlier release's name
+    dead = leftover(tmp_path, f".tmp-{gone_pid()}-{host}-cafe", 10_000)  # fresh, but its writer has ended
+    live = leftover(tmp_path, f".tmp-{os.getpid()}-{host}-beef", 10_000)  # a store under way: kept
+    cache.store(key(), *entry(), meta())
+    assert not old.exists() and not dead.exists() and live.exists()
+    again = leftover(tmp_path, ".tmp-4567ef01", 5_000, age=2 * getattr(cache_module, "STALE_SECONDS", 3600))
+    result = CliRunner().invoke(app, ["cache", "list", "--cache-dir", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert not again.exists() and live.exists()
+    assert "removed 1 folder of interrupted stores" in result.stderr
+    assert "being stored" in result.stderr
+
+
+def test_the_size_cap_counts_stores_under_way_and_removes_leftovers(tmp_path):
+    cache = EncodedCache(tmp_path)
+    first = cache.store(key(window=1), *entry(), meta())
+    one_entry = sum(path.stat().st_size for path in first.iterdir())
+    old = time.time() - 100
+    os.utime(first / "meta.json", (old, old))
+    live = leftover(tmp_path, f".tmp-{os.getpid()}-{getattr(cache_module, '_HOST', '')}-beef", one_entry)
+    stale = leftover(tmp_path, ".tmp-89abcdef", 50 * one_entry, age=getattr(cache_module, "STALE_SECONDS", 3600) + 1)
+    capped = EncodedCache(tmp_path, max_bytes=int(2.5 * one_entry))
+    capped.store(key(window=2), *entry(), meta())
+    # the stale leftover is gone; the live one counts, so the oldest entry goes to make room for it
+    assert not stale.exists() and live.exists()
+    assert [entry.key for entry in capped.entries()] == [key(window=2).digest]

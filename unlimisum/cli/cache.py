@@ -55,6 +55,10 @@ def list_entries(
 ) -> None:
     """The encoded books in the cache, most recently used first."""
     cache = _open(cache_dir)
+    removed, freed = cache.remove_leftovers()
+    if removed:
+        typer.echo(f"removed {removed} folder{'s' if removed != 1 else ''} of interrupted stores, "
+                   f"{format_bytes(freed)}", err=True)
     entries = cache.entries()
     if as_json:
         for entry in entries:
@@ -67,8 +71,10 @@ def list_entries(
         typer.echo(f"{entry.key[:12]}  {format_bytes(entry.nbytes):>10}  {entry.n_tokens:>10,} tokens  "
                    f"used {age:>4} ago  {name}  [{entry.model}]")
     total = sum(entry.nbytes for entry in entries)
+    writing = sum(nbytes for _, nbytes, _ in cache.leftovers())
+    under_way = f" (and {format_bytes(writing)} being stored)" if writing else ""
     typer.echo(f"{len(entries)} encoded book{'s' if len(entries) != 1 else ''}, {format_bytes(total)} "
-               f"in {cache.directory}", err=True)
+               f"in {cache.directory}{under_way}", err=True)
 
 
 @cache_app.command("clear")

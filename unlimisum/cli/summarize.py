@@ -334,6 +334,9 @@ def summarize(
             raise fail(f"{option} must be greater than 0, got {value}", EXIT_USAGE)
     if prompt.count("{text}") != 1:
         raise fail(f"--prompt must contain {{text}} exactly once, where the document goes: {prompt!r}", EXIT_USAGE)
+    if system is not None and "{text}" in system:
+        raise fail(f"--system must not contain {{text}}: the document goes where --prompt puts it: {system!r}",
+                   EXIT_USAGE)
     if retrieval_k is not None and retrieval_k_alias is not None and retrieval_k != retrieval_k_alias:
         raise fail(f"--retrieval-k {retrieval_k} and --topk {retrieval_k_alias} disagree (--topk is its old name)",
                    EXIT_USAGE)

@@ -2,12 +2,18 @@
 
 With a chat template: the user message is the template with ``{text}`` replaced by the document
 (after an optional system message), rendered by ``apply_chat_template`` with the generation prompt
-(the assistant's turn begins), and tokenized as rendered (the template writes the special tokens).
-Without one, the prompt is the template with ``{text}`` substituted, tokenized with the tokenizer's
-special tokens (a BOS, say; an EOS it appends at the end is dropped: the model is to go on).
+(the assistant's turn begins). Without one, the prompt is the template with ``{text}`` substituted,
+after the special tokens the tokenizer puts before a text (a BOS, say; an EOS it appends at the end is
+dropped: the model is to go on).
 
-The text's token range is found from the tokenizer's character offsets, so the sinks (the prompt
-up to the text) and the chapters (their token ranges within the text) are known.
+The template's pieces keep their special tokens (the chat template's roles, or those the user wrote in
+``--prompt``); the document never gets any: a book holding ``<|im_end|><|system|>`` must not close the
+user's turn. So the prompt is tokenized in three parts: the template up to its last special token before
+the text; the run from there to its first special token after the text, which holds the document and
+the template's plain text beside it (tokenized together, as one pass over the prompt would, but with
+special tokens split: unlimisum/models/tokens.py); and the rest of the template. The text's token range is
+found from the character offsets, so the sinks (the prompt up to the text) and the chapters (their token
+ranges within the text) are known.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import torch
 from unlimisum.config import PromptConfig
 from unlimisum.errors import ConfigError
 from unlimisum.models import checkpoint
+from unlimisum.models.tokens import added_around, encode_text, special_ids
 from unlimisum.unlimiformer.encoded import token_char_ends
 
 PLACEHOLDER = "{text}"
@@ -40,20 +47,24 @@ class Prompt:
 
 
 def check_template(config: PromptConfig) -> None:
-    """ConfigError unless the template holds ``{text}`` exactly once."""
+    """ConfigError unless the template holds ``{text}`` exactly once and the system message not at all."""
     count = config.template.count(PLACEHOLDER)
     if count != 1:
         raise ConfigError(f"the prompt template must contain {PLACEHOLDER} exactly once (found {count})")
+    if config.system is not None and PLACEHOLDER in config.system:
+        raise ConfigError(f"the system message must not contain {PLACEHOLDER}: the document goes in the prompt "
+                          "template (--prompt) only")
 
 
-def render(tokenizer, config: PromptConfig) -> tuple[str, bool]:
-    """(the prompt with ``{text}`` still in it, whether it came from a chat template)."""
+def render(tokenizer, config: PromptConfig) -> tuple[str, str, bool]:
+    """(the prompt before the text, after it, whether it came from a chat template)."""
     check_template(config)
-    user = config.template.replace(PLACEHOLDER, _SENTINEL)
     if not getattr(tokenizer, "chat_template", None):
         if config.system is not None:
             raise ConfigError("--system needs a model with a chat template; this tokenizer has none")
-        return config.template, False
+        before, after = config.template.split(PLACEHOLDER)
+        return before, after, False
+    user = config.template.replace(PLACEHOLDER, _SENTINEL)
     messages = ([{"role": "system", "content": config.system}] if config.system is not None else [])
     messages.append({"role": "user", "content": user})
     try:
@@ -62,23 +73,35 @@ def render(tokenizer, config: PromptConfig) -> tuple[str, bool]:
         raise ConfigError(f"the model's chat template refused the prompt: {checkpoint.first_line(error)}") from None
     if rendered.count(_SENTINEL) != 1:
         raise ConfigError("the model's chat template does not keep the prompt's text as given")
-    return rendered.replace(_SENTINEL, PLACEHOLDER), True
+    before, after = rendered.split(_SENTINEL)
+    return before, after, True
 
 
 def build_prompt(tokenizer, text: str, config: PromptConfig, source: str | None = None) -> Prompt:
-    """Tokenize the prompt around ``text``; TokenizerError when the tokenizer cannot encode the text."""
-    template, chat = render(tokenizer, config)
-    before, after = template.split(PLACEHOLDER)
-    full = before + text + after
-    text_begin, text_stop = len(before), len(before) + len(text)
+    """Tokenize the prompt around ``text``, the text's special-token strings as text; TokenizerError when the
+    tokenizer cannot encode the text."""
+    before, after, chat = render(tokenizer, config)
     try:
-        encoding = tokenizer(full, add_special_tokens=not chat, return_offsets_mapping=True, verbose=False)
-        ids, offsets = list(encoding["input_ids"]), list(encoding["offset_mapping"])
+        head, head_offsets = _template_part(tokenizer, before)
+        tail, tail_offsets = _template_part(tokenizer, after)
     except NotImplementedError:  # slow tokenizers have no offsets: the three parts are tokenized apart
         return _build_without_offsets(tokenizer, before, text, after, chat, source)
-    eos = tokenizer.eos_token_id
-    if not chat and len(ids) > 1 and eos is not None and ids[-1] == eos and offsets[-1] == (0, 0):
-        ids, offsets = ids[:-1], offsets[:-1]  # appended by the post-processor: the answer comes next
+    specials = special_ids(tokenizer)
+    # the run: from the end of the template's last special token before the text to its first one after it
+    last = max((i for i, token in enumerate(head) if token in specials), default=-1)
+    run_start = head_offsets[last][1] if last >= 0 else 0
+    first_after = next((i for i, token in enumerate(tail) if token in specials), len(tail))
+    run_stop = len(before) + len(text) + (tail_offsets[first_after][0] if first_after < len(tail) else len(after))
+    full = before + text + after
+    run, run_offsets = _run_tokens(tokenizer, full[run_start:run_stop], after_special=run_start > 0)
+    leading, trailing = ([], []) if chat else added_around(tokenizer)
+    trailing = [token for token in trailing if token != tokenizer.eos_token_id]  # the answer comes next
+    shift = len(before) + len(text)
+    ids = leading + head[: last + 1] + run + tail[first_after:] + trailing
+    offsets = ([(0, 0)] * len(leading) + head_offsets[: last + 1]
+               + [(a + run_start, b + run_start) for a, b in run_offsets]
+               + [(a + shift, b + shift) for a, b in tail_offsets[first_after:]] + [(0, 0)] * len(trailing))
+    text_begin, text_stop = len(before), len(before) + len(text)
     first = next((i for i, (a, b) in enumerate(offsets) if b > text_begin and b > a), len(ids))
     stop = next((i for i, (a, b) in enumerate(offsets) if i >= first and a >= text_stop and b > a), len(ids))
     ends = [min(max(end - text_begin, 0), len(text)) for end in token_char_ends(offsets[first:stop])]
@@ -86,20 +109,57 @@ def build_prompt(tokenizer, text: str, config: PromptConfig, source: str | None 
     return Prompt(torch.tensor(ids, dtype=torch.long), first, stop, ends)
 
 
+def _template_part(tokenizer, part: str) -> tuple[list[int], list[tuple[int, int]]]:
+    """The template's own tokens (its special tokens parsed) and their offsets in ``part``."""
+    if not part:
+        return [], []
+    encoding = tokenizer(part, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    return list(encoding["input_ids"]), [tuple(pair) for pair in encoding["offset_mapping"]]
+
+
+def _run_tokens(tokenizer, run: str, *, after_special: bool) -> tuple[list[int], list[tuple[int, int]]]:
+    """The run's tokens, special-token strings as text, and their offsets in ``run``.
+
+    Tokenized alone, a run would be a text's start, which some tokenizers mark (SentencePiece's prefix
+    space) where the same run after a special token in one pass over the prompt is not: the tokenizer
+    shows which by a probe, and a run after a special token is then tokenized after a newline that is
+    dropped again (as transformers' own ``sanitize_control_tokens`` does).
+    """
+    if not run:
+        return [], []
+    if after_special and _marks_text_starts(tokenizer):
+        newline = encode_text(tokenizer, "\n")["input_ids"]
+        encoding = encode_text(tokenizer, "\n" + run, offsets=True)
+        ids, offsets = list(encoding["input_ids"]), list(encoding["offset_mapping"])
+        if newline and ids[: len(newline)] == newline and all(a >= 1 for a, _ in offsets[len(newline):]):
+            return ids[len(newline):], [(a - 1, b - 1) for a, b in offsets[len(newline):]]
+    encoding = encode_text(tokenizer, run, offsets=True)
+    return list(encoding["input_ids"]), [tuple(pair) for pair in encoding["offset_mapping"]]
+
+
+def _marks_text_starts(tokenizer) -> bool:
+    """Whether a word tokenizes otherwise at a text's start than right after a special token."""
+    marker = next((token for token in tokenizer.all_special_tokens if token != tokenizer.unk_token), None)
+    if marker is None:
+        return False
+    word = "Summary"
+    after = tokenizer(marker + word, add_special_tokens=False)["input_ids"]
+    alone = tokenizer(word, add_special_tokens=False)["input_ids"]
+    return after[1:] != alone
+
+
 def _build_without_offsets(tokenizer, before: str, text: str, after: str, chat: bool, source) -> Prompt:
-    parts = [tokenizer(part, add_special_tokens=False, verbose=False)["input_ids"] if part else []
-             for part in (before, text, after)]
-    specials = tokenizer.build_inputs_with_special_tokens([]) if not chat else []
-    eos = tokenizer.eos_token_id
-    leading = [t for t in specials if t != eos]  # what the tokenizer puts before a text (a BOS), not after
-    ids = leading + parts[0] + parts[1] + parts[2]
-    start = len(leading) + len(parts[0])
-    _check(tokenizer, parts[1], text, source)
-    return Prompt(torch.tensor(ids, dtype=torch.long), start, start + len(parts[1]), None)
+    head = tokenizer(before, add_special_tokens=False, verbose=False)["input_ids"] if before else []
+    body = encode_text(tokenizer, text)["input_ids"] if text else []
+    tail = tokenizer(after, add_special_tokens=False, verbose=False)["input_ids"] if after else []
+    leading = added_around(tokenizer)[0] if not chat else []  # what the tokenizer puts before a text (a BOS)
+    ids = leading + head + body + tail
+    start = len(leading) + len(head)
+    _check(tokenizer, body, text, source)
+    return Prompt(torch.tensor(ids, dtype=torch.long), start, start + len(body), None)
 
 
 def _check(tokenizer, text_ids: list[int], text: str, source) -> None:
-    unknown = tokenizer.unk_token_id
-    special = set(tokenizer.all_special_ids) - {unknown}
+    unknown, special = tokenizer.unk_token_id, special_ids(tokenizer)
     checkpoint.check_encoding(len(text_ids), sum(i in special for i in text_ids),
                               sum(i == unknown for i in text_ids) if unknown is not None else 0, text, source=source)

@@ -3,6 +3,7 @@ and the differences between transformers releases (compat), kept apart from the 
 
 - ``loading``: ``load_model`` (hub name or folder, safe weights, device, dtype) -> ``LoadedModel``;
 - ``checkpoint``: what a model name points at, and one-line diagnoses of what is wrong with it;
+- ``tokens``: a document's text tokenized as text, never as the tokenizer's special tokens;
 - ``architectures``: one row per encoder-decoder family (where the attentions live, their names);
 - ``wrapping``: install and remove wrapper modules with setattr, never stacked;
 - ``compat``: everything that differs between supported transformers releases.

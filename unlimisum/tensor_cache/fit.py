@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from unlimisum.models.architectures import Architecture
+from unlimisum.models.tokens import encode_text
 from unlimisum.errors import ConfigError
 from unlimisum.tensor_cache.self_attention import ParallelMemory, resolve_architecture, wrapped_self_attention
 from unlimisum.tensor_cache.params import TensorCacheParams
@@ -129,7 +130,7 @@ def _blocks(model, tokenizer, architecture: Architecture, texts: list[str], sett
     encoder_tokens = min(settings.encoder_tokens, architecture.max_source_length(model.config, tokenizer))
     blocks = []
     for text in texts:
-        ids = tokenizer(text, add_special_tokens=False, verbose=False).input_ids
+        ids = encode_text(tokenizer, text).input_ids
         source, rest = ids[:encoder_tokens], ids[encoder_tokens:]
         if not source or len(rest) < context:
             continue

@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+from unlimisum.models.tokens import added_around, encode_text
 from unlimisum.training.config import TrainConfig
 from unlimisum.training.errors import TrainingDataError
 
@@ -138,17 +139,6 @@ def read_data(paths: Sequence[str | Path], config: TrainConfig, cache_dir: str |
     return train, validation
 
 
-def special_tokens(tokenizer) -> tuple[list[int], list[int]]:
-    """(ids before, ids after) the text that the tokenizer adds: BART <s> ... </s>, T5 ... </s>."""
-    probe = "a"
-    content = tokenizer(probe, add_special_tokens=False)["input_ids"]
-    full = tokenizer(probe)["input_ids"]
-    for start in range(len(full) - len(content) + 1):
-        if full[start : start + len(content)] == content:
-            return full[:start], full[start + len(content) :]
-    return [], []
-
-
 def tokenize_rows(rows, tokenizer, config: TrainConfig, window: int, max_target_tokens: int | None):
     """Rows -> model features (input_ids, attention_mask, labels) shaped for ``config.method``.
 
@@ -157,7 +147,7 @@ def tokenize_rows(rows, tokenizer, config: TrainConfig, window: int, max_target_
     ``max_input_tokens``. A summary longer than ``max_target_tokens`` is a TrainingDataError.
     """
     method = config.method
-    before, after = special_tokens(tokenizer)
+    before, after = added_around(tokenizer)
     specials = len(before) + len(after)
     if method == "truncated":
         limit = window
@@ -168,13 +158,13 @@ def tokenize_rows(rows, tokenizer, config: TrainConfig, window: int, max_target_
 
     def features(batch):
         out = {"input_ids": [], "attention_mask": [], "labels": []}
-        targets = tokenizer(text_target=batch["summary"], truncation=False)["input_ids"]
+        targets = tokenizer(text_target=batch["summary"], truncation=False, split_special_tokens=True)["input_ids"]
         for text, target, source, row in zip(batch["text"], targets, batch["source"], batch["row"]):
             if max_target_tokens is not None and len(target) > max_target_tokens:
                 raise TrainingDataError(
                     f"row {row}: the summary has {len(target)} tokens, more than the {max_target_tokens} "
                     "the model's decoder can produce", source=source)
-            content = tokenizer(text, add_special_tokens=False, truncation=False, verbose=False)["input_ids"]
+            content = encode_text(tokenizer, text, truncation=False)["input_ids"]
             if not content:
                 raise TrainingDataError(f"row {row}: the text has no tokens", source=source)
             if method == "chunked":

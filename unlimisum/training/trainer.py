@@ -146,6 +146,7 @@ def validate(model, tokenizer, setup: MethodSetup, rows) -> dict:
 
     from unlimisum.config import EncodingConfig, GenerationOptions, IndexConfig, RetrievalConfig
     from unlimisum.models import LoadedModel
+    from unlimisum.models.tokens import encode_text
     from unlimisum.summarizer import Summarizer
 
     loaded = LoadedModel(model=model, tokenizer=tokenizer, architecture=setup.architecture, name=setup.name)
@@ -164,8 +165,9 @@ def validate(model, tokenizer, setup: MethodSetup, rows) -> dict:
         predicted = summarizer.summarize(text).text
         for name, score in scorer.score(summary, predicted).items():
             totals[name] += score.fmeasure
-        ids = tokenizer(text, truncation=True, max_length=setup.max_input_tokens, return_tensors="pt")["input_ids"]
-        labels = tokenizer(text_target=summary, return_tensors="pt")["input_ids"]
+        ids = encode_text(tokenizer, text, add_special_tokens=True, truncation=True, max_length=setup.max_input_tokens,
+                          return_tensors="pt")["input_ids"]
+        labels = tokenizer(text_target=summary, split_special_tokens=True, return_tensors="pt")["input_ids"]
         with torch.no_grad(), training_attention(model, setup.architecture) as wrappers:
             session = long_session(model, setup, ids.to(device), torch.ones_like(ids).to(device), "retrieval")
             for wrapper in wrappers:

@@ -9,11 +9,14 @@ store format), in a folder of its own under the cache directory::
     <cache>/<key>/ends.bin     [N] each token's end character in the text, int64 (when the tokenizer
                                gives offsets: the chapters are mapped through them on loading)
 
-Raw arrays plus JSON: nothing is unpickled. Entries are written in a temporary folder and
-renamed into place; on loading, the sizes and CRC-32 checksums must match the metadata, else
-the entry is reported in one line, removed, and the book encoded again. The states are memory-
-mapped, so a cached 500k-token book costs no copy. Least recently used entries go first when
-the cache exceeds its size cap.
+Raw arrays plus JSON: nothing is unpickled. Entries are written in a temporary folder
+(``.tmp-<pid>-<host>-<id>``) and renamed into place; on loading, every field of the metadata must
+have its type (the windows tiling the tokens) and the sizes and CRC-32 checksums must match, else
+the entry is reported in one line, removed, and the book encoded again; an entry removed by another
+process while it is read is a miss. The states are memory-mapped, so a cached 500k-token book costs
+no copy. Least recently used entries go first when the cache exceeds its size cap, which counts the
+folders of stores under way too; those a killed writer left (older than an hour, or whose writer is
+gone) are removed on every store and eviction and by ``cache list``.
 """
 
 from __future__ import annotations
@@ -22,11 +25,12 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import sys
 import time
 import uuid
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -37,6 +41,9 @@ STORE_FORMAT_VERSION = 2  # 2: token end offsets, chapters mapped on loading. Bu
 _NUMPY_DTYPES = {torch.bfloat16: np.uint16, torch.float16: np.float16, torch.float32: np.float32}
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _CHECKSUM_CHUNK = 64 * 2**20
+_TEMPORARY = ".tmp-"  # prefix of the folder an entry is written in, before it is renamed into place
+STALE_SECONDS = 3600  # a temporary folder untouched this long belongs to a writer that was killed
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]  # tells this machine's writers apart
 
 
 class CacheEntryError(Exception):
@@ -55,8 +62,10 @@ class CacheKey:
     storage_dtype: str
     model_dtype: str
     device_type: str
-    software: str = ""  # transformers and torch releases and the attention kernel
+    software: str = ""  # transformers and torch releases, the attention kernel, the encoder's code path
     format_version: int = STORE_FORMAT_VERSION
+    # The release that computed the states: a release that computes them otherwise never reads old entries.
+    unlimisum: str = field(default_factory=lambda: _unlimisum_version())
 
     @property
     def digest(self) -> str:
@@ -88,6 +97,12 @@ class EntryInfo:
     last_used: float  # seconds since the epoch
 
 
+def _unlimisum_version() -> str:
+    import unlimisum
+
+    return unlimisum.__version__
+
+
 def text_sha256(text: str) -> str:
     """The hash that keys a text."""
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
@@ -111,7 +126,11 @@ class EncodedCache:
             return None
         try:
             entry = _read_entry(folder, key)
+        except FileNotFoundError:  # removed by another process (evicted) while it was being read: a miss
+            return None
         except CacheEntryError as error:
+            if not (folder / "meta.json").exists():  # removed meanwhile, not damaged
+                return None
             self.warn(f"cache entry {folder} is unusable ({error}); encoding again")
             shutil.rmtree(folder, ignore_errors=True)
             return None
@@ -126,7 +145,12 @@ class EncodedCache:
         """Write an entry (atomically: a temporary folder renamed into place); its folder, or None when the
         cache cannot be written (said in one warning line: the summary goes on)."""
         final = self.directory / key.digest
-        temporary = self.directory / f".tmp-{uuid.uuid4().hex}"
+        temporary = self.directory / f"{_TEMPORARY}{os.getpid()}-{_HOST}-{uuid.uuid4().hex}"
+        record = dict(meta, key=key.__dict__, n_tokens=int(states.shape[0]), dim=int(states.shape[1]),
+                      dtype=_DTYPE_NAMES[states.dtype], states_crc32=0, ids_crc32=0,
+                      ends_crc32=0 if token_ends is not None else None, created=time.time())
+        check_meta(record)  # ValueError: what the caller gives must make an entry that can be read back
+        self.remove_leftovers()
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
             temporary.mkdir()
@@ -135,9 +159,7 @@ class EncodedCache:
             ends_crc = None
             if token_ends is not None:
                 ends_crc = _write_array(temporary / "ends.bin", token_ends.cpu().to(torch.int64).numpy())
-            record = dict(meta, key=key.__dict__, n_tokens=int(states.shape[0]), dim=int(states.shape[1]),
-                          dtype=_DTYPE_NAMES[states.dtype], states_crc32=states_crc, ids_crc32=ids_crc,
-                          ends_crc32=ends_crc, created=time.time())
+            record.update(states_crc32=states_crc, ids_crc32=ids_crc, ends_crc32=ends_crc)
             (temporary / "meta.json").write_text(json.dumps(record, ensure_ascii=False, indent=1), encoding="utf-8")
             os.rename(temporary, final)
         except OSError as error:
@@ -152,42 +174,88 @@ class EncodedCache:
     # -- the whole cache -----------------------------------------------------------------------------
 
     def entries(self) -> list[EntryInfo]:
-        """Every readable entry, most recently used first."""
+        """Every usable entry, most recently used first."""
+        return self._scan()[0]
+
+    def _scan(self) -> tuple[list[EntryInfo], list[Path]]:
+        """(usable entries, most recently used first; folders that are no entry: damaged metadata)."""
+        found, damaged = [], []
+        if not self.directory.is_dir():
+            return found, damaged
+        for folder in self.directory.iterdir():
+            if folder.name.startswith(".") or not folder.is_dir():
+                continue
+            meta_path = folder / "meta.json"
+            try:
+                meta = json.loads(meta_path.read_text(encoding="utf-8"))
+                check_meta(meta)
+                found.append(EntryInfo(folder.name, meta.get("title") or "", meta.get("source") or "",
+                                       str(meta["key"].get("model", "")), meta["n_tokens"], _folder_bytes(folder),
+                                       meta_path.stat().st_mtime))
+            except FileNotFoundError:  # removed meanwhile, or a folder being removed
+                continue
+            except (OSError, ValueError):
+                damaged.append(folder)
+        return sorted(found, key=lambda entry: entry.last_used, reverse=True), damaged
+
+    def leftovers(self) -> list[tuple[Path, int, bool]]:
+        """(folder, bytes, whether it may be removed) of every entry being written, or left half-written by a
+        writer that was killed: removable when untouched for STALE_SECONDS or when its writer is gone."""
         found = []
         if not self.directory.is_dir():
             return found
-        for folder in self.directory.iterdir():
-            meta_path = folder / "meta.json"
-            if folder.name.startswith(".") or not meta_path.is_file():
-                continue
+        now = time.time()
+        for folder in self.directory.glob(f"{_TEMPORARY}*"):
             try:
-                meta = json.loads(meta_path.read_text(encoding="utf-8"))
-                found.append(EntryInfo(folder.name, meta.get("title", ""), meta.get("source", ""),
-                                       meta.get("key", {}).get("model", ""), int(meta.get("n_tokens", 0)),
-                                       _folder_bytes(folder), meta_path.stat().st_mtime))
-            except (OSError, ValueError):
+                files = [path.stat() for path in folder.iterdir()]
+                touched = max([folder.stat().st_mtime] + [info.st_mtime for info in files])
+            except OSError:  # renamed into place or removed meanwhile
                 continue
-        return sorted(found, key=lambda entry: entry.last_used, reverse=True)
+            stale = now - touched >= STALE_SECONDS or _writer_gone(folder.name)
+            found.append((folder, sum(info.st_size for info in files), stale))
+        return found
+
+    def remove_leftovers(self) -> tuple[int, int]:
+        """Remove what killed writers left (see ``leftovers``); (count, bytes) removed."""
+        count = freed = 0
+        for folder, nbytes, stale in self.leftovers():
+            if stale:
+                shutil.rmtree(folder, ignore_errors=True)
+                count, freed = count + 1, freed + nbytes
+        return count, freed
 
     def clear(self, older_than_seconds: float | None = None) -> tuple[int, int]:
         """Remove entries (only those unused for ``older_than_seconds``, when given); (count, bytes) removed."""
         now, count, freed = time.time(), 0, 0
-        for entry in self.entries():
+        entries, damaged = self._scan()
+        for entry in entries:
             if older_than_seconds is not None and now - entry.last_used < older_than_seconds:
                 continue
             shutil.rmtree(self.directory / entry.key, ignore_errors=True)
             count, freed = count + 1, freed + entry.nbytes
-        for leftover in self.directory.glob(".tmp-*") if self.directory.is_dir() else ():
-            if older_than_seconds is None or now - leftover.stat().st_mtime >= older_than_seconds:
-                shutil.rmtree(leftover, ignore_errors=True)
+        # damaged entries count as entries; the folders of stores (interrupted or under way) do not
+        temporary = list(self.directory.glob(f"{_TEMPORARY}*")) if self.directory.is_dir() else []
+        for folder, counted in [(folder, True) for folder in damaged] + [(folder, False) for folder in temporary]:
+            try:
+                if older_than_seconds is None or now - folder.stat().st_mtime >= older_than_seconds:
+                    nbytes = _folder_bytes(folder)
+                    shutil.rmtree(folder, ignore_errors=True)
+                    if counted:
+                        count, freed = count + 1, freed + nbytes
+            except OSError:  # renamed into place or removed meanwhile
+                continue
         return count, freed
 
     def evict(self, keep: Path | None = None) -> int:
         """Remove least recently used entries until the cache fits ``max_bytes``; how many were removed."""
+        self.remove_leftovers()
         if self.max_bytes is None:
             return 0
-        entries = self.entries()
-        total, removed = sum(entry.nbytes for entry in entries), 0
+        entries, damaged = self._scan()
+        for folder in damaged:  # never loadable: they go first
+            shutil.rmtree(folder, ignore_errors=True)
+        writing = sum(nbytes for _, nbytes, _ in self.leftovers())  # stores under way will be entries
+        total, removed = sum(entry.nbytes for entry in entries) + writing, 0
         for entry in reversed(entries):  # oldest first
             if total <= self.max_bytes:
                 break
@@ -200,26 +268,69 @@ class EncodedCache:
 
 def _read_entry(folder: Path, key: CacheKey) -> CachedEncoding:
     try:
-        meta = json.loads((folder / "meta.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as error:
-        raise CacheEntryError(f"unreadable meta.json: {error}") from None
-    if meta.get("key") != key.__dict__:
-        raise CacheEntryError("it belongs to another text, model or setting")
+        text = (folder / "meta.json").read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise
+    except OSError as error:
+        raise CacheEntryError(f"unreadable meta.json: {error.strerror or error}") from None
     try:
-        n, d = int(meta["n_tokens"]), int(meta["dim"])
-        dtype = {name: dtype for dtype, name in _DTYPE_NAMES.items()}[meta["dtype"]]
-        states_crc, ids_crc = int(meta["states_crc32"]), int(meta["ids_crc32"])
-    except (KeyError, ValueError, TypeError):
-        raise CacheEntryError("incomplete meta.json") from None
-    states_np = _map_array(folder / "states.bin", _NUMPY_DTYPES[dtype], (n, d), states_crc)
-    ids_np = _map_array(folder / "ids.bin", np.int64, (n,), ids_crc)
+        meta = json.loads(text)
+    except ValueError as error:
+        raise CacheEntryError(f"unreadable meta.json: {error}") from None
+    try:
+        check_meta(meta)
+    except ValueError as error:
+        raise CacheEntryError(f"meta.json: {error}") from None
+    if meta["key"] != key.__dict__:
+        raise CacheEntryError("it belongs to another text, model or setting")
+    n, d = meta["n_tokens"], meta["dim"]
+    dtype = {name: dtype for dtype, name in _DTYPE_NAMES.items()}[meta["dtype"]]
+    states_np = _map_array(folder / "states.bin", _NUMPY_DTYPES[dtype], (n, d), meta["states_crc32"])
+    ids_np = _map_array(folder / "ids.bin", np.int64, (n,), meta["ids_crc32"])
     ends = None
-    if meta.get("ends_crc32") is not None:
-        ends = torch.from_numpy(np.array(_map_array(folder / "ends.bin", np.int64, (n,), int(meta["ends_crc32"]))))
+    if meta["ends_crc32"] is not None:
+        ends = torch.from_numpy(np.array(_map_array(folder / "ends.bin", np.int64, (n,), meta["ends_crc32"])))
     states = torch.from_numpy(states_np)
     if dtype == torch.bfloat16:
         states = states.view(torch.bfloat16)
     return CachedEncoding(states=states, token_ids=torch.from_numpy(np.array(ids_np)), meta=meta, token_ends=ends)
+
+
+def check_meta(meta) -> None:
+    """ValueError (one line) unless ``meta`` is a whole entry's metadata: every field of its type, the windows'
+    kept ranges tiling the tokens in order. Fields it does not know are left alone."""
+    if not isinstance(meta, dict):
+        raise ValueError(f"not a JSON object but {type(meta).__name__}")
+
+    def integer(value) -> bool:
+        return isinstance(value, int) and not isinstance(value, bool)
+
+    expected = {
+        "key": (lambda value: isinstance(value, dict), "an object"),
+        "n_tokens": (lambda value: integer(value) and value >= 1, "a positive integer"),
+        "dim": (lambda value: integer(value) and value >= 1, "a positive integer"),
+        "dtype": (lambda value: value in _DTYPE_NAMES.values(), f"one of {', '.join(_DTYPE_NAMES.values())}"),
+        "states_crc32": (integer, "an integer"),
+        "ids_crc32": (integer, "an integer"),
+        "ends_crc32": (lambda value: value is None or integer(value), "an integer or null"),
+        "title": (lambda value: value is None or isinstance(value, str), "text or null"),
+        "source": (lambda value: value is None or isinstance(value, str), "text or null"),
+        "windows": (lambda value: isinstance(value, list), "a list"),
+        "created": (lambda value: isinstance(value, (int, float)) and not isinstance(value, bool), "a number"),
+    }
+    for name, (valid, kind) in expected.items():
+        if name not in meta:
+            raise ValueError(f"no '{name}'")
+        if not valid(meta[name]):
+            raise ValueError(f"'{name}' is not {kind}")
+    position = 0
+    for window in meta["windows"]:
+        if not (isinstance(window, list) and len(window) == 2 and all(integer(bound) for bound in window)) \
+                or window[0] != position or window[1] <= window[0]:
+            raise ValueError(f"the windows do not tile the {meta['n_tokens']:,} tokens (at {window!r})")
+        position = window[1]
+    if position != meta["n_tokens"]:
+        raise ValueError(f"the windows cover {position:,} of the {meta['n_tokens']:,} tokens")
 
 
 def _map_array(path: Path, dtype, shape: tuple[int, ...], crc: int) -> np.ndarray:
@@ -230,7 +341,8 @@ def _map_array(path: Path, dtype, shape: tuple[int, ...], crc: int) -> np.ndarra
         raise CacheEntryError(f"{path.name} is missing") from None
     if size != expected:
         raise CacheEntryError(f"{path.name} has {size:,} bytes, not {expected:,}")
-    array = np.memmap(path, dtype=dtype, mode="c", shape=shape)  # copy-on-write: the file stays as it is
+    # copy-on-write: the file stays as it is; FileNotFoundError when the entry was evicted since the stat
+    array = np.memmap(path, dtype=dtype, mode="c", shape=shape)
     if _crc32(array) != crc:
         raise CacheEntryError(f"{path.name} does not match its checksum")
     return array
@@ -257,6 +369,21 @@ def _crc32(array: np.ndarray) -> int:
     for start in range(0, flat.shape[0], _CHECKSUM_CHUNK):
         crc = zlib.crc32(flat[start:start + _CHECKSUM_CHUNK], crc)
     return crc
+
+
+def _writer_gone(name: str) -> bool:
+    """Whether the process that writes the temporary folder ``name`` (``.tmp-<pid>-<host>-<id>``) has ended:
+    known only for writers on this machine."""
+    parts = name[len(_TEMPORARY):].split("-")
+    if os.name != "posix" or len(parts) != 3 or parts[1] != _HOST or not parts[0].isdigit():
+        return False  # (on Windows signal 0 would not ask but interrupt)
+    try:
+        os.kill(int(parts[0]), 0)  # signal 0: only whether the process exists
+    except ProcessLookupError:
+        return True
+    except (OSError, OverflowError):  # alive under another user, or not a pid at all
+        return False
+    return False
 
 
 def _folder_bytes(folder: Path) -> int:

@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from unlimisum.models import checkpoint
+from unlimisum.models.tokens import encode_text, special_ids
 from unlimisum.config import EncodingConfig, IndexConfig
 from unlimisum.unlimiformer.datastore import DatastoreBuilder, IndexPlan, TorchExactDatastore, plan_index
 from unlimisum.document import Document
@@ -71,18 +72,17 @@ class DocumentEncoder:
     # -- fresh encoding -----------------------------------------------------------------------------
 
     def tokenize(self, document: Document) -> tuple[torch.Tensor, list[int] | None]:
-        """All tokens, special tokens included, no truncation: ([N] int64, each token's end character
-        or None for tokenizers without offsets)."""
+        """All tokens, the tokenizer's own special tokens around the text included, no truncation: ([N]
+        int64, each token's end character or None for tokenizers without offsets). Special-token strings
+        in the text (``</s>``, ``<mask>``) are tokenized as text (unlimisum/models/tokens.py)."""
         text, tokenizer = document.text, self.loaded.tokenizer
         try:
-            encoding = tokenizer(text, add_special_tokens=True, truncation=False, verbose=False,
-                                 return_offsets_mapping=True)
+            encoding = encode_text(tokenizer, text, add_special_tokens=True, offsets=True, truncation=False)
             ends = token_char_ends(encoding["offset_mapping"])
         except NotImplementedError:  # slow (Python) tokenizers have no offsets
-            encoding, ends = tokenizer(text, add_special_tokens=True, truncation=False, verbose=False), None
+            encoding, ends = encode_text(tokenizer, text, add_special_tokens=True, truncation=False), None
         ids = encoding["input_ids"]
-        unknown = tokenizer.unk_token_id
-        special = set(tokenizer.all_special_ids) - {unknown}
+        unknown, special = tokenizer.unk_token_id, special_ids(tokenizer)
         checkpoint.check_encoding(len(ids), sum(i in special for i in ids),
                                   sum(i == unknown for i in ids) if unknown is not None else 0, text,
                                   source=document.source)
@@ -168,12 +168,16 @@ def model_identity(loaded: LoadedModel) -> str:
 
 
 def software_identity(loaded: LoadedModel) -> str:
-    """What else changes the states' last bits: the transformers and torch releases, the attention kernel."""
+    """What else changes the states' last bits: the transformers and torch releases, the attention kernel and
+    the code path the encoder runs (the model's own, or unlimisum's blocked local attention for LED); the
+    unlimisum release is in every key too (CacheKey.unlimisum)."""
     import transformers
 
     attention = getattr(loaded.model.config, "_attn_implementation", None) or "default"
     version = ".".join(transformers.__version__.split(".")[:2])
-    return f"transformers {version}; torch {torch.__version__.split('+')[0]}; attention {attention}"
+    fast = getattr(loaded.architecture, "fast_encoding", None)
+    path = f"{fast.__module__}.{fast.__name__}" if fast is not None else "the model's own"
+    return f"transformers {version}; torch {torch.__version__.split('+')[0]}; attention {attention}; encoder {path}"
 
 
 def tokenizer_identity(loaded: LoadedModel) -> str:
