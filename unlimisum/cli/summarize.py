@@ -20,6 +20,7 @@ import typer
 from unlimisum.cli.app import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, _click, app, fail, silence_stdout
 from unlimisum.cli.batch import BatchResult, BatchRunner, SummarizeSettings
 from unlimisum.cli.jobs import JSON_EXTENSION, MARKDOWN_EXTENSION, Job, plan_jobs
+from unlimisum.cli.option_sources import CONFIG, describe, describe_all, from_command_line, option_source, rank
 from unlimisum.cli.progress import ProgressDisplay, make_stderr_console
 from unlimisum.config import (
     DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, DEFAULT_PROMPT, EncodingConfig, GenerationOptions, IndexConfig, ModelConfig,
@@ -322,36 +323,49 @@ def summarize(
 ) -> None:
     """Summarize books and long files whole: no truncation, every token reachable by retrieval."""
     if skip_existing and output_dir is None:
-        raise fail("--skip-existing needs --output-dir", EXIT_USAGE)
-    if quiet and verbose:
-        raise fail("--quiet and --verbose contradict each other", EXIT_USAGE)
+        raise fail(f"{describe(ctx, 'skip_existing')} needs --output-dir", EXIT_USAGE)
+    if quiet and verbose:  # the one given on the higher level wins: the command line over the file
+        if rank(ctx, "quiet") == rank(ctx, "verbose"):
+            raise fail(" and ".join(describe_all(ctx, "quiet", "verbose")) + " contradict each other", EXIT_USAGE)
+        quiet, verbose = (quiet, 0) if rank(ctx, "quiet") > rank(ctx, "verbose") else (False, verbose)
     if min_new_tokens is not None and min_new_tokens > (max_new_tokens or DEFAULT_MAX_NEW_TOKENS):
-        shown = max_new_tokens or f"{DEFAULT_MAX_NEW_TOKENS} (the default)"
-        raise fail(f"--min-new-tokens {min_new_tokens} exceeds --max-new-tokens {shown}", EXIT_USAGE)
-    for option, value in (("--temperature", temperature), ("--repetition-penalty", repetition_penalty),
-                          ("--top-p", top_p)):
+        if max_new_tokens is None:
+            shown = [describe(ctx, "min_new_tokens", value=True),
+                     f"--max-new-tokens {DEFAULT_MAX_NEW_TOKENS} (the default)"]
+        else:
+            shown = describe_all(ctx, "min_new_tokens", "max_new_tokens", value=True)
+        raise fail(" exceeds ".join(shown), EXIT_USAGE)
+    for name, value in (("temperature", temperature), ("repetition_penalty", repetition_penalty), ("top_p", top_p)):
         if value is not None and value <= 0:
-            raise fail(f"{option} must be greater than 0, got {value}", EXIT_USAGE)
+            got = f", got {value}" if from_command_line(ctx, name) else ""
+            raise fail(f"{describe(ctx, name)} must be greater than 0{got}", EXIT_USAGE)
     if prompt.count("{text}") != 1:
-        raise fail(f"--prompt must contain {{text}} exactly once, where the document goes: {prompt!r}", EXIT_USAGE)
+        shown = f": {prompt!r}" if from_command_line(ctx, "prompt") else ""
+        raise fail(f"{describe(ctx, 'prompt')} must contain {{text}} exactly once, where the document goes{shown}",
+                   EXIT_USAGE)
     if system is not None and "{text}" in system:
-        raise fail(f"--system must not contain {{text}}: the document goes where --prompt puts it: {system!r}",
-                   EXIT_USAGE)
+        shown = f": {system!r}" if from_command_line(ctx, "system") else ""
+        raise fail(f"{describe(ctx, 'system')} must not contain {{text}}: the document goes where --prompt puts "
+                   f"it{shown}", EXIT_USAGE)
     if retrieval_k is not None and retrieval_k_alias is not None and retrieval_k != retrieval_k_alias:
-        raise fail(f"--retrieval-k {retrieval_k} and --topk {retrieval_k_alias} disagree (--topk is its old name)",
-                   EXIT_USAGE)
+        if rank(ctx, "retrieval_k") == rank(ctx, "retrieval_k_alias"):
+            raise fail(" and ".join(describe_all(ctx, "retrieval_k", "retrieval_k_alias", value=True))
+                       + " disagree (--topk is the old name of --retrieval-k)", EXIT_USAGE)
+        if rank(ctx, "retrieval_k_alias") > rank(ctx, "retrieval_k"):
+            retrieval_k = retrieval_k_alias
     if cache_max_bytes is not None and cache_dir is None:
-        raise fail("--cache-max-bytes needs --cache-dir (or UNLIMISUM_CACHE_DIR)", EXIT_USAGE)
+        raise fail(f"{describe(ctx, 'cache_max_bytes')} needs --cache-dir (or UNLIMISUM_CACHE_DIR)", EXIT_USAGE)
     if tc_window is not None and not (tensor_cache or tc_params is not None):
-        raise fail("--tc-window needs --tensor-cache or --tc-params", EXIT_USAGE)
+        raise fail(f"{describe(ctx, 'tc_window')} needs --tensor-cache or --tc-params", EXIT_USAGE)
     try:
         memory = tensor_cache_settings(tensor_cache or tc_params is not None, tc_params, tc_window)
     except ConfigError as error:
         raise fail(error, EXIT_USAGE)
     if engine == "local":
-        for option, value in (("--workers", workers), ("--gpus-per-worker", gpus_per_worker)):
+        for name, value in (("workers", workers), ("gpus_per_worker", gpus_per_worker)):
             if value is not None:
-                raise fail(f"{option} needs --engine ray", EXIT_USAGE)
+                local = f" ({describe(ctx, 'engine')})" if option_source(ctx, "engine") == CONFIG else ""
+                raise fail(f"{describe(ctx, name)} needs --engine ray{local}", EXIT_USAGE)
     else:
         from unlimisum.engines import require_ray
 
@@ -359,10 +373,19 @@ def summarize(
             require_ray()
         except ConfigError as error:
             raise fail(error, EXIT_USAGE)
-    sampling_options = [option for option, value in (("--temperature", temperature), ("--top-k", top_k),
-                                                     ("--top-p", top_p)) if value is not None]
-    if sample is False and sampling_options:
-        raise fail(f"--no-sample contradicts {', '.join(sampling_options)}, which sample", EXIT_USAGE)
+    sampling_options = [name for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p))
+                        if value is not None]
+    if sample is False and sampling_options:  # as for --quiet and --verbose: the higher level wins
+        highest = max(rank(ctx, name) for name in sampling_options)
+        if highest == rank(ctx, "sample"):
+            named = describe_all(ctx, "sample", *[name for name in sampling_options if rank(ctx, name) == highest])
+            which = "which samples" if len(named) == 2 else "which sample"
+            raise fail(f"{named[0]} contradicts {', '.join(named[1:])}, {which}", EXIT_USAGE)
+        if highest > rank(ctx, "sample"):
+            sample = None
+        else:
+            temperature = top_k = top_p = None
+            sampling_options = []
     do_sample = True if sample or sampling_options else sample  # None: the model's own
     settings = SummarizeSettings(
         model=ModelConfig(name=model, tokenizer=tokenizer, device=device, dtype=dtype, trust_remote_code=trust_remote_code),
@@ -458,18 +481,11 @@ def effective_options(ctx) -> tuple[dict, dict]:
     options, sources = {}, {}
     for name, value in ctx.params.items():
         if name not in ("paths", "config", "retrieval_k_alias"):
-            options[name], sources[name] = value, _source(ctx, name)
+            options[name], sources[name] = value, option_source(ctx, name)
     alias = ctx.params.get("retrieval_k_alias")
     if options.get("retrieval_k") is None and alias is not None:  # --topk, the old name
-        options["retrieval_k"], sources["retrieval_k"] = alias, _source(ctx, "retrieval_k_alias")
+        options["retrieval_k"], sources["retrieval_k"] = alias, option_source(ctx, "retrieval_k_alias")
     return options, sources
-
-
-def _source(ctx, name: str) -> str:
-    source = ctx.get_parameter_source(name)
-    if source is None:
-        return "default"
-    return "config" if source.name == "DEFAULT_MAP" else source.name.lower()
 
 
 def tensor_cache_settings(enabled: bool, params_file: Path | None, window: int | None):
