@@ -63,6 +63,13 @@ def test_dash_h_is_help_everywhere(command):
     assert short.stdout == long.stdout and short.stdout.startswith("Usage: unlimisum")
 
 
+@pytest.mark.parametrize("group", [[], ["tc"], ["cache"]], ids=lambda group: " ".join(group) or "unlimisum")
+def test_a_group_without_a_command_prints_its_help_and_exits_0(group):
+    bare = CliRunner().invoke(app, group, env={"COLUMNS": "80"})
+    assert bare.exit_code == 0, bare.output
+    assert bare.stderr == "" and bare.stdout == render_help(group, 80).stdout
+
+
 @pytest.mark.parametrize(
     "args",
     [

@@ -3,7 +3,8 @@
 Every usage error — ours (``fail(..., EXIT_USAGE)``) and Click's own (unknown option, bad
 value, missing argument) — is one plain line on stderr, ``unlimisum: error: ...``, and exit
 status 2. Help is plain text that fits the terminal (see ``unlimisum.cli.help``); ``-h`` and
-``--help`` work everywhere.
+``--help`` work everywhere, and a group given no command (``unlimisum``, ``unlimisum tc``) prints
+the same help on stdout and exits 0, whichever Click release is installed.
 """
 
 from __future__ import annotations
@@ -101,9 +102,9 @@ def run_command_line(group, arguments: list[str], prog_name, complete_var, extra
     """Run ``group`` on ``arguments`` and return the exit status, turning every error into one line."""
     try:
         result = TyperGroup.main(group, arguments, prog_name, complete_var, standalone_mode=False, **extra)
-    except _NO_ARGS_IS_HELP as error:  # `unlimisum` or `unlimisum tc` alone: the help
-        typer.echo(error.ctx.get_help() if error.ctx is not None else error.format_message(), err=True)
-        return EXIT_USAGE
+    except _NO_ARGS_IS_HELP as error:  # `unlimisum` or `unlimisum tc` alone: its help, as with --help
+        typer.echo(error.ctx.get_help() if error.ctx is not None else error.format_message())
+        return EXIT_OK
     except _exceptions.ClickException as error:
         typer.echo(f"unlimisum: error: {usage_message(error, arguments)}", err=True)
         return error.exit_code
