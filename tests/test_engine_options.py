@@ -16,7 +16,8 @@ def test_engine_ray_without_ray_is_one_line_naming_the_extra(monkeypatch, tmp_pa
     result = CliRunner().invoke(app, ["summarize", "--engine", "ray", str(book), "-o", str(tmp_path / "out")])
     assert result.exit_code == 2
     assert result.stderr.splitlines() == [
-        'unlimisum: error: --engine ray needs Ray, which is not installed: pip install "unlimisum[ray]"']
+        'unlimisum: error: --engine ray needs Ray, which is not installed: pip install "unlimisum[ray]" '
+        '(in a clone of unlimisum: pip install -e ".[ray]")']
     assert not (tmp_path / "out").exists()
 
 

@@ -80,7 +80,8 @@ def test_without_the_extra_one_line_names_it(monkeypatch, tmp_path):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "datasets" else real(name, *a))
     result = _invoke(_data(tmp_path), "-m", "m", "-o", tmp_path / "out", "--method", "retrieval")
     assert result.exit_code == 1
-    assert result.stderr.strip() == 'unlimisum: error: training needs datasets: pip install "unlimisum[train]"'
+    assert result.stderr.strip() == ('unlimisum: error: training needs datasets: pip install "unlimisum[train]" '
+                                     '(in a clone of unlimisum: pip install -e ".[train]")')
 
 
 def test_help_lists_every_option_whole_at_80_and_40_columns():

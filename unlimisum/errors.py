@@ -22,6 +22,11 @@ class UnlimisumError(Exception):
         return f"{self.source}: {self.problem}" if self.source else self.problem
 
 
+def install_hint(extra: str) -> str:
+    """How to install the optional ``extra``: from the package index, and in a clone of the repository."""
+    return f'pip install "unlimisum[{extra}]" (in a clone of unlimisum: pip install -e ".[{extra}]")'
+
+
 # --- reading inputs -------------------------------------------------------------------
 
 

@@ -7,10 +7,10 @@ and the same settings, and produce the same files, stdout, failure lines and exi
 
 from __future__ import annotations
 
-from unlimisum.errors import ConfigError
+from unlimisum.errors import ConfigError, install_hint
 
 ENGINES = ("local", "ray")
-RAY_EXTRA_HINT = 'pip install "unlimisum[ray]"'
+RAY_EXTRA_HINT = install_hint("ray")
 
 
 class EngineUnavailableError(ConfigError):

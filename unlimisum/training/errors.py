@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 
-from unlimisum.errors import InputError, UnlimisumError
+from unlimisum.errors import InputError, UnlimisumError, install_hint
 
 # import name -> distribution name, as the `train` extra in pyproject.toml lists them
 TRAIN_PACKAGES = {"datasets": "datasets", "accelerate": "accelerate", "rouge_score": "rouge-score"}
@@ -22,4 +22,4 @@ def require_training_extras() -> None:
     """MissingExtraError naming the extra when a training package is missing."""
     missing = [dist for module, dist in TRAIN_PACKAGES.items() if importlib.util.find_spec(module) is None]
     if missing:
-        raise MissingExtraError(f"training needs {', '.join(missing)}: pip install \"unlimisum[train]\"")
+        raise MissingExtraError(f"training needs {', '.join(missing)}: {install_hint('train')}")
