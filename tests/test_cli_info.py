@@ -116,3 +116,55 @@ def test_plan_says_when_a_store_would_be_too_large_to_pack(info, tiny_model_dir,
     large = json.loads(info("--json", "--tokens", 5000, "-m", folder, "--index-device", "cpu").stdout)["plan"]
     assert large["retrieval_kernel"].startswith("float32 for 5,000 tokens: the packed copies")
     assert kernels.SCORE_KERNELS == ("native", "float32", "packed")
+
+
+def _cache_repo(hub_cache, repo: str, *files: str) -> None:
+    """Put ``files`` of ``repo`` into a Hugging Face hub cache laid out as huggingface_hub writes it."""
+    folder = hub_cache / f"models--{repo.replace('/', '--')}"
+    (folder / "refs").mkdir(parents=True, exist_ok=True)
+    (folder / "refs" / "main").write_text("0" * 40, encoding="utf-8")
+    snapshot = folder / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True, exist_ok=True)
+    for name in files:
+        (snapshot / name).write_text("{}", encoding="utf-8")
+
+
+def test_offline_without_the_default_model_says_summarize_will_fail_and_names_every_download(tmp_path):
+    """The user's conditions: HF_HUB_OFFLINE=1 and an empty cache, through the console script."""
+    import subprocess
+
+    from tests.test_cli_process import console_script, process_env
+
+    env = {**process_env(), "HF_HOME": str(tmp_path / "hf")}
+    env.pop("HF_HUB_CACHE", None)
+    result = subprocess.run([*console_script(), "info"], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode == 0, result.stderr
+    (available,) = [line for line in result.stdout.splitlines() if "available offline:" in line]
+    assert "summarize will fail" in available and "HF_HUB_OFFLINE is on" in available, available
+    assert "downloaded on first use" not in result.stdout
+    assert f"hf download {DEFAULT_MODEL}\n" in result.stdout
+    assert 'hf download facebook/bart-base --include "*.json"' in result.stdout  # the tokenizer it is loaded with
+
+
+@pytest.mark.parametrize("cached, missing", [
+    ([], [DEFAULT_MODEL, "facebook/bart-base"]),
+    ([DEFAULT_MODEL], ["facebook/bart-base"]),
+    ([DEFAULT_MODEL, "facebook/bart-base"], []),
+])
+def test_available_offline_counts_the_checkpoint_and_the_tokenizer_it_needs(info, tmp_path, monkeypatch, cached,
+                                                                            missing):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    for repo in cached:
+        _cache_repo(tmp_path, repo, "config.json" if repo == DEFAULT_MODEL else "vocab.json")
+    models = json.loads(info("--json").stdout)["models"]
+    assert models["tokenizer_from"] == "facebook/bart-base"
+    assert models["missing_offline"] == missing
+    assert [command.split()[2] for command in models["fetch_commands"]] == missing
+    text = info().stdout
+    (available,) = [line for line in text.splitlines() if "available offline:" in line]
+    assert available.endswith("yes") if not missing else "summarize will fail" in available
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    assert ("downloaded on first use" in info().stdout) == bool(missing)

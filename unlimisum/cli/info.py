@@ -133,12 +133,19 @@ def collect_models(model: str | None) -> dict:
     from unlimisum.models.architectures import supported_model_types
 
     chosen = model or DEFAULT_MODEL
+    tokenizer = _needed_tokenizer(chosen)
+    missing = [name for name, available in ((chosen, _available_offline(chosen)),
+                                           (tokenizer, tokenizer is None or _tokenizer_available_offline(tokenizer)))
+               if not available]
     return {
         "default_model": DEFAULT_MODEL,
         "supported_model_types": supported_model_types(),
         "model": chosen,
         "model_source": "--model/UNLIMISUM_MODEL" if model else "default",
         "model_available_offline": _available_offline(chosen),
+        "tokenizer_from": tokenizer,  # the hub tokenizer the model needs besides its own files, if any
+        "missing_offline": missing,  # what a run would download first (or, offline, fail without)
+        "fetch_commands": [_fetch_command(name, tokenizer_only=name != chosen) for name in missing],
         "hf_home": str(constants.HF_HOME),
         "hub_cache": str(constants.HF_HUB_CACHE),
         "hf_hub_offline": bool(constants.HF_HUB_OFFLINE),
@@ -306,7 +313,9 @@ def render_report(report: dict) -> str:
             ("default model", models["default_model"]),
             ("model families", ", ".join(models["supported_model_types"])),
             *([("model", models["model"])] if models["model_source"] != "default" else []),
-            ("available offline", "yes" if models["model_available_offline"] else "no (downloaded on first use)"),
+            *([("tokenizer", models["tokenizer_from"])] if models["tokenizer_from"] else []),
+            ("available offline", _offline_summary(models)),
+            *[("fetch with" if index == 0 else "", command) for index, command in enumerate(models["fetch_commands"])],
             ("HF_HOME", models["hf_home"]),
             ("hub cache", models["hub_cache"]),
             ("HF_HUB_OFFLINE", "on" if models["hf_hub_offline"] else "off"),
@@ -353,7 +362,18 @@ def _decoder_plan_lines(plan: dict, format_bytes) -> list[str]:
 
 
 def _rows(pairs: list[tuple[str, str]]) -> list[str]:
-    return [f"  {key + ':':<19}{value}" for key, value in pairs]
+    return [f"  {key + ':' if key else '':<19}{value}" for key, value in pairs]
+
+
+def _offline_summary(models: dict) -> str:
+    """``yes``, or what is missing and what that means: downloaded on first use, or (HF_HUB_OFFLINE) a failure."""
+    missing = models["missing_offline"]
+    if not missing:
+        return "yes"
+    names = ", ".join(missing)
+    if models["hf_hub_offline"]:
+        return f"no: summarize will fail (HF_HUB_OFFLINE is on and the hub cache lacks {names})"
+    return f"no: downloaded on first use ({names})"
 
 
 def _package_version(name: str) -> str | None:
@@ -374,6 +394,41 @@ def _faiss_version() -> str | None:
         return getattr(faiss, "__version__", "unknown")
     except ImportError:
         return None
+
+
+def _needed_tokenizer(model: str) -> str | None:
+    """The hub tokenizer ``model`` is loaded with because it ships none (unlimisum.models.checkpoint's table of
+    known checkpoints, or a local folder's config); None when it has its own. Never reaches the network."""
+    from unlimisum.models import checkpoint
+
+    try:
+        location = checkpoint.locate(model)
+    except UnlimisumError:
+        return None
+    if location.is_local:
+        return None if checkpoint.has_tokenizer_files(location) else checkpoint.base_tokenizer(location)
+    return next((tokenizer for pattern, tokenizer in checkpoint.KNOWN_BASE_TOKENIZERS if pattern.match(model)), None)
+
+
+def _tokenizer_available_offline(name: str) -> bool:
+    """True when ``name`` is a local folder or one of its tokenizer files is in the Hugging Face cache."""
+    from unlimisum.models.checkpoint import TOKENIZER_FILES
+
+    if Path(name).expanduser().is_dir():
+        return True
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        return any(isinstance(try_to_load_from_cache(name, file), str) for file in TOKENIZER_FILES)
+    except Exception:  # noqa: BLE001  (an invalid repo id is simply not available)
+        return False
+
+
+def _fetch_command(name: str, tokenizer_only: bool) -> str:
+    """The `hf download` that puts ``name`` in the cache (for a tokenizer: its small files, not the weights)."""
+    if tokenizer_only:
+        return f'hf download {name} --include "*.json" --include "*.txt" --include "*.model"'
+    return f"hf download {name}"
 
 
 def _available_offline(model: str) -> bool:
