@@ -158,7 +158,7 @@ def _load_tokenizer(config: ModelConfig, location: checkpoint.Location, remote: 
     base = checkpoint.base_tokenizer(location)
     if base is None:
         raise TokenizerError(f"model folder '{config.name}' has no tokenizer files; pass the tokenizer it was "
-                             "trained with with --tokenizer (a hub name or a folder)")
+                             "trained with: --tokenizer NAME_OR_DIR (a hub name or a folder)")
     try:
         return AutoTokenizer.from_pretrained(base, trust_remote_code=remote), base
     except (OSError, ValueError):
