@@ -29,6 +29,10 @@ from unlimisum.models import LoadedModel, load_model
 from unlimisum.unlimiformer.placement import storage_dtype
 
 
+# Summary.warnings of a summary the model ended at once (it emitted its end token first).
+EMPTY_SUMMARY = ("the summary is empty: the model ended it at once; a minimum length (--min-new-tokens N, "
+                 "min_new_tokens=N) makes it write")
+
 # Chapters generated together with --per-chapter: batching speeds generation up; every chapter
 # of a batch reads a view of the one encoded document, so batching costs no memory.
 CHAPTERS_PER_BATCH = 8
@@ -104,6 +108,7 @@ class Summary:
     token_ids: tuple[int, ...] = ()  # the generated ids, special tokens included
     coverage: tuple[CoverageSpan, ...] = ()
     window_coverage: tuple[CoverageSpan, ...] = ()
+    warnings: tuple[str, ...] = ()  # what the reader of this summary should know (EMPTY_SUMMARY)
 
     def to_dict(self) -> dict:
         """Plain data (for JSON): every field, chapters and stats included."""
@@ -335,6 +340,7 @@ class Summarizer:
             summaries.append(Summary(
                 text=text, title=part.title, source=part.source, stats=stats, token_ids=tuple(ids),
                 coverage=coverage.spans(mass, part.sections()), window_coverage=coverage.spans(mass, windows),
+                warnings=() if text else (EMPTY_SUMMARY,),
             ))
         return summaries
 

@@ -277,14 +277,23 @@ class ProgressDisplay:
     def model_loaded(self, name: str, device: str, dtype: str, seconds: float) -> None:
         self.log(f"model {name} on {device} ({dtype}) loaded in {format_seconds(seconds)}")
 
-    def begin_document(self, number: int, total: int, source: str) -> None:
-        """A new input: show its name and the reading stage."""
+    def begin_document(self, number: int, total: int, source: str, *, read: bool = False) -> None:
+        """A new input: show its name, and the reading stage unless it was ``read`` ahead."""
         self._end_chapters()
         self._document = "standard input" if source == "-" else source
         self._document_number = f"{number}/{total}" if total > 1 else ""
         self._datastore_bytes = None
         self._packed_bytes = 0
-        self._stage("reading")
+        self._stage("summarizing" if read else "reading")
+        self.log(f"summarizing {self._document}" if read else f"reading {self._document}")
+
+    def reading_input(self, number: int, total: int, source: str) -> None:
+        """Inputs are read (and checked) before the model loads: the ``number``-th of ``total``."""
+        self._document = _display_name(source)
+        self._document_number = ""
+        if number == 1:
+            self._stage("reading inputs", total=total)
+        self._progress.update(self._task, completed=number - 1)
         self.log(f"reading {self._document}")
 
     # -- the library's callback --------------------------------------------------------------
