@@ -217,6 +217,33 @@ class ProgressDisplay:
             handler(event)
         self._sample_memory()
 
+    def _on_download(self, event: ProgressEvent) -> None:
+        """A model's files are fetched from the hub (first use): say so once, then a bar over their bytes
+        with the rate and the time left; when they are all there, the stage shown before comes back."""
+        total, done = event.total or 0, event.completed
+        state = self.__dict__.setdefault("_download", {})  # this handler's own: when it began, what it replaced
+        if not state or (done == 0 and state["repo"] != event.document):
+            state.update(repo=event.document, started=self.clock(), before=next(
+                (task.description for task in self._progress.tasks if task.id == self._task), ""))
+            files = event.info.get("files", 1)
+            self.note(f"unlimisum: downloading {event.document} ({format_bytes(total)} in {files} "
+                      f"file{'s' if files != 1 else ''}) into the Hugging Face cache; later runs read it from there")
+            self._progress.reset(self._task, total=total or None, completed=0, description="downloading",
+                                 rate="", counted=False)
+        elapsed = self.clock() - state["started"]
+        rate = done / elapsed if elapsed > 0 else 0.0
+        figures = [f"{format_bytes(done)}/{format_bytes(total)}"]
+        if rate > 0:
+            figures.append(f"{format_bytes(int(rate))}/s")
+            if total > done:
+                figures.append(f"{format_seconds((total - done) / rate)} left")
+        self._progress.update(self._task, completed=done, rate=" · ".join(figures))
+        if total and done >= total:
+            self.log(f"downloaded {event.document}: {format_bytes(total)} in {format_seconds(elapsed)}")
+            self._progress.reset(self._task, total=None, completed=0, description=state["before"], rate="",
+                                 counted=False)
+            state.clear()
+
     def _on_cache(self, event: ProgressEvent) -> None:
         if event.completed == 0:
             self._stage("looking for the encoded book in the cache")
