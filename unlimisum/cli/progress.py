@@ -218,16 +218,19 @@ class ProgressDisplay:
         self._sample_memory()
 
     def _on_download(self, event: ProgressEvent) -> None:
-        """A model's files are fetched from the hub (first use): say so once, then a bar over their bytes
-        with the rate and the time left; when they are all there, the stage shown before comes back."""
+        """A model's files are fetched from the hub (first use): say so once per repository, then a bar
+        over the bytes with the rate and the time left; once they are there, the stage shown before returns."""
         total, done = event.total or 0, event.completed
-        state = self.__dict__.setdefault("_download", {})  # this handler's own: when it began, what it replaced
-        if not state or (done == 0 and state["repo"] != event.document):
-            state.update(repo=event.document, started=self.clock(), before=next(
+        state = self.__dict__.setdefault("_download", {"noted": set()})  # this handler's own state
+        if "started" not in state:
+            if total and done >= total:
+                return  # the closing report of a download whose last file already said it was complete
+            state.update(started=self.clock(), before=next(
                 (task.description for task in self._progress.tasks if task.id == self._task), ""))
-            files = event.info.get("files", 1)
-            self.note(f"unlimisum: downloading {event.document} ({format_bytes(total)} in {files} "
-                      f"file{'s' if files != 1 else ''}) into the Hugging Face cache; later runs read it from there")
+            if event.document not in state["noted"]:
+                state["noted"].add(event.document)
+                self.note(f"unlimisum: first use of {event.document}: downloading it into the Hugging Face cache "
+                          "(HF_HOME); later runs read it from there")
             self._progress.reset(self._task, total=total or None, completed=0, description="downloading",
                                  rate="", counted=False)
         elapsed = self.clock() - state["started"]
@@ -242,7 +245,7 @@ class ProgressDisplay:
             self.log(f"downloaded {event.document}: {format_bytes(total)} in {format_seconds(elapsed)}")
             self._progress.reset(self._task, total=None, completed=0, description=state["before"], rate="",
                                  counted=False)
-            state.clear()
+            del state["started"]
 
     def _on_cache(self, event: ProgressEvent) -> None:
         if event.completed == 0:

@@ -96,13 +96,13 @@ def not_available(name: str, reason: str | None = None, *, cache_only: bool = Tr
     if not cache_only:
         return ModelNotFoundError(f"model '{name}' is not available: {reason}; check the name, or pass a local "
                                   "folder with --model")
-    downloads = f"`hf download {name}`"
+    downloads = f"fetch it with `hf download {name}`"
     base = known_base_tokenizer(name)
     if base is not None:
-        downloads += f" and `{tokenizer_download(base)}` (its tokenizer)"
+        downloads += f" and its tokenizer with `{tokenizer_download(base)}`"
     return ModelNotFoundError(
-        f"model '{name}' is not available: {reason}, and it is not in the local cache; fetch it on a connected "
-        f"machine with {downloads} (cache: HF_HOME) or pass a local folder with --model"
+        f"model '{name}' is not available: {reason}, and it is not in the local cache; on a connected machine, "
+        f"{downloads} (the cache is in HF_HOME), or pass a local folder with --model"
     )
 
 

@@ -128,7 +128,9 @@ class Hub:
                                  cache_only=False) from None
         except HfHubHTTPError as error:  # the hub is down (5xx), a proxy answers... the cache may still serve
             self._reachable = False
-            self._problem = _first_line(error)
+            response = getattr(error, "response", None)
+            status = getattr(response, "status_code", None)
+            self._problem = f"HTTP {status}" if status else _first_line(error)
             return None
         self._reachable = True
         sizes = {sibling.rfilename: getattr(sibling, "size", None) for sibling in info.siblings or []
