@@ -5,7 +5,8 @@ huggingface_hub 2.x): ``GET /api/models/{repo}[/revision/{rev}]`` (the listing, 
 ``GET /api/models/{repo}/tree/{rev}`` (the files, as transformers asks for chat templates), and ``HEAD``/``GET /{repo}/resolve/{rev}/{file}`` with the headers it checks (``X-Repo-Commit``,
 ``ETag``, ``Content-Length``); an unknown repository or file is a 404 with the hub's
 ``X-Error-Code``. Every request is recorded; ``bytes_per_second`` slows the bodies down so that
-a download lasts long enough to be seen.
+a download lasts long enough to be seen; a file named in ``cut`` loses its connection before its
+first byte, as on a network that goes away.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ class StandInHub:
     """``with StandInHub({"org/name": folder}) as hub:`` serves at ``hub.url``; ``hub.requests`` lists
     ``(method, path)`` of every request."""
 
-    def __init__(self, repos: dict[str, Path], *, bytes_per_second: float | None = None):
+    def __init__(self, repos: dict[str, Path], *, bytes_per_second: float | None = None, cut: tuple = ()):
         self.repos = {name: _Repo(Path(folder)) for name, folder in repos.items()}
         self.bytes_per_second = bytes_per_second
+        self.cut = set(cut)
         self.requests: list[tuple[str, str]] = []
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(self))
         self._server.daemon_threads = True
@@ -103,14 +105,22 @@ def _handler(hub: StandInHub):
             data = repo.files[file]
             headers = {"X-Repo-Commit": repo.commit, "ETag": f'"{hashlib.sha256(data).hexdigest()}"',
                        "Content-Type": "application/octet-stream"}
+            if body and file in hub.cut:
+                return self._send(200, data, headers, body, cut=True)
             self._send(200, data, headers, body, slow=True)
 
-        def _send(self, status: int, data: bytes, headers: dict, body: bool, slow: bool = False) -> None:
+        def _send(self, status: int, data: bytes, headers: dict, body: bool, slow: bool = False,
+                  cut: bool = False) -> None:
             self.send_response(status)
             for key, value in headers.items():
                 self.send_header(key, value)
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
+            if cut:
+                self.close_connection = True
+                self.wfile.flush()
+                self.connection.shutdown(2)  # socket.SHUT_RDWR: the body never comes
+                return
             if not body:
                 return
             piece = 64 * 1024

@@ -122,6 +122,21 @@ def test_without_a_hub_the_first_run_fails_at_once_naming_every_download(tmp_pat
     assert seconds < 20, f"{seconds:.1f} s"
 
 
+def test_a_connection_lost_while_downloading_is_one_line_and_the_hub_warnings_are_for_vv(hub_repos, tmp_path):
+    with StandInHub(hub_repos, cut=("model.safetensors",)) as stand_in:
+        env = first_use_env(stand_in.url, tmp_path / "hf")
+        plain = subprocess.run(console_script() + SUMMARIZE, cwd=ROOT, env=env, capture_output=True, text=True,
+                               timeout=300)
+        verbose = subprocess.run(console_script() + SUMMARIZE + ["-vv"], cwd=ROOT, env=env, capture_output=True,
+                                 text=True, timeout=300)
+    assert plain.returncode == verbose.returncode == 1
+    error = [line for line in plain.stderr.splitlines() if "error" in line]
+    assert len(error) == 1 and "downloading model.safetensors failed" in error[0], plain.stderr
+    assert f"`hf download {DEFAULT_MODEL}`" in error[0]
+    assert "Trying to resume" not in plain.stderr  # huggingface_hub's retries, under the display otherwise
+    assert "Trying to resume" in verbose.stderr
+
+
 def test_the_download_bar_counts_bytes_with_rate_and_time_left():
     console, clock = terminal(), FakeClock()
     display = ProgressDisplay(console, clock=clock, auto_refresh=False)
