@@ -171,3 +171,8 @@ def test_the_files_from_pretrained_reads_are_the_ones_fetched():
     del sizes["model.safetensors"]
     assert hub.needed_files(sizes, weights=True) == text + ["pytorch_model.bin"]
     assert "modeling_custom.py" in hub.needed_files(sizes, weights=False, code=True)
+    shards = {"model.safetensors.index.json": 1, "model-00001-of-00002.safetensors": 1,
+              "model-00002-of-00002.safetensors": 1, "consolidated.safetensors": 1, "params.json": 1}
+    assert hub.needed_files(shards, weights=True) == [
+        "model.safetensors.index.json", "params.json", "model-00001-of-00002.safetensors",
+        "model-00002-of-00002.safetensors"]

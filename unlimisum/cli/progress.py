@@ -235,7 +235,7 @@ class ProgressDisplay:
                                  rate="", counted=False)
         elapsed = self.clock() - state["started"]
         rate = done / elapsed if elapsed > 0 else 0.0
-        figures = [f"{format_bytes(done)}/{format_bytes(total)}"]
+        figures = [f"{format_bytes(done)}/{format_bytes(total)}" if total else format_bytes(done)]
         if rate > 0:
             figures.append(f"{format_bytes(int(rate))}/s")
             if total > done:

@@ -163,12 +163,14 @@ class Hub:
 
 def needed_files(sizes: dict, *, weights: bool, code: bool = False) -> list[str]:
     """Which of a repository's top-level files ``from_pretrained`` reads: config, tokenizer and generation
-    files, Python files with ``code``, and with ``weights`` the safetensors files, else the PyTorch pickles."""
+    files, Python files with ``code``, and with ``weights`` transformers' safetensors (``model.safetensors``
+    or its shards), else its PyTorch pickles (``pytorch_model.bin`` or shards); other formats, and other
+    programs' copies of the weights (``consolidated.safetensors``), are left on the hub."""
     names = sorted(sizes)
     wanted = [name for name in names if name.endswith(TEXT_SUFFIXES) or (code and name.endswith(".py"))]
     if weights:
-        safetensors = [name for name in names if name.endswith(".safetensors")]
-        pickles = [name for name in names if name.startswith("pytorch_model") and name.endswith(".bin")]
+        safetensors = [name for name in names if _is_weights(name) and name.endswith(".safetensors")]
+        pickles = [name for name in names if _is_weights(name) and name.endswith(".bin")]
         wanted += safetensors or pickles
     return wanted
 
@@ -215,7 +217,9 @@ def _first_line(error: Exception) -> str:
 
 
 def _is_weights(name: str) -> bool:
-    return name.endswith(".safetensors") or (name.startswith("pytorch_model") and name.endswith(".bin"))
+    """transformers' weight files: model.safetensors, model-00001-of-00002.safetensors, pytorch_model*.bin."""
+    return (name.startswith("model") and name.endswith(".safetensors")) or \
+        (name.startswith("pytorch_model") and name.endswith(".bin"))
 
 
 class _ForwardingBar:
