@@ -198,12 +198,14 @@ class BatchRunner:
     def load_model(self) -> None:
         """Load the model (once) and make the Summarizer; UnlimisumError when it cannot be loaded."""
         from unlimisum.models import load_model
+        from unlimisum.models.compat import quiet_hub
         from unlimisum.summarizer import Summarizer
 
         settings = self.settings
         self.display.loading_model(settings.model.name)
         started = self.clock()
-        loaded = load_model(settings.model)
+        quiet_hub(verbose=self.display.verbose > 1)  # its retry warnings would scroll under the display
+        loaded = load_model(settings.model, progress=self.display)
         self.result.model = run_manifest.model_record(loaded)
         dtype = str(loaded.dtype).replace("torch.", "")
         self.display.model_loaded(loaded.name, str(loaded.device),

@@ -305,6 +305,36 @@ class ProgressDisplay:
             handler(event)
         self._sample_memory()
 
+    def _on_download(self, event: ProgressEvent) -> None:
+        """A model's files are fetched from the hub (first use): say so once per repository, then a bar
+        over the bytes with the rate and the time left; once they are there, the stage shown before returns."""
+        total, done = event.total or 0, event.completed
+        state = self.__dict__.setdefault("_download", {"noted": set()})  # this handler's own state
+        if "started" not in state:
+            if total and done >= total:
+                return  # the closing report of a download whose last file already said it was complete
+            state.update(started=self.clock(), before=next(
+                (task.description for task in self._progress.tasks if task.id == self._task), ""))
+            if event.document not in state["noted"]:
+                state["noted"].add(event.document)
+                self.note(f"unlimisum: first use of {event.document}: downloading it into the Hugging Face cache "
+                          "(HF_HOME); later runs read it from there")
+            self._progress.reset(self._task, total=total or None, completed=0, description="downloading",
+                                 rate="", counted=False)
+        elapsed = self.clock() - state["started"]
+        rate = done / elapsed if elapsed > 0 else 0.0
+        figures = [f"{format_bytes(done)}/{format_bytes(total)}" if total else format_bytes(done)]
+        if rate > 0:
+            figures.append(f"{format_bytes(int(rate))}/s")
+            if total > done:
+                figures.append(f"{format_seconds((total - done) / rate)} left")
+        self._progress.update(self._task, completed=done, rate=" · ".join(figures))
+        if total and done >= total:
+            self.log(f"downloaded {event.document}: {format_bytes(total)} in {format_seconds(elapsed)}")
+            self._progress.reset(self._task, total=None, completed=0, description=state["before"], rate="",
+                                 counted=False)
+            del state["started"]
+
     def _on_cache(self, event: ProgressEvent) -> None:
         if event.completed == 0:
             self._stage("looking for the encoded book in the cache")
