@@ -60,9 +60,9 @@ class CachedLoader:
         self.loaded: dict = {}
         self.calls = 0
 
-    def __call__(self, config):
+    def __call__(self, config, progress=None):
         self.calls += 1
         key = (config.name, config.tokenizer, config.device, config.dtype, config.trust_remote_code)
         if key not in self.loaded:
-            self.loaded[key] = self.real_load(config)
+            self.loaded[key] = self.real_load(config, progress)
         return self.loaded[key]

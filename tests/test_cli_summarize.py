@@ -192,6 +192,36 @@ def test_bad_inputs_are_reported_before_the_model_loads_and_the_rest_is_summariz
     assert "3 of 4 inputs failed" in result.stderr
 
 
+def test_contents_that_cannot_be_read_are_found_before_the_model_is_touched(summarize, tmp_path, loader):
+    """Random bytes named .txt pass every check a file name allows; they are found by reading, and reading
+    comes first: with nothing else usable, the model (here a missing folder) is never touched."""
+    noise = tmp_path / "noise.txt"
+    noise.write_bytes(bytes(range(256)) * 40)
+    calls = loader.calls
+    result = summarize(noise, model_args=("-m", str(tmp_path / "no-such-model")))
+    assert result.exit_code == 1 and loader.calls == calls
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"unlimisum: error: {noise}:") and "model" not in line
+
+
+def test_every_input_is_read_before_the_model_loads_and_read_once(summarize, tmp_path, loader, monkeypatch):
+    from unlimisum import ingest
+
+    good, later = tmp_path / "good.txt", tmp_path / "later.txt"
+    good.write_text(SAMPLE_TEXT, encoding="utf-8")
+    later.write_bytes(b"%PDF-1.7\n" + bytes(range(256)) * 8)  # damaged, found only by reading it
+    reads = []
+    real = ingest.read_document
+    monkeypatch.setattr(ingest, "read_document", lambda path, **options: reads.append(str(path)) or real(path, **options))
+    result = summarize("-v", good, later)
+    assert result.exit_code == 1
+    lines = result.stderr.splitlines()
+    loading = next(number for number, line in enumerate(lines) if "loading model" in line)
+    (failed,) = [number for number, line in enumerate(lines) if line.startswith(f"unlimisum: error: {later}:")]
+    assert failed < loading and "done " in result.stderr
+    assert reads == [str(good), str(later)]  # the good one is not read a second time
+
+
 def test_a_tensor_cache_file_given_as_a_book_is_refused_before_the_model_loads(summarize, tmp_path, loader):
     from safetensors.torch import save_file
 
@@ -464,3 +494,37 @@ def test_coverage_in_json_and_as_a_table(summarize, books):
     table = summarize("--coverage", books["text"])
     assert table.exit_code == 0 and "| part | tokens | share of attention |" in table.stdout
     assert "share of attention" not in summarize(books["text"]).stdout
+
+
+# -- a summary the model ended at once -------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def silent_model_dir(tmp_path_factory):
+    """A tiny BART that emits its end token first, whatever it reads (as an untrained head can)."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    from tests.tiny_models import build_tiny_model
+
+    folder = build_tiny_model(tmp_path_factory.mktemp("silent"), "bart")
+    model = AutoModelForSeq2SeqLM.from_pretrained(folder)
+    with torch.no_grad():
+        model.final_logits_bias[0, model.config.eos_token_id] = 1e4
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_an_empty_summary_is_said_on_stderr_with_what_to_do(silent_model_dir, loader, tmp_path, as_json):
+    book = tmp_path / "book.txt"
+    book.write_text(SAMPLE_TEXT * 2, encoding="utf-8")
+    result = CliRunner().invoke(app, ["summarize", "-m", str(silent_model_dir), "--device", "cpu",
+                                      *(["--json"] if as_json else []), str(book)])
+    assert result.exit_code == 0, result.output
+    (warning,) = [line for line in result.stderr.splitlines() if "warning" in line]
+    assert warning.startswith(f"unlimisum: warning: {book}: the summary is empty") and "--min-new-tokens" in warning
+    if as_json:
+        record = json.loads(result.stdout)
+        assert record["summary"] == "" and record["warnings"] and "empty" in record["warnings"][0]
+    else:
+        assert result.stdout.strip() == ""

@@ -6,7 +6,7 @@ import resource
 import time
 import warnings
 from contextlib import ExitStack
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Sequence
 
 import torch
@@ -25,43 +25,18 @@ from unlimisum.unlimiformer.encoded import EncodedDocument
 from unlimisum.unlimiformer.cache import EncodedCache
 from unlimisum.unlimiformer.encoder import DocumentEncoder, EncodePlan
 from unlimisum.errors import ConfigError, EmptyDocumentError
+from unlimisum.events import ProgressCallback, ProgressEvent  # noqa: F401  (part of this module's API)
 from unlimisum.models import LoadedModel, load_model
 from unlimisum.unlimiformer.placement import storage_dtype
 
 
+# Summary.warnings of a summary the model ended at once (it emitted its end token first).
+EMPTY_SUMMARY = ("the summary is empty: the model ended it at once; a minimum length (--min-new-tokens N, "
+                 "min_new_tokens=N) makes it write")
+
 # Chapters generated together with --per-chapter: batching speeds generation up; every chapter
 # of a batch reads a view of the one encoded document, so batching costs no memory.
 CHAPTERS_PER_BATCH = 8
-
-
-@dataclass(frozen=True)
-class ProgressEvent:
-    """One progress report: ``stage`` is cache, tokenize, encode, index, prefill, prepare, generate or chapter.
-
-    ``cache`` (with a cache of encoded books): 0/1 when it is looked up, 1/1 when the encoded
-    document came from it (then no tokenize/encode/index events follow).
-    ``prefill`` (decoder-only models, instead of encode and index): ``completed`` of ``total`` chunks of the
-    prompt read, ``info["tokens"]`` and ``info["window"]``.
-    ``prepare`` (before ``generate``): 0 of ``total`` datastores, then all, made ready for retrieval
-    (the kernels measured, once per process, and an exact store's packed copies made: seconds at 100k tokens);
-    ``info["packed_bytes"]``: the packed kernel's copies made beside the stores, ``info["seconds"]`` the time it
-    took; with one datastore, ``info["bytes"]`` is the store's own size.
-    ``generate``: ``completed`` summary tokens written of at most ``total``; the last event's count is the
-    summary's (for a batch, the longest one's).
-    ``chapter`` (``summarize(per_chapter=True)``, after the whole-document summary): before each
-    batch of chapters, ``completed`` chapters of ``total`` are summarized and ``document`` is the
-    title of the next one (``info["titles"]``: the titles of the batch, generated together from
-    views of the one encoded document); after the last batch, ``completed == total``.
-    """
-
-    stage: str
-    completed: int
-    total: int | None
-    document: str = ""  # title or source of the document the event is about
-    info: dict = field(default_factory=dict)
-
-
-ProgressCallback = Callable[[ProgressEvent], None]
 
 
 @dataclass(frozen=True)
@@ -104,6 +79,7 @@ class Summary:
     token_ids: tuple[int, ...] = ()  # the generated ids, special tokens included
     coverage: tuple[CoverageSpan, ...] = ()
     window_coverage: tuple[CoverageSpan, ...] = ()
+    warnings: tuple[str, ...] = ()  # what the reader of this summary should know (EMPTY_SUMMARY)
 
     def to_dict(self) -> dict:
         """Plain data (for JSON): every field, chapters and stats included."""
@@ -204,7 +180,7 @@ class Summarizer:
         decoder-only model reads (sinks, blocks) and what it is asked (unlimisum/decoder_only/)."""
         if isinstance(model, str):
             model = ModelConfig(name=model)
-        self.loaded = model if isinstance(model, LoadedModel) else load_model(model)
+        self.loaded = model if isinstance(model, LoadedModel) else load_model(model, progress)
         self.encoding = encoding
         self.index = index
         self.retrieval = retrieval
@@ -335,6 +311,7 @@ class Summarizer:
             summaries.append(Summary(
                 text=text, title=part.title, source=part.source, stats=stats, token_ids=tuple(ids),
                 coverage=coverage.spans(mass, part.sections()), window_coverage=coverage.spans(mass, windows),
+                warnings=() if text else (EMPTY_SUMMARY,),
             ))
         return summaries
 

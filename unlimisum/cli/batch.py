@@ -9,6 +9,7 @@ unusable before the model loads, load the model once, summarize one job into a `
 from __future__ import annotations
 
 import os
+import stat
 import sys
 import time
 import traceback
@@ -35,6 +36,10 @@ from unlimisum.config import (
 from unlimisum.engines import manifest as run_manifest
 from unlimisum.engines.manifest import DONE, FAILED, SKIPPED, DocumentOutcome
 from unlimisum.errors import UnlimisumError
+
+# Text of the inputs read before the model loads that is kept for their turn (about 64 million characters:
+# a few hundred books); past it an input is read again when summarized, so a large batch costs no memory.
+READ_AHEAD_CHARS = 64 * 2**20
 
 
 @dataclass(frozen=True)
@@ -139,15 +144,40 @@ class BatchRunner:
         """
         self.result = BatchResult(total=len(jobs))
         try:
-            todo = self.report_unusable(jobs)
+            todo = self.read_ahead(self.report_unusable(jobs))
             if todo:
                 self.load_model()
             for number, job in enumerate(todo, start=1):
-                self.display.begin_document(number, len(todo), job.source)
+                self.display.begin_document(number, len(todo), job.source, read=job.document is not None)
                 self._finish(job, self.summarize_job(job, several=len(jobs) > 1))
         except BrokenPipeError:
             self.result.pipe_closed = True
         return self.result
+
+    def read_ahead(self, jobs: list[Job]) -> list[Job]:
+        """Read every input now, before the model loads; report those that cannot be read at once and return
+        the others. Their documents are kept for their turn up to READ_AHEAD_CHARS of text in all (pipes and
+        devices always: they cannot be read twice); past that a file is read again when its turn comes."""
+        from unlimisum.ingest import read_document
+
+        readable, kept = [], 0
+        for number, job in enumerate(jobs, start=1):
+            if job.document is None:
+                self.display.reading_input(number, len(jobs), job.source)
+                started = self.clock()
+                try:
+                    document = read_document(job.source, password=self.settings.password,
+                                             keep_all=self.settings.keep_all)
+                except UnlimisumError as error:
+                    self._finish(job, self.failed_result(job, error.problem, type(error).__name__,
+                                                         self.clock() - started))
+                    continue
+                size = len(document.text)
+                if kept + size <= READ_AHEAD_CHARS or not _is_regular_file(job.source):
+                    job.document, kept = document, kept + size
+                    self.read_seconds[job.source] = self.clock() - started
+            readable.append(job)
+        return readable
 
     def report_unusable(self, jobs: list[Job]) -> list[Job]:
         """Report the inputs that failed before reading and those skipped; return the ones to summarize."""
@@ -168,12 +198,14 @@ class BatchRunner:
     def load_model(self) -> None:
         """Load the model (once) and make the Summarizer; UnlimisumError when it cannot be loaded."""
         from unlimisum.models import load_model
+        from unlimisum.models.compat import quiet_hub
         from unlimisum.summarizer import Summarizer
 
         settings = self.settings
         self.display.loading_model(settings.model.name)
         started = self.clock()
-        loaded = load_model(settings.model)
+        quiet_hub(verbose=self.display.verbose > 1)  # its retry warnings would scroll under the display
+        loaded = load_model(settings.model, progress=self.display)
         self.result.model = run_manifest.model_record(loaded)
         dtype = str(loaded.dtype).replace("torch.", "")
         self.display.model_loaded(loaded.name, str(loaded.device),
@@ -226,6 +258,8 @@ class BatchRunner:
             if document.left_out:
                 self.display.log(f"left out of {job.source}: {'; '.join(document.left_out)} (--keep-all keeps them)")
             summary = self.summarizer.summarize(document, per_chapter=self.settings.per_chapter)
+            for part, warning in _summary_warnings(summary):
+                self.display.note(f"unlimisum: warning: {job.source}{part}: {warning}")
             stdout = self._render(job, document, summary, read_seconds, several)
         except UnlimisumError as error:
             return self.failed_result(job, error.problem, type(error).__name__, self.clock() - started)
@@ -310,6 +344,21 @@ class BatchRunner:
             self.write_stdout(text)
 
 
+
+
+def _summary_warnings(summary) -> list[tuple[str, str]]:
+    """(" (chapter 'Title')" or "", warning) for the summary and each chapter summary."""
+    found = [("", warning) for warning in summary.warnings]
+    for chapter in summary.chapters:
+        found += [(f" (chapter '{chapter.title}')", warning) for warning in chapter.warnings]
+    return found
+
+
+def _is_regular_file(source: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(source).st_mode)
+    except OSError:
+        return False
 
 
 def _unexpected(error: Exception) -> str:

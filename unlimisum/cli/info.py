@@ -407,7 +407,7 @@ def _needed_tokenizer(model: str) -> str | None:
         return None
     if location.is_local:
         return None if checkpoint.has_tokenizer_files(location) else checkpoint.base_tokenizer(location)
-    return next((tokenizer for pattern, tokenizer in checkpoint.KNOWN_BASE_TOKENIZERS if pattern.match(model)), None)
+    return checkpoint.known_base_tokenizer(model)
 
 
 def _tokenizer_available_offline(name: str) -> bool:
@@ -426,9 +426,9 @@ def _tokenizer_available_offline(name: str) -> bool:
 
 def _fetch_command(name: str, tokenizer_only: bool) -> str:
     """The `hf download` that puts ``name`` in the cache (for a tokenizer: its small files, not the weights)."""
-    if tokenizer_only:
-        return f'hf download {name} --include "*.json" --include "*.txt" --include "*.model"'
-    return f"hf download {name}"
+    from unlimisum.models.checkpoint import tokenizer_download
+
+    return tokenizer_download(name) if tokenizer_only else f"hf download {name}"
 
 
 def _available_offline(model: str) -> bool:

@@ -9,13 +9,15 @@ JSON schema (one object per document; JSON Lines on stdout, one file per input w
       "title": "Moby-Dick",               # the title the Markdown heading shows: the document's own,
                                           # else the file name ("" for standard input without one)
       "format": "epub",                   # "text" | "epub" | "pdf"
-      "summary": "...",                   # the whole-document summary
+      "summary": "...",                   # the whole-document summary ("" when the model wrote nothing)
+      "warnings": [],                     # what to know about it, e.g. "the summary is empty: ..."
       "coverage": [                       # where the summary looked: shares of its retrieval attention
         {"title": "Loomings", "start_token": 0, "end_token": 4211, "share": 0.031}, ...
       ],                                  # per chapter (sums to 1); a chapter's own summary: per window
       "window_coverage": [...],           # the same per encoding window
       "chapters": [                       # empty unless --per-chapter
-        {"title": "Loomings", "summary": "...", "coverage": [...], "window_coverage": [...], "stats": {...}}
+        {"title": "Loomings", "summary": "...", "warnings": [], "coverage": [...], "window_coverage": [...],
+         "stats": {...}}
       ],
       "stats": {
         "model": "...", "input_tokens": 0, "windows": 0, "window": 0,
@@ -79,9 +81,11 @@ def summary_record(summary: Summary, document: Document, read_seconds: float | N
         "title": document_title(document),
         "format": document.format,
         "summary": summary.text,
+        "warnings": list(summary.warnings),
         **coverage_record(summary),
         "chapters": [
-            {"title": part.title, "summary": part.text, **coverage_record(part), "stats": stats_record(part)}
+            {"title": part.title, "summary": part.text, "warnings": list(part.warnings), **coverage_record(part),
+             "stats": stats_record(part)}
             for part in summary.chapters
         ],
         "stats": stats_record(summary, read_seconds),

@@ -277,14 +277,23 @@ class ProgressDisplay:
     def model_loaded(self, name: str, device: str, dtype: str, seconds: float) -> None:
         self.log(f"model {name} on {device} ({dtype}) loaded in {format_seconds(seconds)}")
 
-    def begin_document(self, number: int, total: int, source: str) -> None:
-        """A new input: show its name and the reading stage."""
+    def begin_document(self, number: int, total: int, source: str, *, read: bool = False) -> None:
+        """A new input: show its name, and the reading stage unless it was ``read`` ahead."""
         self._end_chapters()
         self._document = "standard input" if source == "-" else source
         self._document_number = f"{number}/{total}" if total > 1 else ""
         self._datastore_bytes = None
         self._packed_bytes = 0
-        self._stage("reading")
+        self._stage("summarizing" if read else "reading")
+        self.log(f"summarizing {self._document}" if read else f"reading {self._document}")
+
+    def reading_input(self, number: int, total: int, source: str) -> None:
+        """Inputs are read (and checked) before the model loads: the ``number``-th of ``total``."""
+        self._document = _display_name(source)
+        self._document_number = ""
+        if number == 1:
+            self._stage("reading inputs", total=total)
+        self._progress.update(self._task, completed=number - 1)
         self.log(f"reading {self._document}")
 
     # -- the library's callback --------------------------------------------------------------
@@ -295,6 +304,36 @@ class ProgressDisplay:
         if handler is not None:
             handler(event)
         self._sample_memory()
+
+    def _on_download(self, event: ProgressEvent) -> None:
+        """A model's files are fetched from the hub (first use): say so once per repository, then a bar
+        over the bytes with the rate and the time left; once they are there, the stage shown before returns."""
+        total, done = event.total or 0, event.completed
+        state = self.__dict__.setdefault("_download", {"noted": set()})  # this handler's own state
+        if "started" not in state:
+            if total and done >= total:
+                return  # the closing report of a download whose last file already said it was complete
+            state.update(started=self.clock(), before=next(
+                (task.description for task in self._progress.tasks if task.id == self._task), ""))
+            if event.document not in state["noted"]:
+                state["noted"].add(event.document)
+                self.note(f"unlimisum: first use of {event.document}: downloading it into the Hugging Face cache "
+                          "(HF_HOME); later runs read it from there")
+            self._progress.reset(self._task, total=total or None, completed=0, description="downloading",
+                                 rate="", counted=False)
+        elapsed = self.clock() - state["started"]
+        rate = done / elapsed if elapsed > 0 else 0.0
+        figures = [f"{format_bytes(done)}/{format_bytes(total)}" if total else format_bytes(done)]
+        if rate > 0:
+            figures.append(f"{format_bytes(int(rate))}/s")
+            if total > done:
+                figures.append(f"{format_seconds((total - done) / rate)} left")
+        self._progress.update(self._task, completed=done, rate=" · ".join(figures))
+        if total and done >= total:
+            self.log(f"downloaded {event.document}: {format_bytes(total)} in {format_seconds(elapsed)}")
+            self._progress.reset(self._task, total=None, completed=0, description=state["before"], rate="",
+                                 counted=False)
+            del state["started"]
 
     def _on_cache(self, event: ProgressEvent) -> None:
         if event.completed == 0:

@@ -23,7 +23,7 @@ from unlimisum.document import Document
 from unlimisum.errors import EmptyDocumentError
 from unlimisum.models import LoadedModel
 from unlimisum.summarizer import (
-    ProgressEvent, Summary, SummaryStats, _GenerationProgress, _peak_rss_bytes,
+    EMPTY_SUMMARY, ProgressEvent, Summary, SummaryStats, _GenerationProgress, _peak_rss_bytes,
 )
 from unlimisum.unlimiformer import coverage
 from unlimisum.unlimiformer.encoded import chapter_token_ranges
@@ -91,7 +91,8 @@ class DecoderOnlySummarizer:
         else:
             sections = windows
         return Summary(text=summary_text, title=title, source=source, stats=stats, token_ids=tuple(generated.tolist()),
-                       coverage=coverage.spans(text_mass, sections), window_coverage=coverage.spans(text_mass, windows))
+                       coverage=coverage.spans(text_mass, sections), window_coverage=coverage.spans(text_mass, windows),
+                       warnings=() if summary_text else (EMPTY_SUMMARY,))
 
     def plan(self, prompt: Prompt) -> RetrievalPlan:
         """The retrieval plan of one prompt: window, sinks, k, position regime, where the store lives."""

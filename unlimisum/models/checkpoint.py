@@ -85,15 +85,38 @@ def diagnose_folder(folder: Path) -> None:
         raise ModelError(f"model folder '{folder}': config.json has no model_type, so it is not a model config")
 
 
-def not_available(name: str) -> ModelNotFoundError:
-    """The error for a hub name that is neither cached nor downloadable."""
-    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes"}
-    how = ("HF_HUB_OFFLINE is set, so only the local cache is searched" if offline
-           else "it is not a local folder and could not be fetched from the Hugging Face hub")
+def not_available(name: str, reason: str | None = None, *, cache_only: bool = True) -> ModelNotFoundError:
+    """The error for a hub name that is neither cached nor downloadable: ``reason`` says why the hub did
+    not serve it; ``cache_only`` (offline, the hub unreachable) adds every download a connected machine
+    has to make, the tokenizer of a checkpoint published without one included."""
+    if reason is None:
+        offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in {"1", "true", "yes"}
+        reason = ("HF_HUB_OFFLINE is set, so only the local cache is searched" if offline
+                  else "it is not a local folder and could not be fetched from the Hugging Face hub")
+    if not cache_only:
+        return ModelNotFoundError(f"model '{name}' is not available: {reason}; check the name, or pass a local "
+                                  "folder with --model")
+    downloads = f"fetch it with `hf download {name}`"
+    base = known_base_tokenizer(name)
+    if base is not None:
+        downloads += f" and its tokenizer with `{tokenizer_download(base)}`"
     return ModelNotFoundError(
-        f"model '{name}' is not available: {how}; fetch it on a connected machine with `hf download {name}` "
-        f"(cache: HF_HOME) or pass a local folder with --model"
+        f"model '{name}' is not available: {reason}, and it is not in the local cache; on a connected machine, "
+        f"{downloads} (the cache is in HF_HOME), or pass a local folder with --model"
     )
+
+
+def tokenizer_download(name: str) -> str:
+    """The command that fetches a hub model's tokenizer files only (not its weights, in several formats)."""
+    return f'hf download {name} --include "*.json" --include "*.txt" --include "*.model"'
+
+
+def known_base_tokenizer(name: str) -> str | None:
+    """The tokenizer a known checkpoint published without tokenizer files was trained with (no file read)."""
+    for pattern, tokenizer in KNOWN_BASE_TOKENIZERS:
+        if pattern.match(name):
+            return tokenizer
+    return None
 
 
 def has_tokenizer_files(location: Location) -> bool:
@@ -108,9 +131,9 @@ def base_tokenizer(location: Location) -> str | None:
 
     From the table of known checkpoints, else the hub name its config.json was saved from.
     """
-    for pattern, tokenizer in KNOWN_BASE_TOKENIZERS:
-        if pattern.match(location.name):
-            return tokenizer
+    known = known_base_tokenizer(location.name)
+    if known is not None:
+        return known
     config = _raw_config(location)
     saved_from = config.get("_name_or_path") if config else None
     if isinstance(saved_from, str) and saved_from != location.name and _HUB_NAME.match(saved_from) \

@@ -1,4 +1,4 @@
-"""Differences between transformers releases, kept in one place.
+"""Differences between transformers (and huggingface_hub) releases, kept in one place.
 
 Supported range: see ``transformers`` in pyproject.toml. Anything version-specific that
 the rest of the package needs goes here.
@@ -6,6 +6,7 @@ the rest of the package needs goes here.
 
 from __future__ import annotations
 
+import importlib
 import inspect
 
 
@@ -15,6 +16,42 @@ def quiet_transformers() -> None:
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
+
+
+def quiet_hub(verbose: bool = False) -> None:
+    """huggingface_hub's own log lines (retries, resumed downloads) only when ``verbose`` (the CLI's -vv):
+    otherwise they would scroll under the live display; what went wrong is reported as one error line."""
+    from huggingface_hub.utils import logging
+
+    if verbose:
+        logging.set_verbosity_warning()
+    else:
+        logging.set_verbosity_error()
+
+
+def hub_offline() -> bool:
+    """HF_HUB_OFFLINE (or TRANSFORMERS_OFFLINE) as huggingface_hub read it: no request may be made."""
+    from huggingface_hub import constants
+
+    is_offline = getattr(constants, "is_offline_mode", None)
+    return bool(is_offline() if callable(is_offline) else constants.HF_HUB_OFFLINE)
+
+
+def hub_connection_errors() -> tuple[type[Exception], ...]:
+    """What huggingface_hub raises when the hub cannot be reached or does not answer in time: its HTTP
+    client's errors (httpx2 from 2.x, httpx in 1.x, requests before) and its offline-mode error."""
+    from huggingface_hub.errors import OfflineModeIsEnabled
+
+    errors: list[type[Exception]] = [OfflineModeIsEnabled]
+    for module, names in (("httpx2", ("ConnectError", "TimeoutException", "ProxyError")),
+                          ("httpx", ("ConnectError", "TimeoutException", "ProxyError")),
+                          ("requests", ("ConnectionError", "Timeout"))):
+        try:
+            client = importlib.import_module(module)
+        except ImportError:
+            continue
+        errors += [getattr(client, name) for name in names if isinstance(getattr(client, name, None), type)]
+    return tuple(errors)
 
 
 def encoder_outputs(last_hidden_state):

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
+from unlimisum.events import ProgressCallback
 from unlimisum.models import checkpoint
+from unlimisum.models.hub import Hub, HubUnavailable
 from unlimisum.models.architectures import Architecture, architecture_for
 from unlimisum.models.decoder_architectures import DecoderOnlyArchitecture
 from unlimisum.models.precision import DtypeChoice, choose_auto_dtype
@@ -91,11 +94,14 @@ def _choose_dtype(name: str, device: torch.device) -> DtypeChoice:
         raise ConfigError(f"unknown dtype '{name}'; use auto, float32, float16 or bfloat16") from None
 
 
-def load_model(config: ModelConfig) -> LoadedModel:
+def load_model(config: ModelConfig, progress: ProgressCallback | None = None) -> LoadedModel:
     """Load model and tokenizer with ``from_pretrained``; safetensors preferred, pickles only weights_only.
 
     Everything that can be checked without the weights is checked first (the folder, its config,
-    the architecture, the tokenizer), and every expected failure is a one-line ModelError.
+    the architecture, the tokenizer), and every expected failure is a one-line ModelError. A hub
+    name is fetched into the Hugging Face cache first and read from there (models/hub.py: no
+    request with HF_HUB_OFFLINE, a few seconds at most to find the hub unreachable, downloads
+    reported to ``progress`` as ``download`` events).
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
@@ -107,18 +113,24 @@ def load_model(config: ModelConfig) -> LoadedModel:
     dtype = dtype_choice.dtype
     remote = config.trust_remote_code
     location = checkpoint.locate(config.name)
+    hub = Hub(progress, code=remote)
     if location.is_local:
         checkpoint.diagnose_folder(location.folder)
-    name = str(location.folder) if location.is_local else config.name
+        files = location
+    else:  # config and tokenizer files now, the weights once the architecture is known
+        files = checkpoint.Location(config.name, _fetch(hub, config.name, weights=False))
+    name = str(files.folder)
     try:
         model_config = AutoConfig.from_pretrained(name, trust_remote_code=remote)
     except (OSError, ValueError) as error:
         if location.is_local:
             raise ModelError(f"model folder '{config.name}': its config cannot be read ({_first_line(error)})") from None
-        raise checkpoint.not_available(config.name) from None
+        raise checkpoint.not_available(config.name, hub.unavailable_reason()) from None
     architecture = architecture_for(model_config)  # before any weights are read
-    tokenizer, tokenizer_name = _load_tokenizer(config, location, remote)
+    tokenizer, tokenizer_name = _load_tokenizer(config, location, files, hub)
     checkpoint.check_tokenizer(tokenizer, getattr(model_config, "vocab_size", None), tokenizer_name)
+    if not location.is_local:
+        _fetch(hub, config.name, weights=True)
     try:
         auto = AutoModelForCausalLM if architecture.kind == "decoder-only" else AutoModelForSeq2SeqLM
         model = auto.from_pretrained(name, dtype=dtype, trust_remote_code=remote, weights_only=True)
@@ -126,45 +138,65 @@ def load_model(config: ModelConfig) -> LoadedModel:
     except OSError as error:
         if location.is_local:
             raise ModelError(f"model folder '{config.name}': its weights cannot be read ({_first_line(error)})") from None
-        raise checkpoint.not_available(config.name) from None
+        raise checkpoint.not_available(config.name, hub.unavailable_reason()) from None
     except Exception as error:  # noqa: BLE001  (damaged weights, a missing extra package, out of memory)
         raise ModelError(f"model '{config.name}' could not be loaded: {_first_line(error)}") from None
-    fingerprint = checkpoint.fingerprint(location, getattr(model_config, "_commit_hash", None))
+    fingerprint = checkpoint.fingerprint(location, None if location.is_local else files.folder.name)
     return LoadedModel(model=model, tokenizer=tokenizer, architecture=architecture, name=config.name,
                        tokenizer_name=tokenizer_name, fingerprint=fingerprint, dtype_reason=dtype_choice.reason)
 
 
-def _load_tokenizer(config: ModelConfig, location: checkpoint.Location, remote: bool):
-    """(tokenizer, where it came from): --tokenizer, else the model's own files, else its known base model's."""
+def _fetch(hub: Hub, name: str, *, weights: bool) -> Path:
+    """The cached snapshot folder of hub model ``name``; ModelNotFoundError naming the downloads when none."""
+    try:
+        return hub.fetch(name, weights=weights)
+    except HubUnavailable as problem:
+        raise checkpoint.not_available(name, problem.reason, cache_only=problem.cache_only) from None
+
+
+def _load_tokenizer(config: ModelConfig, location: checkpoint.Location, files: checkpoint.Location, hub: Hub):
+    """(tokenizer, where it came from): --tokenizer, else the model's own files, else its known base model's.
+
+    ``files``: the folder the model's files are in (``location``'s own, or its hub snapshot)."""
     from transformers import AutoTokenizer
 
+    remote = config.trust_remote_code
     if config.tokenizer is not None:
         wanted = checkpoint.locate_tokenizer(config.tokenizer)
         try:
+            if not checkpoint.locate(wanted).is_local:
+                wanted = str(hub.fetch(wanted, weights=False))
             return AutoTokenizer.from_pretrained(wanted, trust_remote_code=remote), config.tokenizer
+        except HubUnavailable as problem:
+            raise TokenizerError(f"tokenizer '{config.tokenizer}' (--tokenizer) is not available: {problem.reason}; "
+                                 f"fetch it with `{checkpoint.tokenizer_download(config.tokenizer)}`") from None
         except (OSError, ValueError) as error:
             raise TokenizerError(
                 f"tokenizer '{config.tokenizer}' (--tokenizer) cannot be loaded: {_first_line(error)}"
             ) from None
-    name = str(location.folder) if location.is_local else config.name
-    if checkpoint.has_tokenizer_files(location):
+    if checkpoint.has_tokenizer_files(files):
         try:
-            return AutoTokenizer.from_pretrained(name, trust_remote_code=remote), config.name
+            return AutoTokenizer.from_pretrained(str(files.folder), trust_remote_code=remote), config.name
         except (OSError, ValueError) as error:
             raise TokenizerError(
                 f"the tokenizer of model '{config.name}' cannot be loaded ({_first_line(error)}); "
                 "pass one with --tokenizer"
             ) from None
-    base = checkpoint.base_tokenizer(location)
+    base = checkpoint.base_tokenizer(files)
+    what = "model folder" if location.is_local else "model"
     if base is None:
-        raise TokenizerError(f"model folder '{config.name}' has no tokenizer files; pass the tokenizer it was "
+        raise TokenizerError(f"{what} '{config.name}' has no tokenizer files; pass the tokenizer it was "
                              "trained with: --tokenizer NAME_OR_DIR (a hub name or a folder)")
+    advice = f"fetch it (`{checkpoint.tokenizer_download(base)}`) or pass a folder with --tokenizer"
     try:
-        return AutoTokenizer.from_pretrained(base, trust_remote_code=remote), base
+        return AutoTokenizer.from_pretrained(str(hub.fetch(base, weights=False)), trust_remote_code=remote), base
+    except HubUnavailable as problem:
+        raise TokenizerError(f"{what} '{config.name}' has no tokenizer files and its base model's tokenizer "
+                             f"'{base}' is not available ({problem.reason}); {advice}") from None
     except (OSError, ValueError):
         raise TokenizerError(
-            f"model '{config.name}' has no tokenizer files and its base model's tokenizer '{base}' is not "
-            f"available here; fetch it (`hf download {base}`) or pass a folder with --tokenizer"
+            f"{what} '{config.name}' has no tokenizer files and its base model's tokenizer '{base}' is not "
+            f"available here; {advice}"
         ) from None
 
 
