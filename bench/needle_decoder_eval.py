@@ -59,7 +59,7 @@ def last_window(loaded, text: str) -> str:
 def true_positions(loaded, text: str) -> str:
     summarizer = Summarizer(loaded, generation=GENERATION, prompt=PROMPT, index=IndexConfig(device="cpu"))
     prompt = build_prompt(loaded.tokenizer, text, PROMPT)
-    plan = dataclasses.replace(summarizer._decoder_only.plan(prompt), fixed_distance=None)
+    plan = dataclasses.replace(summarizer.family.plan(prompt), fixed_distance=None)
     with torch.inference_mode(), reading.session(loaded.model, loaded.architecture, plan) as cache:
         reading.prefill(loaded.model, cache, prompt.ids[:-1])
         cache.finish_prefill()

@@ -9,7 +9,7 @@ import torch
 from typer.testing import CliRunner
 
 from unlimisum.cli import app
-from unlimisum.cli.info import ASSUMED_D_MODEL
+from unlimisum.diagnostics import ASSUMED_D_MODEL
 from unlimisum.config import DEFAULT_MODEL, IndexConfig
 
 

@@ -134,7 +134,7 @@ def test_markdown_has_heading_and_chapter_sections():
 
 
 def test_markdown_coverage_table_and_json_coverage():
-    from unlimisum.unlimiformer.coverage import CoverageSpan
+    from unlimisum.coverage import CoverageSpan
 
     spans = (CoverageSpan("Loomings", 0, 100, 0.25), CoverageSpan("The | Carpet-Bag", 100, 400, 0.75))
     summary = dataclasses.replace(make_summary(), coverage=spans, window_coverage=spans)

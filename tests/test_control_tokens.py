@@ -136,7 +136,7 @@ def test_an_encoder_input_gets_specials_only_where_the_tokenizer_puts_them(tiny_
     tokenizer = loaded.tokenizer
     text = hostile(tokenizer)
     summarizer = Summarizer(loaded, generation=GenerationOptions(max_new_tokens=8))
-    ids, ends = summarizer._encoder().tokenize(Document.from_text(text))
+    ids, ends = summarizer.family._encoder().tokenize(Document.from_text(text))
     ids = ids.tolist()
     own = tokenizer("a")["input_ids"]  # the specials the tokenizer adds around any text
     lead = own.index(tokenizer("a", add_special_tokens=False)["input_ids"][0])
@@ -146,7 +146,7 @@ def test_an_encoder_input_gets_specials_only_where_the_tokenizer_puts_them(tiny_
     assert tokenizer.decode(ids, skip_special_tokens=True).replace(" ", "") == text.replace(" ", "")
     assert ends[-1] == len(text)
     # ordinary text: the same tokens as ever
-    ordinary, _ = summarizer._encoder().tokenize(Document.from_text(SAMPLE_TEXT))
+    ordinary, _ = summarizer.family._encoder().tokenize(Document.from_text(SAMPLE_TEXT))
     assert ordinary.tolist() == tokenizer(SAMPLE_TEXT)["input_ids"]
 
 

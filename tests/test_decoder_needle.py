@@ -122,7 +122,7 @@ def test_at_their_true_distances_the_far_tokens_are_not_found(loaded, filler):
     the model ever looked, and it is not copied. The fixed distance is what makes the retrieval work."""
     import dataclasses
 
-    summarizer = Summarizer(loaded, generation=GENERATION, index=INDEX, prompt=PROMPT)._decoder_only
+    summarizer = Summarizer(loaded, generation=GENERATION, index=INDEX, prompt=PROMPT).family
     for windows, position in LONG_CASES[:3]:
         text, content, _ = long_input(filler, windows, position)
         prompt = build_prompt(loaded.tokenizer, text, PROMPT)

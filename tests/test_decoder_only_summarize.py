@@ -98,7 +98,7 @@ def test_without_a_chat_template_the_prompt_is_the_template_with_the_tokenizers_
 def test_sinks_are_the_prompt_up_to_the_text(chat_model):
     summarizer = Summarizer(chat_model, **EXACT)
     prompt = build_prompt(chat_model.tokenizer, BOOK.text, PromptConfig())
-    assert summarizer._decoder_only.plan(prompt).sinks == prompt.text_start > 4
+    assert summarizer.family.plan(prompt).sinks == prompt.text_start > 4
 
 
 def test_per_chapter_summaries_read_each_chapter_in_its_own_prompt(chat_model):
@@ -132,7 +132,7 @@ def test_what_decoder_only_models_refuse(chat_model):
     for kind in ("ivf", "hnsw"):  # not silently ignored: the stored keys are searched exactly
         with pytest.raises(ConfigError, match=f"index '{kind}' is an approximate index"):
             Summarizer(chat_model, index=IndexConfig(kind=kind))
-    assert Summarizer(chat_model, index=IndexConfig(kind="exact"))._decoder_only is not None
+    assert Summarizer(chat_model, index=IndexConfig(kind="exact")).family is not None
 
 
 def test_summarize_takes_the_decoder_only_options_flat(chat_dir, chat_model):

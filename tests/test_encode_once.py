@@ -161,7 +161,7 @@ def test_chapter_boundaries_with_sentencepiece_offsets():
     token, not one later (byte-level BPE tokens start after the space: tested through the tiny models)."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
-    from unlimisum.unlimiformer.encoded import chapter_token_ranges, token_char_ends
+    from unlimisum.coverage import chapter_token_ranges, token_char_ends
 
     tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
     tokenizer.normalizer = normalizers.Replace("\n", " ")  # as T5's and PEGASUS's normalise whitespace

@@ -248,12 +248,12 @@ def test_default_retrieval_k_is_the_window_up_to_1024(tiny_model_dir):
 
     few = GenerationOptions(max_new_tokens=8)
     short = Summarizer(load_model(ModelConfig(name=str(tiny_model_dir("bart")), device="cpu")), generation=few)
-    assert short._retrieval_k() == 64  # the model's window
+    assert short.family.retrieval_k() == 64  # the model's window
     long = Summarizer(load_model(ModelConfig(name=str(tiny_model_dir("bart", window=2048)), device="cpu")),
                       generation=few)
-    assert long._retrieval_k() == DEFAULT_RETRIEVAL_K == 1024
+    assert long.family.retrieval_k() == DEFAULT_RETRIEVAL_K == 1024
     asked = Summarizer(long.loaded, generation=few, retrieval=RetrievalConfig(retrieval_k=4096))
-    assert asked._retrieval_k() == 4096
+    assert asked.family.retrieval_k() == 4096
 
 
 def test_top_k_without_sampling_is_refused_naming_retrieval_k():

@@ -10,7 +10,7 @@ Heavy modules (torch, transformers, faiss) load on first use of what needs them.
 
 from importlib import import_module
 
-__version__ = "0.1.0"
+from unlimisum.version import __version__  # noqa: E402
 
 from unlimisum.document import Chapter, Document  # noqa: E402
 from unlimisum.errors import UnlimisumError  # noqa: E402
@@ -18,9 +18,9 @@ from unlimisum.errors import UnlimisumError  # noqa: E402
 _LAZY = {
     "summarize": "unlimisum.summarizer",
     "Summarizer": "unlimisum.summarizer",
-    "Summary": "unlimisum.summarizer",
-    "SummaryStats": "unlimisum.summarizer",
-    "ProgressEvent": "unlimisum.summarizer",
+    "Summary": "unlimisum.results",
+    "SummaryStats": "unlimisum.results",
+    "ProgressEvent": "unlimisum.events",
     "load_model": "unlimisum.models",
     "train": "unlimisum.training",
     "EncodedCache": "unlimisum.unlimiformer.cache",

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import typer
 from typer.core import TyperCommand, TyperGroup
 
-from unlimisum import __version__
+from unlimisum.version import __version__
 from unlimisum.errors import UnlimisumError
 
 # Typer 0.2x parses with its own copy of Click (typer._click); older releases use Click itself.

@@ -1,4 +1,5 @@
-"""`unlimisum info`: versions, devices, Faiss build, model cache, and the index plan for N tokens.
+"""`unlimisum info`: versions, devices, Faiss build, model cache, and the index plan for N tokens
+(gathered by ``unlimisum.diagnostics``, printed here).
 
 Everything a bug report needs, and the answer to "what would unlimisum do with a book of N
 tokens on this machine" (``--tokens N``): for an encoder-decoder model the index over its encoder
@@ -9,21 +10,13 @@ position regime, store size and placement. Plain text by default, one JSON objec
 from __future__ import annotations
 
 import json
-import os
-import platform
-import sys
-from importlib import metadata
-from pathlib import Path
 from typing import Literal, Optional
 
 import typer
 
-from unlimisum import __version__
 from unlimisum.cli.app import EXIT_USAGE, app, fail
-from unlimisum.config import DEFAULT_MODEL, IndexConfig
-from unlimisum.errors import ConfigError, UnlimisumError
-
-ASSUMED_D_MODEL = 768  # hidden size of the base models (BART-base, LED-base, T5-base) when no config is at hand
+from unlimisum.config import IndexConfig
+from unlimisum.errors import UnlimisumError
 
 
 @app.command()
@@ -41,238 +34,19 @@ def info(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
 ) -> None:
     """Show versions, devices, the Faiss build, where models are cached, and the index plan for N tokens."""
-    report = {
-        "versions": collect_versions(),
-        "devices": collect_devices(),
-        "faiss": collect_faiss(),
-        "models": collect_models(model),
-        "plan": None,
-    }
-    if tokens is not None:
-        try:
-            report["plan"] = collect_plan(tokens, model or DEFAULT_MODEL, IndexConfig(kind=index, device=index_device))
-        except UnlimisumError as error:  # ConfigError among them
-            raise fail(error, EXIT_USAGE)
+    from unlimisum.diagnostics import collect_report
+
+    try:
+        report = collect_report(tokens, model, IndexConfig(kind=index, device=index_device))
+    except UnlimisumError as error:  # ConfigError among them
+        raise fail(error, EXIT_USAGE)
     if as_json:
         typer.echo(json.dumps(report, ensure_ascii=False))
     else:
         typer.echo(render_report(report))
 
 
-# -- collecting -----------------------------------------------------------------------------
-
-
-def collect_versions() -> dict:
-    """Versions of unlimisum, Python and the libraries that do the work."""
-    import torch
-
-    return {
-        "unlimisum": __version__,
-        "python": platform.python_version(),
-        "python_executable": sys.executable,
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "torch_cuda": torch.version.cuda,  # None on CPU-only builds
-        "transformers": _package_version("transformers"),
-        "tokenizers": _package_version("tokenizers"),
-        "huggingface_hub": _package_version("huggingface_hub"),
-        "faiss": _faiss_version(),
-        "typer": _package_version("typer"),
-        "rich": _package_version("rich"),
-    }
-
-
-def collect_devices() -> dict:
-    """CPU threads, CUDA GPUs with their free memory, and MPS."""
-    import torch
-
-    gpus = []
-    cuda = torch.cuda.is_available()
-    if cuda:
-        for number in range(torch.cuda.device_count()):
-            free, total = torch.cuda.mem_get_info(number)
-            gpus.append({
-                "device": f"cuda:{number}", "name": torch.cuda.get_device_name(number),
-                "free_bytes": free, "total_bytes": total,
-            })
-    from unlimisum.models.precision import choose_auto_dtype
-
-    mps = getattr(torch.backends, "mps", None)
-    return {
-        "cpu_count": os.cpu_count(),
-        "cpu_dtype_auto": choose_auto_dtype(torch.device("cpu")).reason,  # what --dtype auto loads on the CPU
-        "torch_threads": torch.get_num_threads(),
-        "cuda_available": cuda,
-        "gpus": gpus,
-        "mps_available": bool(mps and mps.is_available()),
-    }
-
-
-def collect_faiss() -> dict:
-    """The Faiss build: version, GPU support (``get_num_gpus`` exists only in GPU builds) and CPU options."""
-    try:
-        import faiss
-    except ImportError:
-        return {"installed": False, "version": None, "gpu_build": False, "gpus": 0, "compile_options": None}
-    get_num_gpus = getattr(faiss, "get_num_gpus", None)
-    gpus = int(get_num_gpus()) if get_num_gpus else 0
-    options = faiss.get_compile_options().strip() if hasattr(faiss, "get_compile_options") else None
-    return {
-        "installed": True,
-        "version": getattr(faiss, "__version__", None),
-        "gpu_build": hasattr(faiss, "StandardGpuResources"),
-        "gpus": gpus,
-        "compile_options": options,
-    }
-
-
-def collect_models(model: str | None) -> dict:
-    """The default model, the model asked for, whether each is available offline, and the cache folders."""
-    from huggingface_hub import constants
-
-    from unlimisum.models.architectures import supported_model_types
-
-    chosen = model or DEFAULT_MODEL
-    tokenizer = _needed_tokenizer(chosen)
-    missing = [name for name, available in ((chosen, _available_offline(chosen)),
-                                           (tokenizer, tokenizer is None or _tokenizer_available_offline(tokenizer)))
-               if not available]
-    return {
-        "default_model": DEFAULT_MODEL,
-        "supported_model_types": supported_model_types(),
-        "model": chosen,
-        "model_source": "--model/UNLIMISUM_MODEL" if model else "default",
-        "model_available_offline": _available_offline(chosen),
-        "tokenizer_from": tokenizer,  # the hub tokenizer the model needs besides its own files, if any
-        "missing_offline": missing,  # what a run would download first (or, offline, fail without)
-        "fetch_commands": [_fetch_command(name, tokenizer_only=name != chosen) for name in missing],
-        "hf_home": str(constants.HF_HOME),
-        "hub_cache": str(constants.HF_HUB_CACHE),
-        "hf_hub_offline": bool(constants.HF_HUB_OFFLINE),
-    }
-
-
-def collect_plan(tokens: int, model: str, index: IndexConfig) -> dict:
-    """The index kind and device ``plan_index`` chooses for ``tokens`` states of the model's hidden size, or the
-    decoder-only plan (``collect_decoder_plan``) when the model's config says it is one."""
-    from unlimisum.models.decoder_architectures import BY_MODEL_TYPE
-    from unlimisum.unlimiformer.datastore import plan_index
-
-    config = model_config(model)
-    if config is not None and getattr(config, "model_type", None) in BY_MODEL_TYPE:
-        return collect_decoder_plan(tokens, model, config, index)
-    d_model, d_model_source = model_hidden_size(model)
-    plan = plan_index(tokens, d_model, index)
-    kernel = None
-    if plan.kind == "exact":  # what an exact step runs here, measured now (~0.3 s)
-        import torch
-
-        from unlimisum.unlimiformer import packed
-        from unlimisum.unlimiformer.kernels import kernel_for
-        from unlimisum.unlimiformer.placement import storage_dtype
-
-        choice = kernel_for(torch.device(plan.device), storage_dtype(index), d_model)
-        kernel = choice.reason
-        if choice.scores == "packed" and not packed.memory_allows(tokens, d_model):
-            kernel = (f"float32 for {tokens:,} tokens: the packed copies ({packed.packed_bytes(tokens, d_model) / 2**30:.1f} "
-                      f"GiB) would exceed {packed.PACKED_MEMORY_FRACTION:.1%} of this machine's memory; "
-                      f"for smaller inputs {kernel}")
-    return {
-        "model_kind": "seq2seq",
-        "tokens": tokens,
-        "model": model,
-        "d_model": d_model,
-        "d_model_source": d_model_source,
-        "index": index.kind,
-        "index_device": index.device,
-        "kind": plan.kind,
-        "device": plan.device,
-        "reason": plan.reason,
-        "retrieval_kernel": kernel,
-    }
-
-
-def collect_decoder_plan(tokens: int, model: str, config, index: IndexConfig) -> dict:
-    """What a decoder-only model would do with a prompt of ``tokens`` tokens and the default options: the window,
-    sinks, k, position regime (or why it is refused), the store's bytes by its formula, and where it goes."""
-    import torch
-
-    from unlimisum.config import DEFAULT_MAX_NEW_TOKENS, DecoderOnlyConfig
-    from unlimisum.decoder_only.plan import (
-        MIN_SINKS, default_retrieval_k, default_window, kv_shape, plan_retrieval, store_bytes_per_token, store_devices,
-    )
-    from unlimisum.models.architectures import architecture_for
-    from unlimisum.unlimiformer.placement import storage_dtype
-
-    architecture = architecture_for(config)  # UnsupportedModelError when no layer is full attention
-    max_positions = architecture.max_positions(config)
-    windows = architecture.layer_windows(config)
-    window = default_window(max_positions)
-    retrieval_k = default_retrieval_k(window)
-    dtype = storage_dtype(index)
-    per_token = store_bytes_per_token(config, windows, dtype)
-    store = (tokens - 1) * per_token  # generate() reads the prompt's last token itself
-    model_device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where --device auto loads it
-    keys_device, values_device, placement = store_devices(store // 2, store // 2, index, model_device)
-    max_new_tokens = DEFAULT_MAX_NEW_TOKENS
-    try:
-        plan = plan_retrieval(prompt_tokens=tokens - 1, text_start=0, max_new_tokens=max_new_tokens,
-                              max_positions=max_positions, window=window, retrieval_k=retrieval_k,
-                              config=DecoderOnlyConfig(), storage_dtype=dtype)
-        positions = "true" if plan.true_positions else f"fixed distance {plan.fixed_distance}"
-    except ConfigError as error:
-        positions = f"refused: {error}"
-    kv_heads, head_dim = kv_shape(config)
-    full_layers = sum(w is None for w in windows)
-    return {
-        "model_kind": "decoder-only",
-        "tokens": tokens,
-        "model": model,
-        "family": architecture.name,
-        "max_positions": max_positions,
-        "window": window,
-        "sinks": f"the prompt up to the text, at least {MIN_SINKS} tokens",
-        "retrieval_k": retrieval_k,
-        "max_new_tokens": max_new_tokens,
-        "positions": positions,
-        "full_layers": full_layers,
-        "sliding_layers": len(windows) - full_layers,
-        "kv_heads": kv_heads,
-        "head_dim": head_dim,
-        "storage_dtype": str(dtype).removeprefix("torch."),
-        "element_bytes": torch.finfo(dtype).bits // 8,
-        "store_bytes_per_token": per_token,
-        "store_bytes": store,
-        "keys_device": keys_device.type,
-        "values_device": values_device.type,
-        "placement": placement,
-    }
-
-
-def model_config(model: str):
-    """The model's transformers config when it is a local folder or cached, else None."""
-    local = Path(model).expanduser()
-    if not (local.is_dir() or _available_offline(model)):
-        return None
-    try:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(str(local) if local.is_dir() else model, local_files_only=True)
-    except (OSError, ValueError):
-        return None
-
-
-def model_hidden_size(model: str) -> tuple[int, str]:
-    """``(d_model, where it came from)``: the model's config when it is local or cached, else 768."""
-    config = model_config(model)
-    if config is not None:
-        size = getattr(config, "d_model", None) or getattr(config, "hidden_size", None)
-        if isinstance(size, int) and size > 0:
-            return size, "model config"
-    return ASSUMED_D_MODEL, f"assumed ({model} is not available offline)"
-
-
-# -- rendering ------------------------------------------------------------------------------
+# -- rendering ---------------------------------------------------------------------------------
 
 
 def render_report(report: dict) -> str:
@@ -374,71 +148,3 @@ def _offline_summary(models: dict) -> str:
     if models["hf_hub_offline"]:
         return f"no: summarize will fail (HF_HUB_OFFLINE is on and the hub cache lacks {names})"
     return f"no: downloaded on first use ({names})"
-
-
-def _package_version(name: str) -> str | None:
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def _faiss_version() -> str | None:
-    for name in ("faiss-cpu", "faiss-gpu", "faiss-gpu-cu12", "faiss-gpu-cu11", "faiss"):
-        version = _package_version(name)
-        if version:
-            return f"{version} ({name})"
-    try:
-        import faiss
-
-        return getattr(faiss, "__version__", "unknown")
-    except ImportError:
-        return None
-
-
-def _needed_tokenizer(model: str) -> str | None:
-    """The hub tokenizer ``model`` is loaded with because it ships none (unlimisum.models.checkpoint's table of
-    known checkpoints, or a local folder's config); None when it has its own. Never reaches the network."""
-    from unlimisum.models import checkpoint
-
-    try:
-        location = checkpoint.locate(model)
-    except UnlimisumError:
-        return None
-    if location.is_local:
-        return None if checkpoint.has_tokenizer_files(location) else checkpoint.base_tokenizer(location)
-    return checkpoint.known_base_tokenizer(model)
-
-
-def _tokenizer_available_offline(name: str) -> bool:
-    """True when ``name`` is a local folder or one of its tokenizer files is in the Hugging Face cache."""
-    from unlimisum.models.checkpoint import TOKENIZER_FILES
-
-    if Path(name).expanduser().is_dir():
-        return True
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        return any(isinstance(try_to_load_from_cache(name, file), str) for file in TOKENIZER_FILES)
-    except Exception:  # noqa: BLE001  (an invalid repo id is simply not available)
-        return False
-
-
-def _fetch_command(name: str, tokenizer_only: bool) -> str:
-    """The `hf download` that puts ``name`` in the cache (for a tokenizer: its small files, not the weights)."""
-    from unlimisum.models.checkpoint import tokenizer_download
-
-    return tokenizer_download(name) if tokenizer_only else f"hf download {name}"
-
-
-def _available_offline(model: str) -> bool:
-    """True when ``model`` is a local folder or its config is in the Hugging Face cache."""
-    if Path(model).expanduser().is_dir():
-        return True
-    try:
-        from huggingface_hub import try_to_load_from_cache
-
-        found = try_to_load_from_cache(model, "config.json")
-    except Exception:  # noqa: BLE001  (an invalid repo id is simply not available)
-        return False
-    return isinstance(found, str)

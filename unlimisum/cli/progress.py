@@ -582,7 +582,7 @@ class _ChapterProgress:
 def coverage_line(summary: Summary, width: int = 48) -> Text:
     """``  looked at ▕░▒█▓ ░ ▏ most at "Chapter 5" (62%)``: the summary's attention across the book,
     darker where it looked more, with chapter boundaries ticked underneath in the bar's order."""
-    from unlimisum.unlimiformer.coverage import bar
+    from unlimisum.coverage import bar
 
     top = max(summary.coverage, key=lambda span: span.share)
     name = " ".join(top.title.split()) or f"tokens {top.start_token:,}-{top.end_token:,}"

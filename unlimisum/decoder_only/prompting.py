@@ -26,7 +26,7 @@ from unlimisum.config import PromptConfig
 from unlimisum.errors import ConfigError
 from unlimisum.models import checkpoint
 from unlimisum.models.tokens import added_around, encode_text, special_ids
-from unlimisum.unlimiformer.encoded import token_char_ends
+from unlimisum.coverage import token_char_ends
 
 PLACEHOLDER = "{text}"
 _SENTINEL = "\u2063unlimisum-text\u2063"  # stands for the text while the chat template renders

@@ -22,11 +22,10 @@ from unlimisum.decoder_only.prompting import Prompt, build_prompt
 from unlimisum.document import Document
 from unlimisum.errors import EmptyDocumentError
 from unlimisum.models import LoadedModel
-from unlimisum.summarizer import (
-    EMPTY_SUMMARY, ProgressEvent, Summary, SummaryStats, _GenerationProgress, _peak_rss_bytes,
-)
-from unlimisum.unlimiformer import coverage
-from unlimisum.unlimiformer.encoded import chapter_token_ranges
+from unlimisum.events import ProgressEvent
+from unlimisum.results import EMPTY_SUMMARY, GenerationProgress, Summary, SummaryStats, peak_rss_bytes
+from unlimisum import coverage
+from unlimisum.coverage import chapter_token_ranges
 from unlimisum.unlimiformer.placement import storage_dtype
 
 
@@ -77,7 +76,7 @@ class DecoderOnlySummarizer:
             window=plan.window, index_kind="kv-store", index_device=_device_name(plan),
             retrieval_k=plan.retrieval_k, datastore_bytes=cache.store_bytes,
             generated_tokens=sum(t not in special for t in generated.tolist()), timings=seconds,
-            peak_rss_bytes=_peak_rss_bytes(), peak_gpu_bytes=torch.cuda.max_memory_allocated(loaded.device) if on_cuda
+            peak_rss_bytes=peak_rss_bytes(), peak_gpu_bytes=torch.cuda.max_memory_allocated(loaded.device) if on_cuda
             else None, model_dtype=str(loaded.dtype).removeprefix("torch."),
             positions="true" if plan.true_positions else f"fixed distance {plan.fixed_distance}",
         )
@@ -123,7 +122,7 @@ class DecoderOnlySummarizer:
         chunks = -(-n_read // plan.window)
         info = {"tokens": n_read, "window": plan.window}
         total = kwargs.get("max_new_tokens")
-        progress = _GenerationProgress(lambda written: self.progress(ProgressEvent("generate", written, total, name)),
+        progress = GenerationProgress(lambda written: self.progress(ProgressEvent("generate", written, total, name)),
                                        tokenizer.all_special_ids)
         started = time.perf_counter()
         with torch.inference_mode(), reading.session(model, architecture, plan) as cache:

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 
-from unlimisum import __version__
+from unlimisum.version import __version__
 
 MANIFEST_NAME = "unlimisum-run.json"
 MANIFEST_SCHEMA_VERSION = 1  # bump when a field changes meaning or disappears

@@ -124,7 +124,7 @@ def _run(paths, model_name, tokenizer_name, output_dir, work, config, resume_fro
     import transformers
     from transformers import DataCollatorForSeq2Seq, PrinterCallback, Seq2SeqTrainingArguments
 
-    from unlimisum import __version__
+    from unlimisum.version import __version__
     from unlimisum.models import load_model, resolve_device
     from unlimisum.models.compat import quiet_transformers
     from unlimisum.training.data import read_data, tokenize_rows

@@ -19,7 +19,9 @@ from unlimisum.models.tokens import encode_text, special_ids
 from unlimisum.config import EncodingConfig, IndexConfig
 from unlimisum.unlimiformer.datastore import DatastoreBuilder, IndexPlan, TorchExactDatastore, plan_index
 from unlimisum.document import Document
-from unlimisum.unlimiformer.encoded import EncodedDocument, chapter_token_ranges, token_char_ends
+from unlimisum.coverage import chapter_token_ranges, token_char_ends
+from unlimisum.events import ProgressEvent
+from unlimisum.unlimiformer.encoded import EncodedDocument
 from unlimisum.unlimiformer.cache import CacheKey, EncodedCache, text_sha256
 from unlimisum.unlimiformer.encoding import auto_batch_size, encode_windows, plan_windows
 from unlimisum.errors import ConfigError, EmptyDocumentError
@@ -45,7 +47,6 @@ class DocumentEncoder:
 
     def encode(self, document: Document) -> EncodedDocument:
         """The document's tokens, states, windows and chapter ranges (from the cache when it has them)."""
-        from unlimisum.summarizer import ProgressEvent
 
         text = document.text
         if not text.strip():
@@ -89,7 +90,6 @@ class DocumentEncoder:
         return torch.tensor(ids, dtype=torch.long), ends
 
     def _encode(self, document: Document, name: str) -> EncodedDocument:
-        from unlimisum.summarizer import ProgressEvent
 
         started = time.perf_counter()
         self.progress(ProgressEvent("tokenize", 0, 1, name))

@@ -38,7 +38,7 @@ class RetrievalSession:
     retrieval_k: int  # input tokens each head attends to per step
     stats: RetrievalStats = field(default_factory=RetrievalStats)
     # per document, [N] float32 on its store's device: attention mass per input token, summed over
-    # steps, layers, heads and beams (see unlimisum/unlimiformer/coverage.py); None: not measured
+    # steps, layers, heads and beams (see unlimisum/coverage.py); None: not measured
     coverage: Sequence | None = None
 
 

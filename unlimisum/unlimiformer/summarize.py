@@ -1,0 +1,255 @@
+"""The encoder-decoder family's summarize path: encode once, generate with retrieval attention, report coverage.
+
+``EncoderDecoderSummarizer`` is what ``unlimisum.Summarizer`` delegates to for BART, PEGASUS, LED, T5 and
+the other rows of ``unlimisum/models/architectures.py``; ``unlimisum/decoder_only/summarize.py`` is its
+counterpart for decoder-only models. The document is encoded once (``encoder.py``); the whole-book
+summary searches its one store, each chapter's summary a view of it, several chapters in one batch.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+import torch
+
+from unlimisum import coverage
+from unlimisum.config import DEFAULT_RETRIEVAL_K, EncodingConfig, GenerationOptions, IndexConfig, RetrievalConfig
+from unlimisum.document import Document
+from unlimisum.errors import ConfigError, EmptyDocumentError
+from unlimisum.events import ProgressCallback, ProgressEvent
+from unlimisum.models import LoadedModel, compat
+from unlimisum.results import EMPTY_SUMMARY, GenerationProgress, Summary, SummaryStats, peak_rss_bytes
+from unlimisum.unlimiformer.cache import EncodedCache
+from unlimisum.unlimiformer.datastore import Datastore
+from unlimisum.unlimiformer.encoded import EncodedDocument
+from unlimisum.unlimiformer.encoder import DocumentEncoder, EncodePlan
+from unlimisum.unlimiformer.placement import storage_dtype
+from unlimisum.unlimiformer.retrieval import RetrievalSession, retrieval
+
+# Chapters generated together with --per-chapter: batching speeds generation up; every chapter
+# of a batch reads a view of the one encoded document, so batching costs no memory.
+CHAPTERS_PER_BATCH = 8
+
+
+@dataclass(frozen=True)
+class Generated:
+    """What one generate() call over a batch of datastores produced and cost."""
+
+    token_ids: torch.Tensor  # [B, T]
+    total: int | None  # the most tokens it could write (max_new_tokens)
+    seconds: float
+    search_seconds: float  # within `seconds`
+    prepare_seconds: float  # before `seconds`: the stores made ready for retrieval (Datastore.prepare)
+    tensor_cache_bytes: int | None  # self-attention state retained at the end, with a Tensor Cache
+    coverage: tuple[torch.Tensor, ...] = ()  # per store, [N] attention mass per input token
+
+
+@dataclass(frozen=True)
+class _Part:
+    """What one summary of a generation batch reads: the whole document, or one chapter's tokens of it."""
+
+    title: str
+    source: str
+    encoded: EncodedDocument
+    start: int = 0
+    end: int | None = None  # None: to the end of the document
+
+    @property
+    def stop(self) -> int:
+        return self.encoded.n_tokens if self.end is None else self.end
+
+    @property
+    def is_whole(self) -> bool:
+        return self.start == 0 and self.stop == self.encoded.n_tokens
+
+    def store(self) -> Datastore:
+        return self.encoded.store if self.is_whole else self.encoded.store.view(self.start, self.stop)
+
+    def windows(self) -> list[tuple[str, int, int]]:
+        """(title, start, end) of the encoding windows' kept ranges within this part, relative to its start."""
+        clipped = [(max(a, self.start) - self.start, min(b, self.stop) - self.start) for a, b in self.encoded.windows]
+        return coverage.window_ranges(self.stop - self.start, clipped)
+
+    def sections(self) -> list[tuple[str, int, int]]:
+        """The ranges coverage is reported by: chapters for the whole document, windows for a chapter."""
+        if self.is_whole:
+            return [(chapter.title, chapter.start, chapter.end) for chapter in self.encoded.chapters]
+        return self.windows()
+
+
+class EncoderDecoderSummarizer:
+    """An encoder-decoder model plus how to encode, index, retrieve and generate with it."""
+
+    def __init__(self, loaded: LoadedModel, *, encoding: EncodingConfig, index: IndexConfig,
+                 retrieval: RetrievalConfig, generation: GenerationOptions, tensor_cache=None,
+                 cache: EncodedCache | None = None, progress: ProgressCallback):
+        """``generation``: with ``max_new_tokens`` resolved (``GenerationOptions.for_decoder``);
+        ``tensor_cache``: a ``unlimisum.tensor_cache.TensorCacheSettings``, or None."""
+        window = encoding.window
+        if window is not None and window > loaded.max_source_length:
+            raise ConfigError(f"window {window} exceeds the {loaded.max_source_length}-token encoder window of "
+                              f"model '{loaded.name}'")
+        self.loaded = loaded
+        self.encoding = encoding
+        self.index = index
+        self.retrieval = retrieval
+        self.generation = generation
+        self.tensor_cache = tensor_cache
+        self.cache = cache
+        self.progress = progress
+
+    def summarize(self, document: Document, *, per_chapter: bool = False) -> Summary:
+        """Summarize one text or document; with ``per_chapter`` each chapter gets its own summary too.
+
+        The document is encoded once: each chapter's summary reads a view of the same store over
+        the chapter's tokens, which kept the context of their neighbours that the windows gave them.
+        """
+        encoded = self.encode(document)
+        whole = self._summarize_parts([_Part(document.title, document.source, encoded)])[0]
+        chapters = encoded.chapters
+        if not per_chapter or len(chapters) < 2:  # one chapter: its summary is the whole summary
+            return whole
+        parts, total = [], len(chapters)
+        for start in range(0, total, CHAPTERS_PER_BATCH):
+            batch = chapters[start : start + CHAPTERS_PER_BATCH]
+            titles = [chapter.title for chapter in batch]
+            self.progress(ProgressEvent("chapter", start, total, titles[0], {"titles": titles}))
+            parts.extend(self._summarize_parts(
+                [_Part(chapter.title, document.source, encoded, chapter.start, chapter.end) for chapter in batch]
+            ))
+        self.progress(ProgressEvent("chapter", total, total, chapters[-1].title, {"titles": []}))
+        return replace(whole, chapters=tuple(parts))
+
+    def summarize_many(self, documents: Sequence[Document]) -> list[Summary]:
+        """Summarize several documents in one generation batch (each has its own datastore)."""
+        return self._summarize_parts([_Part(d.title, d.source, self.encode(d)) for d in documents])
+
+    def encode(self, document: Document) -> EncodedDocument:
+        """The document's tokens, encoder states (one store), windows and chapter token ranges."""
+        return self._encoder().encode(document)
+
+    def tokenize(self, document: Document) -> torch.Tensor:
+        """All of the document's tokens, special tokens included, no truncation: [N] int64."""
+        if not document.text.strip():
+            raise EmptyDocumentError("there is no text to summarize", source=document.source)
+        return self._encoder().tokenize(document)[0]
+
+    def retrieval_k(self) -> int:
+        """Input tokens each cross-attention head retrieves per step: as asked, else the model's window
+        (at most DEFAULT_RETRIEVAL_K)."""
+        k = self.retrieval.retrieval_k or min(self.loaded.max_source_length, DEFAULT_RETRIEVAL_K)
+        if k < 1:
+            raise ConfigError(f"retrieval k must be at least 1, got {k}")
+        return k
+
+    def generate(self, stores: Sequence[Datastore], name: str = "") -> Generated:
+        """Generate from encoded inputs, one datastore per document (in batch order)."""
+        model = self.loaded.model
+        options = self.generation
+        kwargs = options.to_generate_kwargs()
+        if options.seed is not None:
+            torch.manual_seed(options.seed)
+        batch = len(stores)
+        # generate() only needs the encoder's shape; every cross-attention reads the datastores instead
+        stand_in = torch.zeros(batch, 1, model.config.d_model, dtype=self.loaded.dtype, device=self.loaded.device)
+        attention_mask = torch.ones(batch, 1, dtype=torch.long, device=self.loaded.device)
+        total = kwargs.get("max_new_tokens")
+        progress = GenerationProgress(lambda written: self.progress(ProgressEvent("generate", written, total, name)),
+                                       self.loaded.tokenizer.all_special_ids)
+        mass = tuple(torch.zeros(store.n_tokens, device=store.states().device) for store in stores)
+        session = RetrievalSession(stores=list(stores), retrieval_k=self.retrieval_k(), coverage=mass)
+        preparing = time.perf_counter()
+        self.progress(ProgressEvent("prepare", 0, batch, name))
+        for store in stores:  # kernels measured and stores packed here, not silently inside the first step
+            store.prepare()
+        prepared = {"packed_bytes": sum(store.packed_nbytes for store in stores),
+                    "seconds": time.perf_counter() - preparing}
+        if batch == 1:  # views of one book (a batch of chapters) share its store: their sum would count it again
+            prepared["bytes"] = stores[0].nbytes
+        self.progress(ProgressEvent("prepare", batch, batch, name, prepared))
+        started = time.perf_counter()
+        prepare_seconds = started - preparing
+        self.progress(ProgressEvent("generate", 0, total, name))
+        with ExitStack() as stack:
+            stack.enter_context(retrieval(model, self.loaded.architecture, session))
+            if self.tensor_cache is not None:
+                from unlimisum.tensor_cache import tensor_cache
+
+                memory = stack.enter_context(tensor_cache(model, self.loaded.architecture, self.tensor_cache))
+                kwargs.update(memory.generate_kwargs())
+            stack.enter_context(torch.inference_mode())
+            output = model.generate(
+                encoder_outputs=compat.encoder_outputs(stand_in), attention_mask=attention_mask,
+                stopping_criteria=[progress], **kwargs,
+            )
+            retained = memory.retained_bytes() if self.tensor_cache is not None else None
+        return Generated(output, total, time.perf_counter() - started, session.stats.search_seconds,
+                         prepare_seconds, retained, mass)
+
+    # -- stages ---------------------------------------------------------------------------
+
+    def _encoder(self) -> DocumentEncoder:
+        plan = EncodePlan(window=self._window(), index=self._index_config(), retrieval_k=self.retrieval_k(),
+                          queries_per_step=self._queries_per_step())
+        return DocumentEncoder(self.loaded, self.encoding, plan, self.progress, self.cache)
+
+    def _summarize_parts(self, parts: Sequence[_Part]) -> list[Summary]:
+        """One generation batch over the parts' stores; a Summary per part."""
+        if not parts:
+            return []
+        on_cuda = self.loaded.device.type == "cuda"
+        if on_cuda:
+            torch.cuda.reset_peak_memory_stats(self.loaded.device)
+        stores = [part.store() for part in parts]
+        name = (parts[0].title or parts[0].source) if len(parts) == 1 else f"{len(parts)} documents"
+        run = self.generate(stores, name=name)
+        output = run.token_ids
+        tokenizer = self.loaded.tokenizer
+        texts = [text.strip() for text in tokenizer.batch_decode(output, skip_special_tokens=True)]
+        special = torch.tensor(sorted(set(tokenizer.all_special_ids)), device=output.device)
+        counts = (~torch.isin(output, special)).sum(dim=1).tolist()
+        self.progress(ProgressEvent("generate", max(counts), run.total, name))  # the count ends at the summary's
+        peak_gpu = torch.cuda.max_memory_allocated(self.loaded.device) if on_cuda else None
+        summaries = []
+        for part, store, mass, text, n_generated, ids in zip(parts, stores, run.coverage, texts, counts,
+                                                                output.tolist()):
+            windows = part.windows()
+            timings = dict(part.encoded.seconds, prepare=run.prepare_seconds, generate=run.seconds,
+                           search=run.search_seconds)
+            stats = SummaryStats(
+                model=self.loaded.name, input_tokens=store.n_tokens, windows=len(windows),
+                window=self._window(), index_kind=store.kind, index_device=store.device,
+                retrieval_k=min(self.retrieval_k(), store.n_tokens), datastore_bytes=store.nbytes,
+                packed_bytes=store.packed_nbytes,
+                generated_tokens=n_generated, timings=timings, peak_rss_bytes=peak_rss_bytes(),
+                peak_gpu_bytes=peak_gpu, tensor_cache_bytes=run.tensor_cache_bytes, cached=part.encoded.cached,
+                model_dtype=str(self.loaded.dtype).removeprefix("torch."),
+            )
+            mass = mass.cpu()
+            summaries.append(Summary(
+                text=text, title=part.title, source=part.source, stats=stats, token_ids=tuple(ids),
+                coverage=coverage.spans(mass, part.sections()), window_coverage=coverage.spans(mass, windows),
+                warnings=() if text else (EMPTY_SUMMARY,),
+            ))
+        return summaries
+
+    def _window(self) -> int:
+        return self.encoding.window or self.loaded.max_source_length
+
+    def _queries_per_step(self) -> int:
+        """Retrieval queries of one document in one decoder step and layer: heads x beams."""
+        config = self.loaded.model.config
+        heads = next((getattr(config, name) for name in ("decoder_attention_heads", "num_heads", "num_attention_heads")
+                      if isinstance(getattr(config, name, None), int)), 1)
+        beams = self.generation.num_beams or getattr(self.loaded.model.generation_config, "num_beams", 1) or 1
+        return heads * beams
+
+    def _index_config(self) -> IndexConfig:
+        """The index options with an automatic storage dtype resolved for this model."""
+        if self.index.storage_dtype != "auto":
+            return self.index
+        dtype = storage_dtype(self.index)
+        return replace(self.index, storage_dtype=str(dtype).removeprefix("torch."))
