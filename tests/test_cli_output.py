@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from unlimisum.cli.jobs import JSON_EXTENSION, plan_jobs
+from unlimisum.runs.jobs import JSON_EXTENSION, plan_jobs
 from unlimisum import files
-from unlimisum.cli.output import MARKDOWN_MARKER, atomic_write_text, render_markdown, summary_record
+from unlimisum.runs.output import MARKDOWN_MARKER, atomic_write_text, render_markdown, summary_record
 from unlimisum.cli.progress import ProgressDisplay, format_bytes, format_seconds
 from unlimisum.document import Chapter, Document
 from unlimisum.errors import ConfigError

@@ -22,8 +22,9 @@ from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Ta
 from rich.table import Column, Table
 from rich.text import Text
 
-if TYPE_CHECKING:  # the summarizer imports torch; keep `unlimisum --help` and completion fast
-    from unlimisum.summarizer import ProgressEvent, Summary
+if TYPE_CHECKING:  # results imports torch; keep `unlimisum --help` and completion fast
+    from unlimisum.events import ProgressEvent
+    from unlimisum.results import Summary
 
 MEMORY_SAMPLE_SECONDS = 0.25  # how often the live display reads RSS/GPU memory (psutil is cheap, not free)
 CHAPTER_TITLE_CELLS = 40  # chapter titles are cut to this many characters in the live display
@@ -202,7 +203,8 @@ class _StatusProgress(Progress):
 
 
 class ProgressDisplay:
-    """Renders a summarize run on a Rich console; call it with ``ProgressEvent``s.
+    """Renders a summarize run on a Rich console; call it with ``ProgressEvent``s. It is the CLI's
+    ``unlimisum.runs.report.Reporter``: the batch runner reports through it.
 
     ``show``: False for --quiet (only errors are printed). ``live``: draw the animated
     display; None decides by ``console.is_terminal``. ``verbose``: also print a log line
@@ -275,6 +277,12 @@ class ProgressDisplay:
         self.log(f"loading model {name}")
 
     def model_loaded(self, name: str, device: str, dtype: str, seconds: float) -> None:
+        if device.startswith("cuda"):
+            import torch
+
+            self.set_memory_probe(MemoryProbe(cuda_device=torch.device(device)))
+        elif self.memory is None:
+            self.set_memory_probe(MemoryProbe())
         self.log(f"model {name} on {device} ({dtype}) loaded in {format_seconds(seconds)}")
 
     def begin_document(self, number: int, total: int, source: str, *, read: bool = False) -> None:
@@ -491,6 +499,11 @@ class ProgressDisplay:
         if self.verbose:
             elapsed = self.clock() - self._started
             self._area.print(f"[dim]{elapsed:8.2f}s[/] {escape(message)}", soft_wrap=True)
+
+    def traceback(self, text: str) -> None:
+        """The traceback of an unexpected error (only with -vv)."""
+        if self.verbose > 1:
+            self._area.print(text, markup=False, soft_wrap=True)
 
     def note(self, message: str) -> None:
         """A line for the user that is neither an error nor a log (not in quiet mode)."""

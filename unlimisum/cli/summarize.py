@@ -18,16 +18,16 @@ from typing import List, Literal, Optional
 import typer
 
 from unlimisum.cli.app import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, _click, app, fail, silence_stdout
-from unlimisum.cli.batch import BatchResult, BatchRunner, SummarizeSettings
-from unlimisum.cli.jobs import JSON_EXTENSION, MARKDOWN_EXTENSION, Job, plan_jobs
+from unlimisum.runs.runner import BatchResult, BatchRunner, SummarizeSettings
+from unlimisum.runs.jobs import JSON_EXTENSION, MARKDOWN_EXTENSION, Job, plan_jobs
 from unlimisum.cli.option_sources import CONFIG, describe, describe_all, from_command_line, option_source, rank
 from unlimisum.cli.progress import ProgressDisplay, make_stderr_console
 from unlimisum.config import (
     DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, DEFAULT_PROMPT, EncodingConfig, GenerationOptions, IndexConfig, ModelConfig,
     PromptConfig, RetrievalConfig,
 )
-from unlimisum.engines import manifest as run_manifest
-from unlimisum.engines.manifest import DocumentOutcome
+from unlimisum.runs import manifest as run_manifest
+from unlimisum.runs.manifest import DocumentOutcome
 from unlimisum.errors import ConfigError, UnlimisumError
 
 _DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
@@ -74,7 +74,7 @@ def _load_config(ctx: typer.Context, param: typer.CallbackParam, value: Optional
     """--config FILE (eager): check the file and make it the command's defaults, below flags and env vars."""
     if value is None or ctx.resilient_parsing:
         return value
-    from unlimisum.engines.run_config import config_defaults, read_config_file
+    from unlimisum.runs.run_config import config_defaults, read_config_file
 
     try:
         defaults = config_defaults(ctx.command, ctx, value, read_config_file(value))
@@ -367,7 +367,7 @@ def summarize(
                 local = f" ({describe(ctx, 'engine')})" if option_source(ctx, "engine") == CONFIG else ""
                 raise fail(f"{describe(ctx, name)} needs --engine ray{local}", EXIT_USAGE)
     else:
-        from unlimisum.engines import require_ray
+        from unlimisum.runs import require_ray
 
         try:
             require_ray()
@@ -449,13 +449,13 @@ def _run_engine(engine: str, runner: "BatchRunner", jobs: list[Job], address: st
 
         return RayEngine(runner, RaySettings(address=address, workers=workers,
                                              gpus_per_worker=gpus_per_worker)).run(jobs)
-    with runner.display:
+    with runner.reporter:
         return runner.run(jobs)
 
 
 def _save_manifest(ctx, output_dir: Path, runner: "BatchRunner", jobs: list[Job], inputs: list[str], engine: str,
                    started, interrupted: bool) -> None:
-    """Write OUT/unlimisum-run.json (see unlimisum.engines.manifest); a problem writing it is a warning."""
+    """Write OUT/unlimisum-run.json (see unlimisum.runs.manifest); a problem writing it is a warning."""
     options, sources = effective_options(ctx)
     outcomes = list(runner.result.outcomes)
     finished = {outcome.path for outcome in outcomes}
@@ -469,10 +469,10 @@ def _save_manifest(ctx, output_dir: Path, runner: "BatchRunner", jobs: list[Job]
     )
     try:
         if run_manifest.write_manifest(output_dir, manifest) is None:
-            runner.display.note(f"unlimisum: warning: not writing {Path(output_dir) / run_manifest.MANIFEST_NAME}: "
+            runner.reporter.note(f"unlimisum: warning: not writing {Path(output_dir) / run_manifest.MANIFEST_NAME}: "
                                 "unlimisum did not write the file that is there")
     except OSError as error:
-        runner.display.note(f"unlimisum: warning: cannot write the run manifest ({error.strerror or error})")
+        runner.reporter.note(f"unlimisum: warning: cannot write the run manifest ({error.strerror or error})")
 
 
 def effective_options(ctx) -> tuple[dict, dict]:

@@ -3,7 +3,7 @@
 How it runs:
 
 - The driver (the `unlimisum` process) plans and checks the inputs exactly as a local run
-  does (``unlimisum.cli.jobs``): unusable inputs get their failure line and skipped ones
+  does (``unlimisum.runs.jobs``): unusable inputs get their failure line and skipped ones
   their line before Ray starts, and Ray is not started at all when nothing is left to do.
 - Each worker is a Ray actor holding one loaded model (a GPU each with ``--gpus-per-worker``,
   CPU otherwise). It runs in the driver's working directory, reads its input from the path
@@ -36,7 +36,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from unlimisum.engines import require_ray
+from unlimisum.runs import require_ray
 from unlimisum.engines.progress import BatchProgress
 from unlimisum.errors import UnlimisumError
 
@@ -90,7 +90,7 @@ class SummarizeWorker:
         from rich.console import Console
 
         from unlimisum.cli.progress import ProgressDisplay
-        from unlimisum.cli.batch import BatchRunner
+        from unlimisum.runs.runner import BatchRunner
 
         if not os.path.isdir(self.cwd):
             raise SharedStorageError(
@@ -108,7 +108,7 @@ class RayEngine:
     """Runs a `summarize` batch on Ray, reporting through the driver's ``BatchRunner`` (lines, stdout, counts)."""
 
     def __init__(self, runner, settings: RaySettings = RaySettings()):
-        self.runner = runner  # unlimisum.cli.batch.BatchRunner: never loads a model on the driver
+        self.runner = runner  # unlimisum.runs.runner.BatchRunner: never loads a model on the driver
         self.settings = settings
         self.ray = require_ray()
         self._started_ray = False
@@ -117,7 +117,7 @@ class RayEngine:
 
     def run(self, jobs: list) -> object:
         """Summarize ``jobs`` on Ray; returns the runner's BatchResult. Ctrl-C propagates after cleaning up."""
-        from unlimisum.cli.batch import BatchResult
+        from unlimisum.runs.runner import BatchResult
 
         runner = self.runner
         runner.result = BatchResult(total=len(jobs))

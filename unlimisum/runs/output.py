@@ -55,7 +55,7 @@ from unlimisum.files import atomic_write_bytes
 
 if TYPE_CHECKING:  # the summarizer imports torch; keep `unlimisum --help` and completion fast
     from unlimisum.document import Document
-    from unlimisum.summarizer import Summary
+    from unlimisum.results import Summary
 
 MARKDOWN_MARKER = "<!-- written by unlimisum -->"
 WRITTEN_BY = "unlimisum"  # the value of "written_by" in .summary.json files

@@ -1,9 +1,10 @@
 """Running the jobs of one `summarize` invocation: read, summarize, write, report.
 
-``BatchRunner`` holds the steps both engines use (unlimisum/engines/): report the inputs found
-unusable before the model loads, load the model once, summarize one job into a ``JobResult``
-(reading it, writing its file atomically), and report or print the outcome. The local engine is
-``BatchRunner.run``; the Ray engine runs ``summarize_job`` on its workers.
+``BatchRunner`` holds the steps both engines use: read every input before the model loads and
+report those that cannot be, load the model once, summarize one job into a ``JobResult`` (reading
+it, writing its file atomically), and report or print the outcome. The local engine is
+``BatchRunner.run``; the Ray engine (``unlimisum.runs.ray``) runs ``summarize_job`` on its workers.
+What happens is said through a ``unlimisum.runs.report.Reporter``; stdout goes to ``write_stdout``.
 """
 
 from __future__ import annotations
@@ -17,10 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import typer
-
-from unlimisum.cli.jobs import Job, OutputConflictError
-from unlimisum.cli.output import (
+from unlimisum.runs.jobs import Job, OutputConflictError
+from unlimisum.runs.output import (
     atomic_write_text,
     error_record,
     is_unlimisum_output,
@@ -29,13 +28,13 @@ from unlimisum.cli.output import (
     to_json_file,
     to_json_line,
 )
-from unlimisum.cli.progress import MemoryProbe, ProgressDisplay
 from unlimisum.config import (
     DEFAULT_MAX_NEW_TOKENS, DecoderOnlyConfig, EncodingConfig, GenerationOptions, IndexConfig, ModelConfig, PromptConfig, RetrievalConfig,
 )
-from unlimisum.engines import manifest as run_manifest
-from unlimisum.engines.manifest import DONE, FAILED, SKIPPED, DocumentOutcome
+from unlimisum.runs import manifest as run_manifest
+from unlimisum.runs.manifest import DONE, FAILED, SKIPPED, DocumentOutcome
 from unlimisum.errors import UnlimisumError
+from unlimisum.runs.report import Reporter
 
 # Text of the inputs read before the model loads that is kept for their turn (about 64 million characters:
 # a few hundred books); past it an input is read again when summarized, so a large batch costs no memory.
@@ -75,7 +74,7 @@ class BatchResult:
     failures: list[tuple[str, str]] = field(default_factory=list)
     pipe_closed: bool = False  # the reader of stdout left; the run stopped there
     outcomes: list[DocumentOutcome] = field(default_factory=list)  # per input, in the order they ended
-    model: dict | None = None  # the model that summarized (unlimisum.engines.manifest.model_record), once loaded
+    model: dict | None = None  # the model that summarized (unlimisum.runs.manifest.model_record), once loaded
 
 
 @dataclass(frozen=True)
@@ -105,13 +104,13 @@ class BatchRunner:
     def __init__(
         self,
         settings: SummarizeSettings,
-        display: ProgressDisplay,
+        reporter: Reporter,
         *,
         write_stdout: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ):
         self.settings = settings
-        self.display = display
+        self.reporter = reporter  # what the run says goes here (the CLI: its Rich display on stderr)
         self.write_stdout = write_stdout or _echo
         self.clock = clock
         self.summarizer = None
@@ -127,7 +126,7 @@ class BatchRunner:
             if not job.is_stdin or job.problem is not None or job.skip:
                 continue
             if _stdin_is_terminal():
-                self.display.reading_stdin_hint()
+                self.reporter.reading_stdin_hint()
             started = self.clock()
             try:
                 job.document = read_document(job.source, password=self.settings.password,
@@ -148,7 +147,7 @@ class BatchRunner:
             if todo:
                 self.load_model()
             for number, job in enumerate(todo, start=1):
-                self.display.begin_document(number, len(todo), job.source, read=job.document is not None)
+                self.reporter.begin_document(number, len(todo), job.source, read=job.document is not None)
                 self._finish(job, self.summarize_job(job, several=len(jobs) > 1))
         except BrokenPipeError:
             self.result.pipe_closed = True
@@ -163,7 +162,7 @@ class BatchRunner:
         readable, kept = [], 0
         for number, job in enumerate(jobs, start=1):
             if job.document is None:
-                self.display.reading_input(number, len(jobs), job.source)
+                self.reporter.reading_input(number, len(jobs), job.source)
                 started = self.clock()
                 try:
                     document = read_document(job.source, password=self.settings.password,
@@ -188,7 +187,7 @@ class BatchRunner:
             elif job.skip:
                 self.result.skipped += 1
                 self.result.outcomes.append(DocumentOutcome(job.source, SKIPPED, output=str(job.output)))
-                self.display.document_skipped(job.source, job.output)
+                self.reporter.document_skipped(job.source, job.output)
             else:
                 todo.append(job)
         return todo
@@ -202,39 +201,35 @@ class BatchRunner:
         from unlimisum.summarizer import Summarizer
 
         settings = self.settings
-        self.display.loading_model(settings.model.name)
+        self.reporter.loading_model(settings.model.name)
         started = self.clock()
-        quiet_hub(verbose=self.display.verbose > 1)  # its retry warnings would scroll under the display
-        loaded = load_model(settings.model, progress=self.display)
+        quiet_hub(verbose=self.reporter.verbose > 1)  # its retry warnings would scroll under the display
+        loaded = load_model(settings.model, progress=self.reporter)
         self.result.model = run_manifest.model_record(loaded)
         dtype = str(loaded.dtype).replace("torch.", "")
-        self.display.model_loaded(loaded.name, str(loaded.device),
+        self.reporter.model_loaded(loaded.name, str(loaded.device),
                                   f"{dtype}; {loaded.dtype_reason}" if loaded.dtype_reason else dtype,
                                   self.clock() - started)
-        if loaded.device.type == "cuda":
-            self.display.set_memory_probe(MemoryProbe(cuda_device=loaded.device))
-        elif self.display.memory is None:
-            self.display.set_memory_probe(MemoryProbe())
         cache = None
         if settings.cache_dir is not None and loaded.is_decoder_only:
-            self.display.note("unlimisum: note: --cache-dir keeps encoder states; a decoder-only model reads the "
+            self.reporter.note("unlimisum: note: --cache-dir keeps encoder states; a decoder-only model reads the "
                               "prompt each time")
         elif settings.cache_dir is not None:
             from unlimisum.unlimiformer.cache import EncodedCache
 
             cache = EncodedCache(settings.cache_dir, max_bytes=settings.cache_max_bytes,
-                                 warn=lambda message: self.display.note(f"unlimisum: warning: {message}"))
+                                 warn=lambda message: self.reporter.note(f"unlimisum: warning: {message}"))
         self.summarizer = Summarizer(
             loaded, encoding=settings.encoding, index=settings.index, retrieval=settings.retrieval,
-            generation=settings.generation, tensor_cache=settings.tensor_cache, cache=cache, progress=self.display,
+            generation=settings.generation, tensor_cache=settings.tensor_cache, cache=cache, progress=self.reporter,
             prompt=settings.prompt, decoder=settings.decoder,
         )
         limit = self.summarizer.generation.max_new_tokens
         if settings.generation.max_new_tokens is None and limit < DEFAULT_MAX_NEW_TOKENS:
-            self.display.log(f"--max-new-tokens: {limit}, not the default {DEFAULT_MAX_NEW_TOKENS}: the decoder of "
+            self.reporter.log(f"--max-new-tokens: {limit}, not the default {DEFAULT_MAX_NEW_TOKENS}: the decoder of "
                              f"{settings.model.name} has {limit} positions")
         if settings.tensor_cache is not None:
-            self.display.note(tensor_cache_note(settings.tensor_cache, limit))
+            self.reporter.note(tensor_cache_note(settings.tensor_cache, limit))
 
     def summarize_job(self, job: Job, *, several: bool) -> JobResult:
         """Read, summarize and (with -o) write one input; a failure of this input is a failed JobResult.
@@ -254,12 +249,12 @@ class BatchRunner:
                                          keep_all=self.settings.keep_all)
                 read_seconds = self.clock() - started
             for warning in document.metadata.get("warnings", []):
-                self.display.note(f"unlimisum: warning: {job.source}: {warning}")
+                self.reporter.note(f"unlimisum: warning: {job.source}: {warning}")
             if document.left_out:
-                self.display.log(f"left out of {job.source}: {'; '.join(document.left_out)} (--keep-all keeps them)")
+                self.reporter.log(f"left out of {job.source}: {'; '.join(document.left_out)} (--keep-all keeps them)")
             summary = self.summarizer.summarize(document, per_chapter=self.settings.per_chapter)
             for part, warning in _summary_warnings(summary):
-                self.display.note(f"unlimisum: warning: {job.source}{part}: {warning}")
+                self.reporter.note(f"unlimisum: warning: {job.source}{part}: {warning}")
             stdout = self._render(job, document, summary, read_seconds, several)
         except UnlimisumError as error:
             return self.failed_result(job, error.problem, type(error).__name__, self.clock() - started)
@@ -269,8 +264,7 @@ class BatchRunner:
             return self.failed_result(job, f"cannot write the summary ({error.strerror or error})",
                                       type(error).__name__, self.clock() - started)
         except Exception as error:  # noqa: BLE001  (one broken input must not end a batch of hundreds)
-            if self.display.verbose > 1:
-                self.display.console.print(traceback.format_exc(), markup=False, soft_wrap=True)
+            self.reporter.traceback(traceback.format_exc())
             return self.failed_result(job, _unexpected(error), type(error).__name__, self.clock() - started)
         outcome = run_manifest.done_outcome(job.source, job.output, summary, read_seconds, self.clock() - started)
         return JobResult(outcome, summary=summary, stdout=stdout, model=self.result.model)
@@ -290,10 +284,10 @@ class BatchRunner:
         self.result.outcomes.append(outcome)
         if outcome.status == DONE:
             self.result.done += 1
-            self.display.document_done(result.summary, job.source, outcome.seconds, job.output)
+            self.reporter.document_done(result.summary, job.source, outcome.seconds, job.output)
         else:
             self.result.failures.append((job.source, outcome.problem))
-            self.display.document_failed(job.source, outcome.problem)
+            self.reporter.document_failed(job.source, outcome.problem)
 
     def emit(self, result: JobResult) -> None:
         """Print what the result puts on stdout; Markdown summaries are separated by a blank line."""
@@ -340,7 +334,7 @@ class BatchRunner:
 
     def _print(self, text: str) -> None:
         """Write to stdout with the live display off the screen (they may share a terminal)."""
-        with self.display.paused():
+        with self.reporter.paused():
             self.write_stdout(text)
 
 
@@ -370,7 +364,7 @@ def _unexpected(error: Exception) -> str:
 
 
 def _echo(text: str) -> None:
-    typer.echo(text, nl=False)
+    sys.stdout.write(text)
     sys.stdout.flush()  # one document at a time: a pipe sees each summary when it is done
 
 

@@ -36,13 +36,14 @@ from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 
+from unlimisum.runs.output import atomic_write_text, is_unlimisum_output
 from unlimisum.version import __version__
 
 MANIFEST_NAME = "unlimisum-run.json"
 MANIFEST_SCHEMA_VERSION = 1  # bump when a field changes meaning or disappears
 DONE, FAILED, SKIPPED, NOT_RUN = "done", "failed", "skipped", "not run"
 SECRET_OPTIONS = ("password",)  # options whose value never goes into the manifest
-WRITTEN_BY = "unlimisum"  # the mark of unlimisum's own files (unlimisum.cli.output.WRITTEN_BY)
+WRITTEN_BY = "unlimisum"  # the mark of unlimisum's own files (unlimisum.runs.output.WRITTEN_BY)
 
 
 @dataclass(frozen=True)
@@ -132,8 +133,6 @@ def build_manifest(
 def write_manifest(output_dir: Path, manifest: dict) -> Path | None:
     """Write ``output_dir/unlimisum-run.json`` atomically; None (nothing written) when a file of that
     name exists that unlimisum did not write."""
-    from unlimisum.cli.output import atomic_write_text, is_unlimisum_output  # the CLI imports this module
-
     path = Path(output_dir) / MANIFEST_NAME
     if path.exists() and not is_unlimisum_output(path):
         return None

@@ -12,7 +12,7 @@ Rules (the README repeats them):
 - Every input is checked before the model loads (exists, readable, a kind unlimisum reads);
   an unusable one becomes a job with a ``problem`` and no output.
 - Folder scans skip the summaries unlimisum wrote (recognised by their marker, see
-  ``unlimisum.cli.output``), and only those; ``Plan.own_outputs`` lists them.
+  ``unlimisum.runs.output``), and only those; ``Plan.own_outputs`` lists them.
 - An existing output is overwritten only when unlimisum wrote it; ``--skip-existing`` skips an
   input whose output unlimisum wrote. An output that is another file, or an input, is refused
   (that input fails, the batch goes on).
@@ -26,7 +26,7 @@ import stat
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from unlimisum.cli.output import is_unlimisum_output
+from unlimisum.runs.output import is_unlimisum_output
 from unlimisum.errors import (
     ConfigError,
     EmptyDocumentError,
