@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from tests.cli_helpers import write_small_books
 from tests.tiny_models import SAMPLE_TEXT
 from unlimisum.cli import app
 from unlimisum.engines.progress import BatchProgress
-from unlimisum.engines.ray import CRASH_HOOK_ENV
+from unlimisum.engines.ray import CRASH_HOOK_ENV, start_local_ray
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow  # a Ray instance and worker processes: 50-90 s on 2 shared CPU cores
@@ -27,10 +28,12 @@ FAST = ["--device", "cpu", "--max-new-tokens", "6", "--min-new-tokens", "3"]
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    """One local Ray instance for the module: the engine uses the one this process already has."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+    """One local Ray instance for the module, started as the engine starts one (on 127.0.0.1, no dashboard);
+    the engine uses the one this process already has."""
+    folder = start_local_ray(ray, num_cpus=2, log_to_driver=False, logging_level=logging.ERROR)
     yield
     ray.shutdown()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture
