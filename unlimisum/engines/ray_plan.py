@@ -62,24 +62,22 @@ class WorkerPlan:
 def plan_workers(nodes: list[NodeFree], books: int, *, workers: int | None = None, cpus_per_worker: int | None = None,
                  gpus_per_worker: float = 0.0, min_memory: int = MIN_WORKER_MEMORY) -> WorkerPlan:
     """The plan for ``books`` books on ``nodes``; WorkerPlacementError, naming the resource, when none fits."""
-    total_cpus = sum(int(node.cpus) for node in nodes)
     fit_one = _fits(nodes, cpus_per_worker or 1, gpus_per_worker, min_memory)
     wanted = min(workers if workers is not None else max(fit_one, 1), max(books, 1))
-    cpus = cpus_per_worker or max(1, total_cpus // max(wanted, 1))
-    while cpus_per_worker is None and cpus > 1 and _fits(nodes, cpus, gpus_per_worker, min_memory) < wanted:
-        cpus -= 1
-    fit = _fits(nodes, cpus, gpus_per_worker, min_memory)
-    count = min(wanted, fit)
+    cpus = cpus_per_worker or _share(nodes, wanted, gpus_per_worker, min_memory)
+    count = min(wanted, _fits(nodes, cpus, gpus_per_worker, min_memory))
+    short = _short(nodes, wanted, cpus, gpus_per_worker, min_memory) if count < wanted else ""
+    if cpus_per_worker is None and 0 < count < wanted:  # fewer workers fit (GPUs, memory): more CPUs each
+        cpus = _share(nodes, count, gpus_per_worker, min_memory)
     if count == 0:
         raise WorkerPlacementError(
             f"the Ray cluster has no room for a worker: each needs {_needs(cpus, gpus_per_worker, min_memory)}, "
-            f"and {describe_free(nodes)}" + _short(nodes, wanted, cpus, gpus_per_worker, min_memory, lead="; short of "))
+            f"and {describe_free(nodes)}" + (f"; short of {short}" if short else ""))
     per_node = _spread(nodes, count, cpus, gpus_per_worker, min_memory)
     by_id = {node.node_id: node for node in nodes}
     memory = None
     if all(by_id[node_id].memory is not None for node_id in per_node):
         memory = int(min(by_id[node_id].memory // placed for node_id, placed in per_node.items()))
-    short = _short(nodes, wanted, cpus, gpus_per_worker, min_memory) if count < wanted else ""
     return WorkerPlan(workers=count, cpus=cpus, gpus=gpus_per_worker, memory=memory, per_node=per_node,
                       asked=workers, short_of=short)
 
@@ -89,6 +87,14 @@ def nodes_from_ray(available: dict) -> list[NodeFree]:
     return [NodeFree(node_id=node_id, cpus=float(free.get("CPU", 0.0)), gpus=float(free.get("GPU", 0.0)),
                      memory=float(free["memory"]) if "memory" in free else None)
             for node_id, free in sorted(available.items())]
+
+
+def _share(nodes: list[NodeFree], workers: int, gpus: float, min_memory: int) -> int:
+    """The most CPUs each of ``workers`` workers can have: the free CPUs divided by them, less until they fit."""
+    cpus = max(1, sum(int(node.cpus) for node in nodes) // max(workers, 1))
+    while cpus > 1 and _fits(nodes, cpus, gpus, min_memory) < workers:
+        cpus -= 1
+    return cpus
 
 
 def _node_fits(node: NodeFree, cpus: int, gpus: float, min_memory: int) -> int:
@@ -115,7 +121,7 @@ def _spread(nodes: list[NodeFree], count: int, cpus: int, gpus: float, min_memor
     return placed
 
 
-def _short(nodes: list[NodeFree], wanted: int, cpus: int, gpus: float, min_memory: int, lead: str = "") -> str:
+def _short(nodes: list[NodeFree], wanted: int, cpus: int, gpus: float, min_memory: int) -> str:
     """Which resources keep the plan under ``wanted`` workers: ``CPU (1 free, 2 per worker)``."""
     totals = {"CPU": (sum(node.cpus for node in nodes), cpus), "GPU": (sum(node.gpus for node in nodes), gpus)}
     if any(node.memory is not None for node in nodes):
@@ -127,7 +133,7 @@ def _short(nodes: list[NodeFree], wanted: int, cpus: int, gpus: float, min_memor
         alone = [_resource_fits(node, resource, each) for node in nodes]
         if sum(alone) < wanted:
             short.append(f"{resource} ({_amount(resource, free)} free, {_amount(resource, each)} per worker)")
-    return lead + ", ".join(short) if short else ""
+    return ", ".join(short)
 
 
 def _resource_fits(node: NodeFree, resource: str, each: float) -> int:
