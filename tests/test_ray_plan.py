@@ -62,6 +62,9 @@ def test_memory_is_a_per_node_share_and_limits_the_workers():
 def test_nodes_from_rays_view():
     nodes = nodes_from_ray({"n2": {"CPU": 1.0, "memory": 5e9, "node:x": 1.0}, "n1": {"GPU": 2.0}})
     assert nodes == [NodeFree("n1", cpus=0.0, gpus=2.0, memory=None), NodeFree("n2", cpus=1.0, gpus=0.0, memory=5e9)]
+    # all of a node's memory and CPUs taken: Ray leaves them out of what is free, the totals still have them
+    taken = nodes_from_ray({"n1": {"GPU": 2.0}}, totals={"n1": {"CPU": 4.0, "GPU": 2.0, "memory": 5e9}})
+    assert taken == [NodeFree("n1", cpus=0.0, gpus=2.0, memory=0.0)]
 
 
 def test_the_packed_kernel_budgets_a_workers_share_of_memory(monkeypatch):

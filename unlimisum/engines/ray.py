@@ -68,6 +68,7 @@ CRASH_HOOK_ENV = "UNLIMISUM_RAY_TEST_CRASH"  # tests only: "SOURCE::TOKEN_FILE",
 WAIT_SECONDS = 0.5  # how often the driver wakes to redraw the progress while books run
 KILL_WAIT_SECONDS = 10.0  # how long Ctrl-C waits for killed workers to be gone before cleaning up
 PLACEMENT_SECONDS = 60.0  # how long a worker may wait for a node with room before it is given up
+SETTLE_SECONDS = 3.0  # how long planning waits for resources to come back when fewer workers fit than wanted
 LOOPBACK = "127.0.0.1"  # where a local instance started for a run listens
 INSTALL_HINT = "is unlimisum installed on every node, in the same environment as the driver?"
 
@@ -260,12 +261,12 @@ class RayEngine:
 
     def _free_nodes(self) -> list:
         """What each live node has free now (Ray's developer API; without it, each node's totals)."""
+        totals = {node["NodeID"]: node["Resources"] for node in self.ray.nodes() if node["Alive"]}
         try:
             from ray._private.state import available_resources_per_node
-
-            return nodes_from_ray(available_resources_per_node())
-        except (ImportError, AttributeError):
-            return nodes_from_ray({node["NodeID"]: node["Resources"] for node in self.ray.nodes() if node["Alive"]})
+        except ImportError:
+            return nodes_from_ray(totals)
+        return nodes_from_ray(available_resources_per_node(), totals)
 
     def _plan_workers(self, books: int) -> WorkerPlan:
         """The run's workers from what the cluster has free; fewer than --workers is said on stderr."""
@@ -274,8 +275,19 @@ class RayEngine:
             device = self.runner.settings.model.device
             has_gpus = self.ray.cluster_resources().get("GPU", 0) >= 1
             gpus = 1.0 if has_gpus and (device == "auto" or device.startswith("cuda")) else 0.0
-        plan = plan_workers(self._free_nodes(), books, workers=self.settings.workers,
-                            cpus_per_worker=self.settings.cpus_per_worker, gpus_per_worker=gpus)
+        options = dict(workers=self.settings.workers, cpus_per_worker=self.settings.cpus_per_worker,
+                       gpus_per_worker=gpus)
+        settle = time.monotonic() + SETTLE_SECONDS
+        while True:  # resources just given back (workers of a run before, other work ending) show up in a moment
+            try:
+                plan = plan_workers(self._free_nodes(), books, **options)
+            except WorkerPlacementError:
+                if time.monotonic() > settle:
+                    raise
+                plan = None
+            if plan is not None and (not plan.short_of or time.monotonic() > settle):
+                break
+            time.sleep(WAIT_SECONDS / 2)
         display = self.runner.display
         if plan.short_of and plan.asked is not None:
             display.note(f"unlimisum: note: --workers {plan.asked}: the Ray cluster has room for {plan.workers} now, "

@@ -82,11 +82,15 @@ def plan_workers(nodes: list[NodeFree], books: int, *, workers: int | None = Non
                       asked=workers, short_of=short)
 
 
-def nodes_from_ray(available: dict) -> list[NodeFree]:
-    """NodeFree of each node in Ray's ``{node id: {"CPU": 2.0, "memory": ..., ...}}``."""
-    return [NodeFree(node_id=node_id, cpus=float(free.get("CPU", 0.0)), gpus=float(free.get("GPU", 0.0)),
-                     memory=float(free["memory"]) if "memory" in free else None)
-            for node_id, free in sorted(available.items())]
+def nodes_from_ray(available: dict, totals: dict | None = None) -> list[NodeFree]:
+    """NodeFree of each node in Ray's ``{node id: {"CPU": 2.0, "memory": ..., ...}}``. Ray leaves out what
+    is all taken: with the nodes' ``totals``, a resource a node has but not in ``available`` is 0 free."""
+    nodes = []
+    for node_id, free in sorted(available.items()):
+        has_memory = "memory" in (totals or {}).get(node_id, free)
+        nodes.append(NodeFree(node_id=node_id, cpus=float(free.get("CPU", 0.0)), gpus=float(free.get("GPU", 0.0)),
+                              memory=float(free.get("memory", 0.0)) if has_memory else None))
+    return nodes
 
 
 def _share(nodes: list[NodeFree], workers: int, gpus: float, min_memory: int) -> int:
