@@ -132,7 +132,7 @@ def main(argv=None) -> dict:
         (work / "books").mkdir()
         for number in range(books):
             (work / "books" / f"book{number:02d}.txt").write_text(random_text(tokens, seed=number), encoding="utf-8")
-        base = [sys.executable, "-P", "-m", "unlimisum", "summarize", "books", "-m", str(model), "--device", "cpu",
+        base = [sys.executable, "-I", "-m", "unlimisum", "summarize", "books", "-m", str(model), "--device", "cpu",
                 "--max-new-tokens", str(new_tokens), "--min-new-tokens", str(new_tokens), "--num-beams", "1",
                 "--no-sample", "-q"]
         shapes = [(1, cores), (cores, 1)] + ([(2, cores // 2)] if cores >= 4 else [])
@@ -150,7 +150,7 @@ def main(argv=None) -> dict:
             written = len(list(output.glob("*.summary.md")))
             assert written == books, f"{name}: {written} of {books} summaries written"
             rows.append(dict(configuration=name, workers=shape[0] if shape else 1,
-                             threads=shape[1] if shape else torch.get_num_threads(), books=books, **measured,
+                             threads=shape[1] if shape else cores, books=books, **measured,
                              books_per_second=books / measured["wall_seconds"],
                              cpu_share=measured["cpu_seconds"] / (measured["wall_seconds"] * cores)))
         local = rows[0]["books_per_second"]

@@ -279,10 +279,10 @@ def test_a_folder_named_unlimisum_in_the_working_directory_and_a_local_instance_
 
 def unlimisum_command(cwd: Path, model: Path, books: list, *options: str, env: dict | None = None,
                       listening: set | None = None) -> subprocess.CompletedProcess:
-    """The `unlimisum` command (``python -P -E -m unlimisum``: nothing from the working directory or PYTHONPATH
+    """The `unlimisum` command (``python -I -m unlimisum``: nothing from the working directory or PYTHONPATH
     in the driver itself) with --engine ray and its own local Ray instance; ``listening`` collects the
     (address, port) every process of the run listens on while it runs."""
-    command = [sys.executable, "-P", "-E", "-m", "unlimisum", "summarize", "-m", str(model), *FAST,
+    command = [sys.executable, "-I", "-m", "unlimisum", "summarize", "-m", str(model), *FAST,
                *map(str, books), "--engine", "ray", *options]
     environment = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
     environment.update(HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0", **(env or {}))

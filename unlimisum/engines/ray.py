@@ -53,7 +53,7 @@ import tempfile
 import time
 import warnings
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rich.console import Console
@@ -191,7 +191,6 @@ class _Worker:
     deadline: float  # time.monotonic() by which it must be placed
     attempt: int = 1  # 2, 3...: it replaces workers that died while starting
     placed: bool = False
-    info: dict = field(default_factory=dict)  # what start() returned
 
 
 class RayEngine:
@@ -236,7 +235,7 @@ class RayEngine:
         os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
         options = dict(logging_level=logging.ERROR, log_to_driver=False)
         if self.settings.address:
-            self._init_folder = init_outside_cwd(ray, address=self.settings.address, **options)
+            self._init_folder = join_ray(ray, self.settings.address, **options)
         else:
             self._init_folder = start_local_ray(ray, **options)
         self._started_ray = True
@@ -335,10 +334,11 @@ class RayEngine:
             self._forget(worker, kill=True)
             self._start_failed(worker, error)
             return
-        if ref is worker.ready_ref:
+        if ref == worker.ready_ref:
             worker.placed = True
             return
-        worker.placed, worker.info = True, value
+        self._starting.pop(worker.ready_ref, None)
+        worker.placed = True
         idle.append(worker.actor)
         display = self.runner.display
         for line in value["lines"]:
@@ -522,22 +522,50 @@ def init_outside_cwd(ray, **options) -> Path:
 
 
 def start_local_ray(ray=None, **options) -> Path:
-    """Start a Ray instance for this machine alone: its servers on 127.0.0.1, no dashboard (``init_outside_cwd``).
-
-    Ray turns an explicit 127.0.0.1 into the machine's network address unless it believes
-    clusters are off (as on macOS and Windows), so that belief is held while it starts.
-    """
+    """Start a Ray instance for this machine alone: its servers on 127.0.0.1, no dashboard (``init_outside_cwd``)."""
     ray = ray or require_ray()
+    with _loopback_only():
+        return init_outside_cwd(ray, address="local", _node_ip_address=LOOPBACK, include_dashboard=False, **options)
+
+
+def join_ray(ray, address: str, **options) -> Path:
+    """Connect to the Ray cluster at ``address`` (``init_outside_cwd``); one on this machine's loopback
+    (such as an instance another run started) is joined from 127.0.0.1."""
+    if not _is_loopback(address):
+        return init_outside_cwd(ray, address=address, **options)
+    with _loopback_only():
+        return init_outside_cwd(ray, address=address, _node_ip_address=LOOPBACK, **options)
+
+
+@contextlib.contextmanager
+def _loopback_only():
+    """Ray turns an explicit 127.0.0.1 into the machine's network address unless it believes clusters are
+    off (as on macOS and Windows): that belief is held while it starts or joins."""
     from ray._private import ray_constants
 
     clusters = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
     if clusters is not None:
         ray_constants.ENABLE_RAY_CLUSTER = False
     try:
-        return init_outside_cwd(ray, address="local", _node_ip_address=LOOPBACK, include_dashboard=False, **options)
+        yield
     finally:
         if clusters is not None:
             ray_constants.ENABLE_RAY_CLUSTER = clusters
+
+
+def _is_loopback(address: str) -> bool:
+    """``127.0.0.1:6379``, ``localhost:6379``, or ``auto`` naming a loopback instance (not a ``ray://`` client)."""
+    if address == "auto":
+        try:
+            from ray._private.services import get_ray_address_from_environment
+
+            address = get_ray_address_from_environment("auto", None) or ""
+        except Exception:  # noqa: BLE001  (another Ray: leave it to ray.init)
+            return False
+    if "://" in address:
+        return False
+    host = address.rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _exception_line(error: BaseException) -> str:
