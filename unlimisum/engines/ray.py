@@ -61,7 +61,9 @@ from rich.console import Console
 from unlimisum.cli.progress import ProgressDisplay
 from unlimisum.engines import require_ray
 from unlimisum.engines.progress import BatchProgress
-from unlimisum.engines.ray_plan import GIB, WorkerPlacementError, WorkerPlan, describe_free, nodes_from_ray, plan_workers
+from unlimisum.engines.ray_plan import (
+    GIB, WorkerPlacementError, WorkerPlan, describe_free, nodes_from_ray, plan_workers,
+)
 from unlimisum.errors import UnlimisumError
 
 CRASH_HOOK_ENV = "UNLIMISUM_RAY_TEST_CRASH"  # tests only: "SOURCE::TOKEN_FILE", see CrashHook
@@ -86,7 +88,7 @@ class RaySettings:
     """Where and how wide a Ray run goes."""
 
     address: str | None = None  # None: a local Ray instance for the run (or the one this process already has)
-    workers: int | None = None  # None: one per CPU the cluster has free (or GPUs / gpus_per_worker), at most one per book
+    workers: int | None = None  # None: one per free CPU (or GPUs / gpus_per_worker), at most one per book
     gpus_per_worker: float | None = None  # None: 1 when the cluster has GPUs and --device allows them, else 0
     cpus_per_worker: int | None = None  # None: the free CPUs shared out (free CPUs // workers), see ray_plan
     max_retries: int = 2  # how many more workers a book gets when the one summarizing it dies

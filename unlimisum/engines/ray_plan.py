@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from unlimisum.errors import UnlimisumError
 
-MIN_WORKER_MEMORY = 2 * 1024**3  # bytes a worker needs at least: a loaded BART-large and one long book's store
+MIN_WORKER_MEMORY = 2 * 1024**3  # bytes a worker is planned with at least: a BART-base model and a long book's store
 GIB = 1024**3
 
 
