@@ -2,7 +2,8 @@
 
 Both engines take the same jobs (planned and checked on the driver by ``unlimisum.cli.jobs``)
 and the same settings, and produce the same files, stdout, failure lines and exit codes; see
-``local`` and ``ray``. ``manifest`` records a run, ``run_config`` reads ``--config`` files.
+``local`` and ``ray`` (whose workers ``ray_plan`` sizes from what the cluster has free).
+``manifest`` records a run, ``run_config`` reads ``--config`` files.
 """
 
 from __future__ import annotations
