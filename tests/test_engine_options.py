@@ -27,3 +27,6 @@ def test_ray_options_need_the_ray_engine(tmp_path):
     result = CliRunner().invoke(app, ["summarize", "--workers", "2", str(book)])
     assert result.exit_code == 2
     assert result.stderr.splitlines() == ["unlimisum: error: --workers needs --engine ray"]
+    result = CliRunner().invoke(app, ["summarize", "--cpus-per-worker", "4", str(book)])
+    assert result.exit_code == 2
+    assert result.stderr.splitlines() == ["unlimisum: error: --cpus-per-worker needs --engine ray"]

@@ -1,13 +1,26 @@
 """`summarize --engine ray` on one local Ray instance (2 CPUs) shared by the module, with a tiny BART.
 
 Skipped when Ray is not installed (`pip install -e ".[ray]"`). Greedy decoding: the Ray run's
-files and stdout must equal the local run's, byte for byte.
+files and stdout must equal the local run's, byte for byte. The clusters as users have them: one
+with less room than --workers asks, work of others holding its CPUs, workers that cannot start,
+a folder named unlimisum in the working directory (the `unlimisum` command in a subprocess, which
+starts its own instance: it must listen on loopback only).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import psutil
 
 import pytest
 import torch
@@ -17,20 +30,24 @@ from tests.cli_helpers import write_small_books
 from tests.tiny_models import SAMPLE_TEXT
 from unlimisum.cli import app
 from unlimisum.engines.progress import BatchProgress
-from unlimisum.engines.ray import CRASH_HOOK_ENV
+from unlimisum.engines import ray as ray_engine
+from unlimisum.engines.ray import CRASH_HOOK_ENV, start_local_ray
+from unlimisum.engines.ray_plan import GIB, NodeFree
 
 ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.slow  # a Ray instance and worker processes: 50-90 s on 2 shared CPU cores
+pytestmark = pytest.mark.slow  # Ray instances and worker processes: about 3 minutes on 2 shared CPU cores
 
 FAST = ["--device", "cpu", "--max-new-tokens", "6", "--min-new-tokens", "3"]
 
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    """One local Ray instance for the module: the engine uses the one this process already has."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level=logging.ERROR)
+    """One local Ray instance for the module, started as the engine starts one (on 127.0.0.1, no dashboard);
+    the engine uses the one this process already has."""
+    folder = start_local_ray(ray, num_cpus=2, log_to_driver=False, logging_level=logging.ERROR)
     yield
     ray.shutdown()
+    shutil.rmtree(folder, ignore_errors=True)
 
 
 @pytest.fixture
@@ -131,3 +148,189 @@ def test_ctrl_c_leaves_no_partial_file_then_resume_survives_a_worker_dying_mid_b
     assert again.exit_code == 0, again.output
     assert {path: path.stat().st_mtime_ns for path in out.rglob("*.summary.md")} == times
     assert again.stderr.count("skipped ") == 4
+
+
+# -- clusters as they are -------------------------------------------------------------------------------
+
+
+class TimeLimit(Exception):
+    """A run that should have ended by now (the engine used to wait forever for an actor no node could take)."""
+
+
+@contextmanager
+def time_limit(seconds: int):
+    def expire(signum, frame):
+        raise TimeLimit(f"still running after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@ray.remote(num_cpus=1)
+class Holder:
+    """Someone else's work on the cluster, holding one CPU."""
+
+    def ping(self) -> bool:
+        return True
+
+
+@contextmanager
+def cpus_held(count: int):
+    """``count`` of the instance's 2 CPUs taken by other work, until the block ends."""
+    from ray._private.state import available_resources_per_node
+
+    holders = [Holder.remote() for _ in range(count)]
+    ray.get([holder.ping.remote() for holder in holders])
+    for _ in range(100):  # the view of free resources follows within a moment
+        if all(free.get("CPU", 0) <= 2 - count for free in available_resources_per_node().values()):
+            break
+        time.sleep(0.1)
+    try:
+        yield
+    finally:
+        for holder in holders:
+            ray.kill(holder)
+
+
+def test_a_cluster_smaller_than_workers_uses_what_fits_and_ends(summarize, library, tmp_path):
+    out = tmp_path / "out"
+    with cpus_held(1), time_limit(240):  # 1 CPU free: --workers 2 cannot all be placed
+        result = summarize(library / "small.txt", library / "sub" / "other.txt", "-o", out, "--engine", "ray",
+                           "--workers", "2", "-v")
+    assert result.exit_code == 0, result.output
+    assert ("unlimisum: note: --workers 2: the Ray cluster has room for 1 now, short of CPU (1 free, 1 per worker); "
+            "using 1") in result.stderr
+    assert "Ray worker on 127.0.0.1 ready: 1 torch threads" in result.stderr
+    assert sorted(files(out)) == ["other.txt.summary.md", "small.txt.summary.md"]
+
+
+def test_no_room_for_a_worker_is_an_error_naming_the_resource(summarize, library, monkeypatch):
+    book = library / "small.txt"
+    with time_limit(120):
+        no_gpu = summarize(book, "--engine", "ray", "--gpus-per-worker", "1")
+    assert no_gpu.exit_code == 1
+    assert no_gpu.stderr.splitlines() == [
+        "unlimisum: error: the Ray cluster has no room for a worker: each needs 1 CPU, 1 GPU, 2.0 GiB memory, and "
+        f"its node has free {free_now()}; short of GPU (0 free, 1 per worker)"]
+
+    # the plan saw 2 CPUs free, but other work took them before the workers were placed: a bounded wait
+    real_plan = ray_engine.plan_workers
+    stale = [NodeFree("stale", cpus=2, memory=8 * GIB)]
+    monkeypatch.setattr(ray_engine, "plan_workers", lambda nodes, books, **options: real_plan(stale, books, **options))
+    monkeypatch.setattr(ray_engine, "PLACEMENT_SECONDS", 3.0)
+    with cpus_held(2), time_limit(120):
+        unplaced = summarize(book, library / "sub" / "other.txt", "--engine", "ray", "--workers", "2")
+        free = free_now()
+    assert unplaced.exit_code == 1
+    assert unplaced.stderr.splitlines() == [
+        "unlimisum: error: no Ray worker could be placed within 3 s: each needs 1 CPU and 4.0 GiB memory, and its "
+        f"node has free {free}"]
+
+
+def free_now() -> str:
+    from ray._private.state import available_resources_per_node
+
+    (free,) = available_resources_per_node().values()
+    return f"CPU {free.get('CPU', 0):g}, GPU {free.get('GPU', 0):g}, memory {free['memory'] / GIB:.1f} GiB"
+
+
+def test_a_worker_that_cannot_start_is_one_line_not_retried(summarize, library, tiny_model_dir, tmp_path):
+    damaged = tmp_path / "damaged"
+    shutil.copytree(tiny_model_dir("bart"), damaged)
+    weights = damaged / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    books = [library / "small.txt", library / "sub" / "other.txt"]
+    local = summarize(*books, "-m", damaged)
+    with time_limit(120):
+        distributed = summarize(*books, "-m", damaged, "--engine", "ray", "--workers", "2")
+    assert local.exit_code == distributed.exit_code == 1
+    assert distributed.stderr.splitlines() == local.stderr.splitlines()  # the one line a local run gives
+    assert len(local.stderr.splitlines()) == 1 and "could not be loaded" in local.stderr
+
+    # workers whose code does not import (another unlimisum first on their path): one line, no retries
+    broken = tmp_path / "broken"
+    (broken / "unlimisum").mkdir(parents=True)
+    (broken / "unlimisum" / "__init__.py").write_text('raise ImportError("not the unlimisum you installed")\n')
+    run = unlimisum_command(tmp_path, tiny_model_dir("bart"), books, "--workers", "2", env={"PYTHONPATH": str(broken)})
+    assert run.returncode == 1, run.stderr
+    assert run.stderr.splitlines() == [
+        "unlimisum: error: a Ray worker could not start: ImportError: not the unlimisum you installed (is "
+        "unlimisum installed on every node, in the same environment as the driver?)"]
+
+
+def test_a_folder_named_unlimisum_in_the_working_directory_and_a_local_instance_on_loopback(
+        library, tiny_model_dir, tmp_path):
+    work = tmp_path / "work"
+    (work / "unlimisum").mkdir(parents=True)  # say, the clone beside the data
+    (work / "unlimisum" / "__init__.py").write_text('raise ImportError("the clone, not the installed package")\n')
+    shutil.copy(library / "small.txt", work / "small.txt")
+    listening: set = set()
+    run = unlimisum_command(work, tiny_model_dir("bart"), ["small.txt"], "-o", "out", listening=listening)
+    assert run.returncode == 0, run.stderr
+    assert (work / "out" / "small.txt.summary.md").read_text().startswith("<!-- written by unlimisum -->")
+    assert len(listening) >= 3  # Ray's servers were seen: GCS, raylet, workers
+    assert {ip for ip, _ in listening} <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, listening
+
+
+def unlimisum_command(cwd: Path, model: Path, books: list, *options: str, env: dict | None = None,
+                      listening: set | None = None) -> subprocess.CompletedProcess:
+    """The `unlimisum` command (``python -I -m unlimisum``: nothing from the working directory or PYTHONPATH
+    in the driver itself) with --engine ray and its own local Ray instance; ``listening`` collects the
+    (address, port) every process of the run listens on while it runs."""
+    command = [sys.executable, "-I", "-m", "unlimisum", "summarize", "-m", str(model), *FAST,
+               *map(str, books), "--engine", "ray", *options]
+    environment = {key: value for key, value in os.environ.items() if not key.startswith("RAY_")}
+    environment.update(HF_HUB_OFFLINE="1", RAY_USAGE_STATS_ENABLED="0", **(env or {}))
+    process = subprocess.Popen(command, cwd=cwd, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    started = time.monotonic()
+    while process.poll() is None and time.monotonic() - started < 240:
+        if listening is not None:
+            listening.update(listen_addresses(process.pid))
+        time.sleep(0.5)
+    if process.poll() is None:
+        process.kill()
+    stdout, stderr = process.communicate()
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def listen_addresses(pid: int) -> set:
+    try:
+        root = psutil.Process(pid)
+        processes = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return set()
+    found = set()
+    for process in processes:
+        try:
+            connections = process.net_connections(kind="inet")
+        except psutil.Error:
+            continue
+        found.update((c.laddr.ip, c.laddr.port) for c in connections if c.status == psutil.CONN_LISTEN)
+    return found
+
+
+def test_workers_share_the_cpus_budget_memory_and_their_warnings_come_back(summarize, library, tmp_path):
+    (tmp_path / "a-file").write_text("not a folder")
+    cache = tmp_path / "a-file" / "cache"  # cannot be created: a warning for each book, the summaries go on
+    books = [library / "small.txt", library / "sub" / "other.txt"]
+    local = summarize(*books, "--cache-dir", cache)
+    assert local.exit_code == 0, local.output
+    with time_limit(180):
+        distributed = summarize(*books, "--cache-dir", cache, "--engine", "ray", "--workers", "1", "-v")
+    assert distributed.exit_code == 0, distributed.output
+    lines = distributed.stderr.splitlines()
+    ready = [line for line in lines if "Ray worker on 127.0.0.1 ready" in line]
+    assert len(ready) == 1 and "ready: 2 torch threads" in ready[0]  # both CPUs of the node: one worker
+    assert "GiB memory budget" in ready[0]
+    warnings_of = [line for line in local.stderr.splitlines() if "warning:" in line]
+    assert len(warnings_of) == 2 and "could not write to the cache" in warnings_of[0]
+    assert [line for line in lines if "warning:" in line] == warnings_of
+    order = [line for line in lines if "warning:" in line or line.startswith("done ")]
+    assert [line.split(":")[0] for line in order] == [  # each book's warning with it: just before its line
+        "unlimisum", f"done {books[0]}", "unlimisum", f"done {books[1]}"], order

@@ -300,14 +300,20 @@ def summarize(
     ),
     workers: Optional[int] = typer.Option(
         None, "--workers", min=1, metavar="N",
-        help="--engine ray: workers, each with its own loaded model (default: as many as the cluster's CPUs, "
-        "or GPUs, allow, at most one per input).",
+        help="--engine ray: workers, each with its own loaded model (default: as many as the cluster's free "
+        "CPUs, or GPUs, allow, at most one per input; fewer when the cluster has no room for N).",
         rich_help_panel=RUN_PANEL,
     ),
     gpus_per_worker: Optional[float] = typer.Option(
         None, "--gpus-per-worker", min=0.0, metavar="G",
         help="--engine ray: GPUs each worker reserves (default: 1 when the cluster has GPUs and --device "
         "allows them, else 0).",
+        rich_help_panel=RUN_PANEL,
+    ),
+    cpus_per_worker: Optional[int] = typer.Option(
+        None, "--cpus-per-worker", min=1, metavar="C",
+        help="--engine ray: CPUs each worker reserves, and its torch threads (default: the free CPUs of the "
+        "cluster divided by the workers).",
         rich_help_panel=RUN_PANEL,
     ),
     # -- display
@@ -362,7 +368,8 @@ def summarize(
     except ConfigError as error:
         raise fail(error, EXIT_USAGE)
     if engine == "local":
-        for name, value in (("workers", workers), ("gpus_per_worker", gpus_per_worker)):
+        for name, value in (("workers", workers), ("gpus_per_worker", gpus_per_worker),
+                            ("cpus_per_worker", cpus_per_worker)):
             if value is not None:
                 local = f" ({describe(ctx, 'engine')})" if option_source(ctx, "engine") == CONFIG else ""
                 raise fail(f"{describe(ctx, name)} needs --engine ray{local}", EXIT_USAGE)
@@ -420,7 +427,7 @@ def summarize(
         with warnings.catch_warnings():
             if quiet:  # library warnings would break the promise of an empty stderr
                 warnings.simplefilter("ignore")
-            result = _run_engine(engine, runner, jobs, ray_address, workers, gpus_per_worker)
+            result = _run_engine(engine, runner, jobs, ray_address, workers, gpus_per_worker, cpus_per_worker)
     except KeyboardInterrupt:
         interrupted = True
         resume = "; rerun with --skip-existing to resume" if output_dir is not None else ""
@@ -442,13 +449,13 @@ def summarize(
 
 
 def _run_engine(engine: str, runner: "BatchRunner", jobs: list[Job], address: str | None, workers: int | None,
-                gpus_per_worker: float | None) -> BatchResult:
+                gpus_per_worker: float | None, cpus_per_worker: int | None = None) -> BatchResult:
     """Run the jobs in this process (the BatchRunner) or on Ray (unlimisum.engines.ray)."""
     if engine == "ray":
         from unlimisum.engines.ray import RayEngine, RaySettings
 
-        return RayEngine(runner, RaySettings(address=address, workers=workers,
-                                             gpus_per_worker=gpus_per_worker)).run(jobs)
+        return RayEngine(runner, RaySettings(address=address, workers=workers, gpus_per_worker=gpus_per_worker,
+                                             cpus_per_worker=cpus_per_worker)).run(jobs)
     with runner.reporter:
         return runner.run(jobs)
 

@@ -11,7 +11,8 @@ The scores are the float32 kernel's within fp32 rounding (the sums run in anothe
 they take about 2.5 times the 16-bit store's bytes, beside it (the store itself still serves gathers
 and chapter views), so a store is packed only when the kernel is measured faster
 (``kernels.calibrate``) and the copies fit ``PACKED_MEMORY_FRACTION`` of this machine's memory (or of
-the container's limit, when lower).
+the container's limit, or of this process's share of the machine when it runs beside others: a Ray
+worker's, ``MEMORY_LIMIT_ENV``; whichever is lowest).
 
 bfloat16 values become fp16 exactly when |x| >= 2^-17 (fp16's 11 significant bits hold bfloat16's 8);
 smaller ones are rounded to fp16's grid of 2^-24, an absolute error below 3e-8. A store holding a value
@@ -49,10 +50,13 @@ def packed_bytes(n_tokens: int, dim: int) -> int:
 
 # where a container's memory limit is written (cgroup v2, then v1); "max" or a huge number: no limit
 CGROUP_LIMIT_FILES = ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes")
+# bytes this process may use when it shares the machine with others like it: each Ray worker gets its share
+MEMORY_LIMIT_ENV = "UNLIMISUM_MEMORY_LIMIT"
 
 
 def usable_memory() -> int | None:
-    """Bytes this process may use: physical memory, or the container's limit when that is lower."""
+    """Bytes this process may use: physical memory, or the container's limit or this process's share
+    (``UNLIMISUM_MEMORY_LIMIT``, set for each Ray worker) when lower."""
     try:
         usable = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
@@ -65,6 +69,9 @@ def usable_memory() -> int | None:
             continue
         if text.isdigit():
             usable = min(usable, int(text))
+    share = os.environ.get(MEMORY_LIMIT_ENV, "").strip()
+    if share.isdigit() and int(share) > 0:
+        usable = min(usable, int(share))
     return usable
 
 
