@@ -122,7 +122,7 @@ def main(argv=None) -> dict:
 
     import ray
 
-    from unlimisum.engines.ray import start_local_ray
+    from unlimisum.runs.ray import start_local_ray
 
     work = Path(tempfile.mkdtemp(prefix="bench-ray-batch-"))
     tree = TreeCpu()

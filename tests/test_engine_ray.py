@@ -29,10 +29,10 @@ from typer.testing import CliRunner
 from tests.cli_helpers import write_small_books
 from tests.tiny_models import SAMPLE_TEXT
 from unlimisum.cli import app
-from unlimisum.engines.progress import BatchProgress
-from unlimisum.engines import ray as ray_engine
-from unlimisum.engines.ray import CRASH_HOOK_ENV, start_local_ray
-from unlimisum.engines.ray_plan import GIB, NodeFree
+from unlimisum.cli.batch_progress import BatchProgress
+from unlimisum.runs import ray as ray_engine
+from unlimisum.runs.ray import CRASH_HOOK_ENV, start_local_ray
+from unlimisum.runs.ray_plan import GIB, NodeFree
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow  # Ray instances and worker processes: about 3 minutes on 2 shared CPU cores

@@ -1,10 +1,10 @@
-"""Planning a Ray run's workers from what each node has free (unlimisum.engines.ray_plan): no Ray needed."""
+"""Planning a Ray run's workers from what each node has free (unlimisum.runs.ray_plan): no Ray needed."""
 
 from __future__ import annotations
 
 import pytest
 
-from unlimisum.engines.ray_plan import GIB, NodeFree, WorkerPlacementError, nodes_from_ray, plan_workers
+from unlimisum.runs.ray_plan import GIB, NodeFree, WorkerPlacementError, nodes_from_ray, plan_workers
 from unlimisum.unlimiformer import packed
 
 BIG = NodeFree("big", cpus=16, memory=64 * GIB)

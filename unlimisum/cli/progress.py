@@ -500,6 +500,12 @@ class ProgressDisplay:
             elapsed = self.clock() - self._started
             self._area.print(f"[dim]{elapsed:8.2f}s[/] {escape(message)}", soft_wrap=True)
 
+    def batch(self, total: int):
+        """The live row of a distributed batch of ``total`` documents (``--engine ray``)."""
+        from unlimisum.cli.batch_progress import BatchProgress
+
+        return BatchProgress(self, total)
+
     def traceback(self, text: str) -> None:
         """The traceback of an unexpected error (only with -vv)."""
         if self.verbose > 1:

@@ -450,9 +450,9 @@ def summarize(
 
 def _run_engine(engine: str, runner: "BatchRunner", jobs: list[Job], address: str | None, workers: int | None,
                 gpus_per_worker: float | None, cpus_per_worker: int | None = None) -> BatchResult:
-    """Run the jobs in this process (the BatchRunner) or on Ray (unlimisum.engines.ray)."""
+    """Run the jobs in this process (the BatchRunner) or on Ray (unlimisum.runs.ray)."""
     if engine == "ray":
-        from unlimisum.engines.ray import RayEngine, RaySettings
+        from unlimisum.runs.ray import RayEngine, RaySettings
 
         return RayEngine(runner, RaySettings(address=address, workers=workers, gpus_per_worker=gpus_per_worker,
                                              cpus_per_worker=cpus_per_worker)).run(jobs)

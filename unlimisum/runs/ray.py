@@ -3,14 +3,14 @@
 How it runs:
 
 - The driver (the `unlimisum` process) plans and checks the inputs exactly as a local run
-  does (``unlimisum.cli.jobs``): unusable inputs get their failure line and skipped ones
+  does (``unlimisum.runs.jobs``): unusable inputs get their failure line and skipped ones
   their line before Ray starts, and Ray is not started at all when nothing is left to do.
 - Ray itself: the cluster of ``--ray-address``, or a local instance started for the run that
   listens on 127.0.0.1 only, without a dashboard (``start_local_ray``). Either way ``ray.init``
   runs from an empty folder: Ray puts the driver's working directory first on every worker's
   ``sys.path``, where a folder named ``unlimisum`` (a clone beside the data) would shadow the
   installed package. Workers get the driver's working directory as an absolute path instead.
-- The workers are planned from what each node has free (``unlimisum.engines.ray_plan``): how
+- The workers are planned from what each node has free (``unlimisum.runs.ray_plan``): how
   many fit, CPUs each (its torch threads: the node's CPUs shared out, or ``--cpus-per-worker``),
   GPUs each, and memory each (the node's free memory shared out; the worker's retrieval kernels
   budget that share). Fewer than ``--workers`` is said on stderr; none is an error naming the
@@ -45,7 +45,6 @@ small (Ray Data brings pyarrow and pandas).
 from __future__ import annotations
 
 import contextlib
-import io
 import logging
 import os
 import shutil
@@ -56,12 +55,9 @@ from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from rich.console import Console
-
-from unlimisum.cli.progress import ProgressDisplay
-from unlimisum.engines import require_ray
-from unlimisum.engines.progress import BatchProgress
-from unlimisum.engines.ray_plan import (
+from unlimisum.runs import require_ray
+from unlimisum.runs.report import SilentReporter
+from unlimisum.runs.ray_plan import (
     GIB, WorkerPlacementError, WorkerPlan, describe_free, nodes_from_ray, plan_workers,
 )
 from unlimisum.errors import UnlimisumError
@@ -104,22 +100,6 @@ class CrashHook:
     token: str  # a file whose removal arms the crash once
 
 
-class WorkerDisplay(ProgressDisplay):
-    """A worker's display: draws nothing, keeps the lines meant for the user (notes, warnings) for the driver."""
-
-    def __init__(self):
-        super().__init__(Console(file=io.StringIO()), show=False, live=False)
-        self.lines: list[str] = []
-
-    def note(self, message: str) -> None:
-        self.lines.append(message)
-
-    def take(self) -> list[str]:
-        """The lines kept since the last call."""
-        lines, self.lines = self.lines, []
-        return lines
-
-
 class SummarizeWorker:
     """One Ray actor: one loaded model, summarizing the books it is given with the run's settings."""
 
@@ -130,7 +110,7 @@ class SummarizeWorker:
         self.memory = memory  # bytes reserved: the share the retrieval kernels budget (None: the machine's)
         self.crash_hook = crash_hook
         self.runner = None
-        self.display = WorkerDisplay()
+        self.display = SilentReporter()  # draws nothing; its notes go back to the driver
         self._warned: set = set()
 
     def ready(self) -> str:
@@ -143,7 +123,7 @@ class SummarizeWorker:
         """Load the model: ``node``, torch ``threads``, ``memory`` budget, and the ``lines`` said while loading."""
         import torch
 
-        from unlimisum.cli.batch import BatchRunner
+        from unlimisum.runs.runner import BatchRunner
         from unlimisum.unlimiformer.packed import MEMORY_LIMIT_ENV
 
         if not os.path.isdir(self.cwd):
@@ -199,7 +179,7 @@ class RayEngine:
     """Runs a `summarize` batch on Ray, reporting through the driver's ``BatchRunner`` (lines, stdout, counts)."""
 
     def __init__(self, runner, settings: RaySettings = RaySettings()):
-        self.runner = runner  # unlimisum.cli.batch.BatchRunner: never loads a model on the driver
+        self.runner = runner  # unlimisum.runs.runner.BatchRunner: never loads a model on the driver
         self.settings = settings
         self.ray = require_ray()
         self._started_ray = False
@@ -213,7 +193,7 @@ class RayEngine:
 
     def run(self, jobs: list) -> object:
         """Summarize ``jobs`` on Ray; returns the runner's BatchResult. Ctrl-C propagates after cleaning up."""
-        from unlimisum.cli.batch import BatchResult
+        from unlimisum.runs.runner import BatchResult
 
         runner = self.runner
         runner.result = BatchResult(total=len(jobs))
@@ -289,7 +269,7 @@ class RayEngine:
             if plan is not None and (not plan.short_of or time.monotonic() > settle):
                 break
             time.sleep(WAIT_SECONDS / 2)
-        display = self.runner.display
+        display = self.runner.reporter
         if plan.short_of and plan.asked is not None:
             display.note(f"unlimisum: note: --workers {plan.asked}: the Ray cluster has room for {plan.workers} now, "
                          f"short of {plan.short_of}; using {plan.workers}")
@@ -342,7 +322,7 @@ class RayEngine:
         self._starting.pop(worker.ready_ref, None)
         worker.placed = True
         idle.append(worker.actor)
-        display = self.runner.display
+        display = self.runner.reporter
         for line in value["lines"]:
             if line not in self._said:
                 self._said.add(line)
@@ -363,7 +343,7 @@ class RayEngine:
         elif isinstance(error, getattr(exceptions, "RuntimeEnvSetupError", ())):
             self._start_failures.append(WorkerStartError(f"a Ray worker could not start: {_last_line(str(error))}"))
         elif worker.attempt <= self.settings.max_retries:  # lost: out of memory while loading, a node gone
-            self.runner.display.note(f"unlimisum: a Ray worker died while loading the model; starting another "
+            self.runner.reporter.note(f"unlimisum: a Ray worker died while loading the model; starting another "
                                      f"(attempt {worker.attempt + 1} of {self.settings.max_retries + 1})")
             self._start_worker(worker.attempt + 1)
         else:
@@ -380,7 +360,7 @@ class RayEngine:
                 line = f"unlimisum: warning: {failure}; going on with the other workers"
                 if str(failure) not in self._said:
                     self._said.add(str(failure))
-                    self.runner.display.note(line)
+                    self.runner.reporter.note(line)
             self._start_failures = []
         elif not self._starting:
             raise self._start_failures[0]
@@ -397,7 +377,7 @@ class RayEngine:
         needs = f"each needs {self._plan.shape()}, and {describe_free(self._free_nodes())}"
         if not left and not self._start_failures:
             raise WorkerPlacementError(f"no Ray worker could be placed within {PLACEMENT_SECONDS:g} s: {needs}")
-        self.runner.display.note(f"unlimisum: note: {len(late)} Ray worker{'s' if len(late) != 1 else ''} could not "
+        self.runner.reporter.note(f"unlimisum: note: {len(late)} Ray worker{'s' if len(late) != 1 else ''} could not "
                                  f"be placed within {PLACEMENT_SECONDS:g} s ({needs}); going on with {left}")
 
     # -- scheduling ---------------------------------------------------------------------------
@@ -412,7 +392,7 @@ class RayEngine:
         running: dict = {}  # object ref -> (actor, book, attempt)
         finished: dict[int, object] = {}  # book -> JobResult, until it is its turn on stdout
         next_out = 0
-        progress = BatchProgress(runner.display, len(todo))
+        progress = runner.reporter.batch(len(todo))
         try:
             with progress:
                 while pending or running:
@@ -474,12 +454,12 @@ class RayEngine:
                 raise cause from None
             raise UnlimisumError(f"a Ray worker failed: {_exception_line(cause or error)}") from None
         for line in lines:
-            self.runner.display.note(line)
+            self.runner.reporter.note(line)
         return result
 
     def _retry_or_fail(self, job, index: int, attempt: int, pending: deque):
         """Hand a book whose worker died to another one, or (retries spent) its failed JobResult."""
-        display = self.runner.display
+        display = self.runner.reporter
         if attempt <= self.settings.max_retries:
             display.note(f"unlimisum: the worker summarizing {job.source} died; retrying it on another worker "
                          f"(attempt {attempt + 1} of {self.settings.max_retries + 1})")

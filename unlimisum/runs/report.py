@@ -61,6 +61,24 @@ class Reporter(Protocol):
     def paused(self):
         """A context manager: within it nothing is drawn, so what goes to stdout is not drawn over."""
 
+    def batch(self, total: int) -> "BatchReport":
+        """A distributed batch of ``total`` documents begins (the Ray engine): its counts, as a context manager."""
+
+
+class BatchReport(Protocol):
+    """The counts of a distributed batch; ``update()`` after each change, ``paused()`` around stdout writes."""
+
+    done: int
+    failed: int
+    running: int
+    tokens: int  # input tokens of the documents done
+
+    def update(self) -> None:
+        """The counts changed."""
+
+    def paused(self):
+        """A context manager: nothing drawn within it."""
+
 
 class SilentReporter:
     """A reporter that draws nothing: it keeps the notes (``notes``) for a caller to pass on, and drops the rest."""
@@ -100,10 +118,38 @@ class SilentReporter:
     def note(self, message: str) -> None:
         self.notes.append(message)
 
+    def take(self) -> list[str]:
+        """The notes kept since the last call (a Ray worker sends them to the driver with each book)."""
+        notes, self.notes = self.notes, []
+        return notes
+
     def log(self, message: str) -> None:
         pass
 
     def traceback(self, text: str) -> None:
+        pass
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        yield
+
+    def batch(self, total: int) -> "SilentBatch":
+        return SilentBatch()
+
+
+class SilentBatch:
+    """A distributed batch's counts, kept and never drawn."""
+
+    def __init__(self):
+        self.done = self.failed = self.running = self.tokens = 0
+
+    def __enter__(self) -> "SilentBatch":
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        pass
+
+    def update(self) -> None:
         pass
 
     @contextmanager

@@ -98,9 +98,9 @@ class EntryInfo:
 
 
 def _unlimisum_version() -> str:
-    import unlimisum
+    from unlimisum.version import __version__
 
-    return unlimisum.__version__
+    return __version__
 
 
 def text_sha256(text: str) -> str:

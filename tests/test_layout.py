@@ -1,0 +1,94 @@
+"""The package reads top-down as the pipeline: no unit imports a unit below it, none imports the CLI.
+
+Every import in unlimisum/ is read from the source (those inside functions too), reduced to the
+top-level units it connects (``unlimisum.unlimiformer.kernels`` -> ``unlimiformer``), and checked
+against ``ORDER``: a unit may import only units before it. The package root (the public API, which
+loads its names lazily) and ``__main__`` are the top and may import anything.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parent.parent / "unlimisum"
+
+# Top-down: each unit may import only those before it (README, "How it works").
+ORDER = [
+    "version", "errors", "config", "files", "document", "events", "coverage", "results",
+    "ingest", "models", "tensor_cache", "unlimiformer", "decoder_only", "summarizer", "training",
+    "diagnostics", "runs", "cli",
+]
+TOP = {"__init__", "__main__"}  # the public API and `python -m unlimisum`
+
+
+def unit_of(module: str) -> str:
+    """``unlimisum.runs.ray`` -> ``runs``; ``unlimisum`` and the names it defines (``unlimisum.summarize``) ->
+    ``__init__``."""
+    parts = module.split(".")
+    if len(parts) == 1 or not (PACKAGE / parts[1]).is_dir() and not (PACKAGE / f"{parts[1]}.py").is_file():
+        return "__init__"
+    return parts[1]
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path, module: str) -> list[tuple[str, int]]:
+    """(imported unlimisum module, line) for every import statement in ``path``, the source of ``module``,
+    those inside functions too, relative ones resolved."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target == "unlimisum" or node.module is None:  # `from unlimisum import x`, `from . import x`
+                found += [(f"{target}.{alias.name}", node.lineno) for alias in node.names]
+            else:
+                found.append((target, node.lineno))
+    return [(name, line) for name, line in found if name == "unlimisum" or name.startswith("unlimisum.")]
+
+
+def edges() -> list[tuple[str, str, str]]:
+    """(from unit, to unit, "file:line") for every import between two different units."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        source = unit_of(module_name(path)) if path.parent != PACKAGE or path.stem == "__init__" else path.stem
+        for target, line in imports(path, module_name(path)):
+            to = unit_of(target)
+            if to != source:
+                found.append((source, to, f"{path.relative_to(PACKAGE.parent)}:{line}"))
+    return found
+
+
+def test_every_unit_is_in_the_order():
+    units = {path.stem if path.is_file() else path.name for path in PACKAGE.iterdir()
+             if (path.suffix == ".py" or (path / "__init__.py").exists()) and path.name != "__pycache__"}
+    assert units - TOP == set(ORDER), "add a new unit to ORDER where it belongs (and to the README's layout)"
+
+
+def test_no_unit_imports_a_unit_below_it():
+    upward = [f"{where}: {source} imports {to}" for source, to, where in edges()
+              if source not in TOP and (to in TOP or ORDER.index(to) > ORDER.index(source))]
+    assert not upward, "imports against the layout:\n" + "\n".join(upward)
+
+
+def test_nothing_below_the_cli_imports_it():
+    into_cli = [where for source, to, where in edges() if to == "cli" and source not in ("cli", "__main__")]
+    assert not into_cli, into_cli
+
+
+def test_the_checker_sees_every_kind_of_import(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text("import os\nfrom unlimisum import coverage\nfrom . import output\n\n"
+                      "def f():\n    from unlimisum.cli import app\n    import unlimisum.runs.runner\n")
+    found = [name for name, _ in imports(sample, "unlimisum.runs.sample")]
+    assert found == ["unlimisum.coverage", "unlimisum.runs.output", "unlimisum.cli", "unlimisum.runs.runner"]
