@@ -108,12 +108,16 @@ class BatchRunner:
         *,
         write_stdout: Callable[[str], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        summarizer=None,
     ):
+        """``write_stdout``: where summaries without -o go (default: sys.stdout, flushed per document);
+        ``summarizer``: a Summarizer (or anything with its ``summarize``) to use instead of loading
+        ``settings.model`` when the first input is ready."""
         self.settings = settings
         self.reporter = reporter  # what the run says goes here (the CLI: its Rich display on stderr)
         self.write_stdout = write_stdout or _echo
         self.clock = clock
-        self.summarizer = None
+        self.summarizer = summarizer
         self.result = BatchResult(total=0)
         self.read_seconds: dict[str, float] = {}  # inputs read ahead (standard input): seconds it took
         self._printed = 0
@@ -200,6 +204,8 @@ class BatchRunner:
         from unlimisum.models.compat import quiet_hub
         from unlimisum.summarizer import Summarizer
 
+        if self.summarizer is not None:
+            return
         settings = self.settings
         self.reporter.loading_model(settings.model.name)
         started = self.clock()
