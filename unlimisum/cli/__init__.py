@@ -1,6 +1,10 @@
 """The command-line interface: a thin layer over the library.
 
-Each command lives in its own module and registers itself on ``app``.
+Each command lives in its own module and registers itself on ``app``; it parses options into the
+library's configs, calls the library (``unlimisum.runs`` for `summarize` batches,
+``unlimisum.diagnostics`` for `info`, ``unlimisum.training``, ...) and renders: ``progress`` and
+``batch_progress`` draw on stderr with Rich (``ProgressDisplay`` is the runner's Reporter). Nothing
+below this package imports it.
 """
 
 from unlimisum.cli.app import app, main
