@@ -10,15 +10,14 @@ record, one per document, as in a local run.
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from unlimisum.cli.progress import LiveArea, ProgressDisplay, format_seconds
+from unlimisum.cli.progress import DrawnOnLiveArea, LiveArea, ProgressDisplay, format_seconds
 
 
-class BatchProgress:
+class BatchProgress(DrawnOnLiveArea):
     """Counts of a batch and their live row; ``update`` after every change, ``paused`` around stdout writes."""
 
     def __init__(self, display: ProgressDisplay, total: int, *, clock: Callable[[], float] = time.monotonic):
@@ -37,19 +36,6 @@ class BatchProgress:
         )
         self._area = LiveArea(display.console, self._progress.get_renderable, enabled=display.live)
         self._task = self._progress.add_task("documents", total=total, status="starting workers")
-
-    def __enter__(self) -> "BatchProgress":
-        self._area.start()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self._area.stop()
-
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        """The live row off the screen while stdout (maybe the same terminal) is written."""
-        with self._area.paused():
-            yield
 
     def status(self) -> str:
         """``2 running · 1 failed · 1,234 tokens/s · ETA 2m05s`` (parts shown when they mean something)."""

@@ -202,7 +202,28 @@ class _StatusProgress(Progress):
         yield status
 
 
-class ProgressDisplay:
+class DrawnOnLiveArea:
+    """A display drawn on ``self._area`` (a LiveArea): a context manager around the run, and ``paused()``
+    around what is written to stdout, which may be the same terminal."""
+
+    _area: LiveArea
+
+    def __enter__(self):
+        self._area.start()
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._area.stop()
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Within the block the live display is off the screen, so that what is written to stdout stays
+        there; it is drawn anew below it after."""
+        with self._area.paused():
+            yield
+
+
+class ProgressDisplay(DrawnOnLiveArea):
     """Renders a summarize run on a Rich console; call it with ``ProgressEvent``s. It is the CLI's
     ``unlimisum.runs.report.Reporter``: the batch runner reports through it.
 
@@ -248,19 +269,6 @@ class ProgressDisplay:
 
     # -- context ---------------------------------------------------------------------------
 
-    def __enter__(self) -> "ProgressDisplay":
-        self._area.start()
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self._area.stop()
-
-    @contextmanager
-    def paused(self) -> Iterator[None]:
-        """Within the block the live display is off the screen, so that what is written to stdout
-        (which may be the same terminal) stays there; it is drawn anew below it after."""
-        with self._area.paused():
-            yield
 
     def refresh(self) -> None:
         """Redraw now (the display also redraws by itself when ``auto_refresh``)."""
