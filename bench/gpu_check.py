@@ -268,7 +268,8 @@ def decoder_exactness(report: Report, device: torch.device, sizes: Sizes) -> Non
     ids = torch.randint(4, TINY["vocab_size"], (n,), generator=torch.Generator().manual_seed(6))
     plan = plan_retrieval(prompt_tokens=n, text_start=0, max_new_tokens=0,
                           max_positions=TINY["max_position_embeddings"], window=sizes.exact_window,
-                          retrieval_k=10**9, config=DecoderOnlyConfig(), storage_dtype=torch.float32, keys_device=device, values_device=device)
+                          retrieval_k=10**9, config=DecoderOnlyConfig(), storage_dtype=torch.float32,
+                          keys_device=device, values_device=device)
     with torch.inference_mode():
         expected = reference(ids.unsqueeze(0)).logits[0]
         with reading.session(model, architecture_for(model.config), plan) as cache:
@@ -307,8 +308,8 @@ def seq2seq(report: Report, section: Section, device: torch.device, sizes: Sizes
                 continue
         estimate = _estimate(done, n)
         if not section.allows(estimate):
-            report.add("seq2seq", case, "skipped", note=f"estimated {estimate:.0f} s, {section.left():.0f} s left "
-                       "in the section")
+            report.add("seq2seq", case, "skipped",
+                       note=f"estimated {estimate:.0f} s, {max(section.left(), 0):.0f} s left in the section")
             continue
         started = time.perf_counter()
         document = Document.from_text(random_text(n, seed=n))
@@ -353,7 +354,7 @@ def decoder_only(report: Report, section: Section, device: torch.device, sizes: 
     for label, size_name, model_type, n in sizes.decoder_models:
         case = f"{label} {_name(dtype)}, {n:,} tokens"
         if not section.allows(10.0):
-            report.add("decoder-only", case, "skipped", note=f"{section.left():.0f} s left in the section")
+            report.add("decoder-only", case, "skipped", note=f"{max(section.left(), 0):.0f} s left in the section")
             continue
         model = bench_decoder.random_model(getattr(bench_decoder, size_name), model_type).to(device, dtype)
         window = min(sizes.decoder_window, model.config.max_position_embeddings // 4)
@@ -394,11 +395,11 @@ def faiss_flat(report: Report, section: Section, device: torch.device, sizes: Si
         index = faiss.index_cpu_to_gpu(resources, device.index or 0, index)
     index.add(vectors)
     queries = synthetic_queries(states, 12)  # one greedy step of a 12-head layer
-    where = "faiss-gpu" if on_gpu else "faiss-cpu (dry run)"
+    where = "faiss-gpu" if on_gpu else "faiss-cpu"
     for k in sizes.faiss_ks:
         case = f"{where} flat, {sizes.faiss_tokens:,} states, 12 queries, k={k:,}"
         if not section.allows(5.0):
-            report.add("faiss", case, "skipped", note=f"{section.left():.0f} s left in the section")
+            report.add("faiss", case, "skipped", note=f"{max(section.left(), 0):.0f} s left in the section")
             continue
         torch_seconds, (_, torch_ids) = _best(lambda: store.search(queries.to(store.states().device), k), device)
         try:
