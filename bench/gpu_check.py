@@ -63,14 +63,14 @@ class Sizes:
     exact_words: int  # words of the exactness document (many windows of the tiny model)
     exact_window: int  # the tiny model's encoder window
     seq2seq_size: str  # bench.common.SIZES key
-    seq2seq_tokens: tuple[int, ...]
+    seq2seq_tokens: tuple[int, ...]  # input lengths N of the encode and decode cases
     new_tokens: int  # greedy tokens per decode timing
     decoder_models: tuple[tuple[str, str, str, int], ...]  # (label, bench.decoder_only size, model type, N)
-    decoder_window: int
-    decoder_k: int
-    faiss_tokens: int
-    faiss_ks: tuple[int, ...]
-    faiss_dim: int
+    decoder_window: int  # decoder-only exact local window (at most a quarter of the model's positions)
+    decoder_k: int  # decoder-only far tokens per KV head and step
+    faiss_tokens: int  # states in the faiss and torch indexes
+    faiss_ks: tuple[int, ...]  # k of the faiss comparison (above 2,048: beyond faiss-gpu's limit)
+    faiss_dim: int  # width of those states
 
 
 REAL = Sizes(exact_words=600, exact_window=64, seq2seq_size="bart-base", seq2seq_tokens=(16_384, 300_000, 1_000_000),
