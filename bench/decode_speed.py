@@ -40,9 +40,10 @@ from unlimisum.summarizer import Summarizer
 BASELINE_WINDOW = 1024
 
 
-def exact_store(states: torch.Tensor):
+def exact_store(states: torch.Tensor, device: str = "cpu"):
+    """An exact 16-bit store of ``states`` [N, d] on ``device`` ("cpu" or "cuda:N")."""
     n, d = states.shape
-    builder = DatastoreBuilder(n, d, IndexPlan("exact", "cpu", "benchmark"), IndexConfig())
+    builder = DatastoreBuilder(n, d, IndexPlan("exact", device, "benchmark"), IndexConfig())
     for chunk in states.split(16_384):
         builder.add(chunk)
     return builder.finish()
@@ -51,7 +52,7 @@ def exact_store(states: torch.Tensor):
 def truncated_seconds_per_token(loaded, states: torch.Tensor, new_tokens: int, beams: int = 1) -> float:
     """generate() with ordinary cross-attention over the first BASELINE_WINDOW states: seconds per token."""
     model = loaded.model
-    window = states[:BASELINE_WINDOW].float().unsqueeze(0)  # [1, W, d]
+    window = states[:BASELINE_WINDOW].to(loaded.device, loaded.dtype).unsqueeze(0)  # [1, W, d] as the model reads
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, num_beams=beams, do_sample=False)
     with torch.inference_mode():
         model.generate(encoder_outputs=compat.encoder_outputs(window), **dict(kwargs, max_new_tokens=2,

@@ -42,12 +42,12 @@ TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_l
 PLAIN_MAX_TOKENS = 65_536
 
 
-def random_model(size: dict):
+def random_model(size: dict, model_type: str = "qwen2"):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     compat.quiet_transformers()
     torch.manual_seed(0)
-    config = AutoConfig.for_model("qwen2", **size)
+    config = AutoConfig.for_model(model_type, **size)
     return AutoModelForCausalLM.from_config(config).eval()
 
 
@@ -68,15 +68,17 @@ def filled_store_seconds(model, n_tokens: int, new_tokens: int, k: int, window: 
     from unlimisum.models.architectures import architecture_for
 
     architecture = architecture_for(model.config)
+    weight = next(model.parameters())  # the store and the probe go where the model is (CPU or GPU)
     plan = plan_retrieval(prompt_tokens=n_tokens, text_start=0, max_new_tokens=new_tokens,
                           max_positions=model.config.max_position_embeddings, window=window, retrieval_k=k,
-                          config=DecoderOnlyConfig(), storage_dtype=torch.bfloat16)
+                          config=DecoderOnlyConfig(), storage_dtype=torch.bfloat16, keys_device=weight.device,
+                          values_device=weight.device)
     config = model.config
     kv_heads, head_dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
     ids = torch.randint(4, config.vocab_size, (n_tokens + 1,), generator=torch.Generator().manual_seed(1))
     generator = torch.Generator().manual_seed(2)
     with torch.inference_mode(), reading.session(model, architecture, plan) as cache:
-        probe = torch.zeros(1, kv_heads, 0, head_dim)
+        probe = torch.zeros(1, kv_heads, 0, head_dim, dtype=weight.dtype, device=weight.device)
         for layer in cache.layers:
             if isinstance(layer, RetrievalLayer):
                 layer.lazy_initialization(probe, probe)
@@ -99,12 +101,15 @@ def plain_seconds(model, n_tokens: int, new_tokens: int) -> float:
 
     config = model.config
     kv_heads, head_dim = config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+    weight = next(model.parameters())  # the cache in the model's dtype, where the model is
     cache = DynamicCache(config=config)
     generator = torch.Generator().manual_seed(2)
     for layer in range(config.num_hidden_layers):
-        cache.update(torch.randn(1, kv_heads, n_tokens, head_dim, generator=generator),
-                     torch.randn(1, kv_heads, n_tokens, head_dim, generator=generator), layer)
+        cache.update(torch.randn(1, kv_heads, n_tokens, head_dim, generator=generator).to(weight.device, weight.dtype),
+                     torch.randn(1, kv_heads, n_tokens, head_dim, generator=generator).to(weight.device, weight.dtype),
+                     layer)
     ids = torch.randint(4, config.vocab_size, (1, n_tokens + 1), generator=torch.Generator().manual_seed(1))
+    ids = ids.to(weight.device)
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, num_beams=1)
     with torch.inference_mode():
         started = time.perf_counter()
