@@ -585,7 +585,7 @@ def _calibrate_with(monkeypatch, packed_seconds: float, native_seconds: float = 
     the float32 kernel's blocks 20 ms, the native scores ``native_seconds``, the packed ones ``packed_seconds``;
     every dense pass over the quarter store twice its kernel's scores (times four: the whole store)."""
     def figure(name: str) -> float:
-        kernel = name.removeprefix("dense/").split("/")[0]
+        kernel = name.removeprefix("dense/").split("/")[0].split("@")[0]
         scores = {"native": native_seconds, "packed": packed_seconds}.get(kernel, 20e-3)
         return 2 * scores / 4 if name.startswith("dense/") and name.count("/") == 1 else scores
 

@@ -150,12 +150,16 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
     elif can_pack and force == "packed":
         kernel = "packed"
     elif sixteen_bit and force is None:
-        # on a quarter of the rows (times four): an emulated 16-bit dense pass can take a second at full size
-        dense_runs = {f"dense/{name}": (lambda c=plain[name]: dense_attention(quarter, queries, c))
-                      for name in ("native", "float32")}
+        # on a quarter of the rows (times four): an emulated 16-bit dense pass can take a second at full size;
+        # the native one at each block size (its speed depends on it as much as on the kernel: 2x on a Zen 4),
+        # the float32 one at the block its scores were fastest with
+        dense_runs = {f"dense/native@{b}": (lambda c=KernelChoice("native", b, False, 0.0, 0.0):
+                                            dense_attention(quarter, queries, c)) for b in BLOCK_CHOICES}
+        dense_runs["dense/float32"] = lambda: dense_attention(quarter, queries, plain["float32"])
         if quarter_packed is not None:
             dense_runs["dense/packed"] = lambda: dense_attention(quarter, queries, plain["packed"], packed=quarter_packed)
         dense = {name: 4 * seconds for name, seconds in _race(dense_runs, device).items()}
+        dense["dense/native"] = min(seconds for name, seconds in dense.items() if name.startswith("dense/native@"))
         timings.update(dense)
         cost = {name: timings[score] + dense[f"dense/{name}"]
                 for name, score in (("native", "native"), ("float32", f"float32/{block}"), ("packed", "packed"))
