@@ -50,6 +50,7 @@ SCORE_KERNELS = ("native", "float32", "packed")
 CALIBRATION_ROWS = 32_768
 CALIBRATION_QUERIES = 12  # one greedy step of a 12-head layer, the common case
 CALIBRATION_GATHER_ROWS = 8_192
+CALIBRATION_FILL_ROWS = 4_096  # rows of the calibration store drawn at a time (a 12 MiB float32 temporary at d=768)
 BLOCK_CHOICES = (512, 2_048, 8_192)  # rows per block of the blocked passes (widened, or scored and summed at once)
 # Bound on the fp32 scores buffer [nq, N]; beyond it the store is scored in slices with a running top-k.
 MAX_SCORE_BYTES = 256 * 2**20
@@ -125,7 +126,10 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
     values pass on a synthetic store, and choose the kernel whose scores and dense pass cost least."""
     device = torch.device(device)
     generator = torch.Generator(device="cpu").manual_seed(0)
-    states = torch.randn(rows, dim, generator=generator).to(device, dtype)  # [rows, d]
+    states = torch.empty(rows, dim, dtype=dtype, device=device)  # [rows, d], filled in parts: a float32 one
+    for start in range(0, rows, CALIBRATION_FILL_ROWS):  # at once would be twice the 16-bit store's bytes
+        part = states[start:start + CALIBRATION_FILL_ROWS]
+        part.copy_(torch.randn(part.shape, generator=generator))
     queries = torch.randn(CALIBRATION_QUERIES, dim, generator=generator).to(device)  # [nq, d] fp32
     sixteen_bit = dtype != torch.float32
     can_pack = sixteen_bit and device.type == "cpu" and packing.available()

@@ -116,10 +116,15 @@ class PackedStates:
         self.starts = list(range(0, self.n_tokens, slice_rows))
 
         def pack(start: int):
+            # one fp32 temporary of the slice at a time (48 MiB at d=768): the rows, then their transpose, widened
+            # straight from the 16-bit store
+            part = states[start:start + slice_rows]  # [b, d]
             with torch.inference_mode(False):
-                block = states[start:start + slice_rows].float()  # [b, d]
-                rows = torch.ops.quantized.linear_prepack_fp16(block, None)
-                columns = torch.ops.quantized.linear_prepack_fp16(block.T.contiguous(), None) if values else None
+                rows = torch.ops.quantized.linear_prepack_fp16(part.float(), None)
+                columns = None
+                if values:
+                    transposed = torch.empty(part.shape[1], part.shape[0], dtype=torch.float32).copy_(part.T)
+                    columns = torch.ops.quantized.linear_prepack_fp16(transposed, None)
             return rows, columns
 
         # fbgemm packs on one thread (about 15 ns per number per copy) and lets go of the GIL: slices in parallel
