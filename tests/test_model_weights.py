@@ -80,20 +80,21 @@ print(json.dumps({"before": before, "peak": resource.getrusage(resource.RUSAGE_S
 
 
 def test_loading_a_float32_checkpoint_in_bfloat16_does_not_hold_the_whole_file(tmp_path):
-    """In a fresh process, loading ~115 MiB of float32 weights (many 4 MiB tensors) in bfloat16 adds the bfloat16
-    weights (half the file) and the few tensors in flight (measured: 1.1-1.3x the file's size in all), not the whole
-    file memory-mapped beside them (1.5x: what transformers' own loading holds at its peak)."""
+    """In a fresh process, loading ~260 MiB of float32 weights (many 8 MiB tensors) in bfloat16 adds the bfloat16
+    weights (half the file) and what is in flight (measured 0.9-1.4x the file in all, depending on what ran
+    before on the machine), not the whole file memory-mapped beside them (1.50x the file, every run: what
+    transformers' own loading holds at its peak)."""
     folder = tmp_path / "wide"
     tokenizer = build_tokenizer(folder)
-    config = tiny_config("bart", tokenizer, d_model=256)
+    config = tiny_config("bart", tokenizer, d_model=512)
     config.encoder_layers = config.decoder_layers = 6
     config.encoder_ffn_dim = config.decoder_ffn_dim = 4096
     model = AutoModelForSeq2SeqLM.from_config(config)
     model.save_pretrained(folder)
     file_bytes = (folder / "model.safetensors").stat().st_size
-    assert file_bytes > 90 * 2**20
+    assert file_bytes > 250 * 2**20
     small = build_tiny_model(tmp_path / "small")
     done = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(folder), str(small)], capture_output=True, text=True,
                           check=True, env={"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PATH": ""})
     figures = json.loads(done.stdout.strip().splitlines()[-1])
-    assert figures["peak"] - figures["before"] < 1.4 * file_bytes, (figures, file_bytes)
+    assert figures["peak"] - figures["before"] < 1.45 * file_bytes, (figures, file_bytes)

@@ -17,13 +17,15 @@ asked for, a safetensors too old for ``pread``) load as before.
 from __future__ import annotations
 
 import json
-from contextlib import ExitStack
+import os
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
 
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
+ASYNC_SETTING = "HF_DEACTIVATE_ASYNC_LOAD"
 WIDE_DTYPES = ("F32", "F64")  # safetensors' names of the float dtypes wider than 16 bits
 
 
@@ -74,9 +76,26 @@ def load_converted(kind: str, folder: Path, model_config, dtype: torch.dtype):
             tensors.update({name: handle.get_slice(name) for name in handle.keys()})
         if not any(part.get_dtype() in WIDE_DTYPES for part in tensors.values()):
             return None  # nothing to convert: the memory map costs nothing beyond the weights themselves
-        model = cls.from_pretrained(None, config=model_config, state_dict=tensors, dtype=dtype, device_map="cpu")
+        with _sequential_reads():
+            model = cls.from_pretrained(None, config=model_config, state_dict=tensors, dtype=dtype, device_map="cpu")
     _use_generation_config(model, folder)
     return model
+
+
+@contextmanager
+def _sequential_reads():
+    """transformers' reader threads off (its HF_DEACTIVATE_ASYNC_LOAD) while loading: they run ahead of the
+    thread that puts tensors in place, and on a busy machine held up to the file's size of tensors read ahead
+    (measured: 1.1x to 1.9x the file in all, from run to run); read in turn, one tensor is in flight."""
+    previous = os.environ.get(ASYNC_SETTING)
+    os.environ[ASYNC_SETTING] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(ASYNC_SETTING, None)
+        else:
+            os.environ[ASYNC_SETTING] = previous
 
 
 def _use_generation_config(model, folder: Path) -> None:
