@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from unlimisum.events import ProgressCallback
-from unlimisum.models import checkpoint
+from unlimisum.models import checkpoint, weights
 from unlimisum.models.hub import Hub, HubUnavailable
 from unlimisum.models.architectures import Architecture, architecture_for
 from unlimisum.models.decoder_architectures import DecoderOnlyArchitecture
@@ -133,7 +133,11 @@ def load_model(config: ModelConfig, progress: ProgressCallback | None = None) ->
         _fetch(hub, config.name, weights=True)
     try:
         auto = AutoModelForCausalLM if architecture.kind == "decoder-only" else AutoModelForSeq2SeqLM
-        model = auto.from_pretrained(name, dtype=dtype, trust_remote_code=remote, weights_only=True)
+        # a 32-bit safetensors checkpoint in 16 bits is read one tensor at a time (models/weights.py): a memory
+        # map would hold the whole 32-bit file beside the converted weights while loading
+        model = None if remote else weights.load_converted(architecture.kind, files.folder, model_config, dtype)
+        if model is None:
+            model = auto.from_pretrained(name, dtype=dtype, trust_remote_code=remote, weights_only=True)
         model.to(device).eval()
     except OSError as error:
         if location.is_local:

@@ -111,6 +111,10 @@ class Datastore:
         """The tokens [start, end) as a datastore of their own (ids 0..end-start), sharing this one's memory."""
         raise NotImplementedError
 
+    def packed(self) -> "kernels.PackedStates | None":
+        """The packed kernel's copies of the states, where this kind keeps them (the exact store); else None."""
+        return None
+
     def _check_range(self, start: int, end: int) -> None:
         if not 0 <= start < end <= self.n_tokens:
             raise ValueError(f"a view needs 0 <= start < end <= {self.n_tokens}, got [{start}, {end})")
@@ -134,6 +138,7 @@ class TorchExactDatastore(Datastore):
 
     _packed = None  # the packed kernel's copies of the states (kernels.PackedStates), made on first use
     _packing_checked = False
+    _source = None  # a view's (book's own store, first token there): whose packed copies it reads
 
     def kernel(self) -> kernels.KernelChoice:
         """The measured kernel choice for this store's device, dtype and width."""
@@ -144,10 +149,18 @@ class TorchExactDatastore(Datastore):
 
     def packed(self) -> "kernels.PackedStates | None":
         """The packed copies the packed kernel reads, made once when that kernel was chosen, the states are
-        within fp16's range and the copies fit their memory budget (unlimisum/unlimiformer/packed.py); else None."""
+        within fp16's range and the copies fit their memory budget (unlimisum/unlimiformer/packed.py); else None.
+        A view reads its book's copies (a window of them) when the book's store is packed, and never packs its
+        own rows: a book is packed once for all its chapters."""
         if not self._packing_checked and self.kernel().scores == "packed":
             self._packing_checked = True
-            if packing.memory_allows(self.n_tokens, self.dim) and packing.packable(self._states):
+            if self._source is not None:
+                root, start = self._source
+                book = root.packed()
+                if book is not None:
+                    self._packed = book.window(start, start + self.n_tokens)
+                    self.packed_nbytes = packing.packed_bytes(self._packed.covered_rows, self.dim)  # shared
+            elif packing.memory_allows(self.n_tokens, self.dim) and packing.packable(self._states):
                 self._packed = kernels.PackedStates(self._states)
                 self.packed_nbytes = packing.packed_bytes(self.n_tokens, self.dim)  # reported beside the store
         return self._packed
@@ -162,6 +175,8 @@ class TorchExactDatastore(Datastore):
         states = self._states[start:end]  # zero-copy
         view = TorchExactDatastore(states, self.kind, self.device, states.numel() * states.element_size())
         view._owner = self  # keeps the memory the view points into alive
+        root, offset = self._source if self._source is not None else (self, 0)
+        view._source = (root, offset + start)
         return view
 
     def _search(self, queries, k):
@@ -190,6 +205,7 @@ class FaissDatastore(Datastore):
         states = self._states[start:end]  # zero-copy, into faiss's buffer
         view = TorchExactDatastore(states, "exact", "cpu", states.numel() * states.element_size())
         view._owner = self  # keeps the index, and so the buffer the view points into, alive
+        view._source = (self, start)  # a faiss index keeps no packed copies: its views are not packed either
         return view
 
     def _search(self, queries, k):

@@ -20,7 +20,9 @@ Three score kernels, the same result within the documented precision:
   and multiplied with the fp32 query: exact fp32 scores; faster on CPUs without 16-bit units.
 - ``packed`` (CPU, torch builds with fbgemm): the store packed once in fbgemm's fp16 layout, widened in
   registers, fp32 arithmetic (unlimisum/unlimiformer/packed.py): the float32 kernel's scores within fp32 rounding, at
-  the cost of two packed copies beside the store; a store that cannot be packed runs the float32 kernel.
+  the cost of two packed copies beside the store (about 2.6x its bytes). Chosen only when measured
+  ``PACKED_MIN_SPEEDUP`` times faster than the best unpacked kernel; a store that is not packed (its copies
+  over their memory budget, a value beyond fp16's range) runs that best unpacked kernel (``KernelChoice.fallback``).
 
 Which one runs, the block size, the layout the top-k is selected in ([nq, N] scores, or
 [N, nq] from ``states @ queries^T``, the faster matmul orientation on some CPUs), and when a
@@ -48,6 +50,7 @@ SCORE_KERNELS = ("native", "float32", "packed")
 CALIBRATION_ROWS = 32_768
 CALIBRATION_QUERIES = 12  # one greedy step of a 12-head layer, the common case
 CALIBRATION_GATHER_ROWS = 8_192
+CALIBRATION_FILL_ROWS = 4_096  # rows of the calibration store drawn at a time (a 12 MiB float32 temporary at d=768)
 BLOCK_CHOICES = (512, 2_048, 8_192)  # rows per block of the blocked passes (widened, or scored and summed at once)
 # Bound on the fp32 scores buffer [nq, N]; beyond it the store is scored in slices with a running top-k.
 MAX_SCORE_BYTES = 256 * 2**20
@@ -56,6 +59,11 @@ GATHER_ROWS = 2_048
 # top_k: the block-maxima pre-selection runs with blocks of at least this many columns (about sqrt(N / k));
 # shorter rows save too little against torch.topk over the whole row.
 TOPK_MIN_BLOCK = 8
+# The packed kernel is chosen only when its scores and dense pass are measured at least this many times faster than
+# the best unpacked kernel's: its copies take ~2.6x the store's bytes beside it, and a smaller gain does not pay for
+# them (measured: 1.25x on a Zen 4 CPU with AVX512-BF16, which would triple the store's memory; 1.6-1.9x on an
+# AVX2-only CPU, where packing stays).
+PACKED_MIN_SPEEDUP = 1.5
 # exp's floor in the online softmax: torch.exp took ~10x longer (AVX2 CPU, torch 2.13) on arguments whose result
 # falls below fp32's normal range (under -87.3); a weight below e^-87 (1.6e-38) of the largest, whose own weight
 # is 1, is raised to it, which changes the normalising sum by less than N * 1.6e-38 (nothing at fp32's precision).
@@ -73,6 +81,7 @@ class KernelChoice:
     dense_row_cost: float  # seconds per stored state for one dense pass over the store
     reason: str = ""  # what was measured, for `unlimisum info` and the benchmarks
     dense_block_rows: int | None = None  # rows per block of the one-pass dense attention; None: block_rows
+    fallback: str = "float32"  # the best unpacked kernel measured: serves a store that is not packed
 
     @property
     def widens(self) -> bool:
@@ -80,11 +89,12 @@ class KernelChoice:
         return self.scores != "native"
 
     def unpacked(self) -> "KernelChoice":
-        """The float32 kernel in place of the packed one, for a store that is not packed."""
+        """The best unpacked kernel (``fallback``) in place of the packed one, for a store that is not packed."""
         if self.scores != "packed":
             return self
-        return KernelChoice("float32", self.block_rows, False, self.gather_row_cost, self.dense_row_cost,
-                            self.reason, self.dense_block_rows)
+        return KernelChoice(self.fallback, self.block_rows, self.tokens_major and self.fallback == "native",
+                            self.gather_row_cost, self.dense_row_cost, self.reason, self.dense_block_rows,
+                            self.fallback)
 
     def dense_is_cheaper(self, n_queries: int, k: int, n_tokens: int) -> bool:
         """Gathering nq*k states costs more than a second dense pass over all N states."""
@@ -116,7 +126,10 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
     values pass on a synthetic store, and choose the kernel whose scores and dense pass cost least."""
     device = torch.device(device)
     generator = torch.Generator(device="cpu").manual_seed(0)
-    states = torch.randn(rows, dim, generator=generator).to(device, dtype)  # [rows, d]
+    states = torch.empty(rows, dim, dtype=dtype, device=device)  # [rows, d], filled in parts: a float32 one
+    for start in range(0, rows, CALIBRATION_FILL_ROWS):  # at once would be twice the 16-bit store's bytes
+        part = states[start:start + CALIBRATION_FILL_ROWS]
+        part.copy_(torch.randn(part.shape, generator=generator))
     queries = torch.randn(CALIBRATION_QUERIES, dim, generator=generator).to(device)  # [nq, d] fp32
     sixteen_bit = dtype != torch.float32
     can_pack = sixteen_bit and device.type == "cpu" and packing.available()
@@ -134,25 +147,35 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
     plain["float32"] = KernelChoice("float32", block, False, 0.0, 0.0)
     quarter = states[: rows // 4]
     quarter_packed = PackedStates(quarter) if can_pack and force in (None, "packed") else None
-    kernel = "float32"
+    kernel = fallback = "float32"
+    verdict = ""
     if sixteen_bit and force == "native":
-        kernel = "native"
+        kernel = fallback = "native"
     elif can_pack and force == "packed":
         kernel = "packed"
     elif sixteen_bit and force is None:
-        # on a quarter of the rows (times four): an emulated 16-bit dense pass can take a second at full size
-        dense_runs = {f"dense/{name}": (lambda c=plain[name]: dense_attention(quarter, queries, c))
-                      for name in ("native", "float32")}
+        # on a quarter of the rows (times four): an emulated 16-bit dense pass can take a second at full size;
+        # the native one at each block size (its speed depends on it as much as on the kernel: 2x on a Zen 4),
+        # the float32 one at the block its scores were fastest with
+        dense_runs = {f"dense/native@{b}": (lambda c=KernelChoice("native", b, False, 0.0, 0.0):
+                                            dense_attention(quarter, queries, c)) for b in BLOCK_CHOICES}
+        dense_runs["dense/float32"] = lambda: dense_attention(quarter, queries, plain["float32"])
         if quarter_packed is not None:
             dense_runs["dense/packed"] = lambda: dense_attention(quarter, queries, plain["packed"], packed=quarter_packed)
         dense = {name: 4 * seconds for name, seconds in _race(dense_runs, device).items()}
+        dense["dense/native"] = min(seconds for name, seconds in dense.items() if name.startswith("dense/native@"))
         timings.update(dense)
         cost = {name: timings[score] + dense[f"dense/{name}"]
                 for name, score in (("native", "native"), ("float32", f"float32/{block}"), ("packed", "packed"))
                 if f"dense/{name}" in dense}
-        kernel = min(cost, key=cost.get)
+        kernel, fallback = choose_scores(cost)
+        if "packed" in cost:
+            verdict = (f"; packed {cost[fallback] / cost['packed']:.2f}x the best unpacked ({fallback}), "
+                       f"{'at least' if kernel == 'packed' else 'under'} the {PACKED_MIN_SPEEDUP}x its copies need")
+    if kernel != "packed":
+        quarter_packed = None  # not needed for the costs below
     tokens_major = False
-    if kernel == "native":
+    if "native" in (kernel, fallback):
         k = max(1, rows // 128)  # a long row for k: the block-maxima pre-selection takes part
         layouts = _race({f"select/{'tokens' if layout else 'queries'}-major":
                          (lambda c=KernelChoice("native", block, layout, 0.0, 0.0): select(states, queries, k, c))
@@ -162,13 +185,13 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
     # the one-pass dense attention's block: larger blocks pay fewer steps (a few small ops each), smaller ones
     # stay in cache; measured for the kernel chosen (for the packed kernel: for the float32 one that serves a
     # store that is not packed)
-    blocked = "float32" if kernel == "packed" else kernel
+    blocked = fallback if kernel == "packed" else kernel
     blocks = _race({f"dense/{blocked}/{candidate}":
                     (lambda c=KernelChoice(blocked, block, tokens_major, 0.0, 0.0, dense_block_rows=candidate):
                      dense_attention(states, queries, c)) for candidate in BLOCK_CHOICES}, device)
     timings.update(blocks)
     dense_block = min(BLOCK_CHOICES, key=lambda b: blocks[f"dense/{blocked}/{b}"])
-    choice = KernelChoice(kernel, block, tokens_major, 0.0, 0.0, dense_block_rows=dense_block)
+    choice = KernelChoice(kernel, block, tokens_major, 0.0, 0.0, dense_block_rows=dense_block, fallback=fallback)
     ids = torch.randint(0, rows, (CALIBRATION_QUERIES, CALIBRATION_GATHER_ROWS // CALIBRATION_QUERIES),
                         generator=generator).to(device)
     weights = torch.rand(ids.shape, generator=generator).to(device)
@@ -185,12 +208,22 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
     unavailable = " (packed unavailable here)" if force == "packed" and not can_pack else ""
     reason = (f"{kernel} scores{' (forced)' if force else ''}{unavailable}, blocks of {block:,} rows (dense attention "
               f"{dense_block:,}); measured on {rows:,} x {dim} {str(dtype)[6:]} for {CALIBRATION_QUERIES} queries: "
-              f"{measured}")
+              f"{measured}{verdict}")
     return KernelChoice(
         scores=kernel, block_rows=block, tokens_major=tokens_major,
         gather_row_cost=costs["gather"] / ids.numel(), dense_row_cost=costs["dense values"] / dense_rows,
-        reason=reason, dense_block_rows=dense_block,
+        reason=reason, dense_block_rows=dense_block, fallback=fallback,
     )
+
+
+def choose_scores(cost: dict[str, float]) -> tuple[str, str]:
+    """(kernel, fallback) from the measured seconds of each kernel's scores plus dense pass (``cost``: native,
+    float32 and, where it can run, packed): the fastest unpacked kernel, or packed when it is at least
+    PACKED_MIN_SPEEDUP times faster than that one; the fallback is the fastest unpacked kernel either way."""
+    fallback = min((name for name in cost if name != "packed"), key=cost.get)
+    if "packed" in cost and cost[fallback] >= PACKED_MIN_SPEEDUP * cost["packed"]:
+        return "packed", fallback
+    return fallback, fallback
 
 
 def _race(runs: dict, device: torch.device, repeats: int = 3, give_up: float = 4.0) -> dict[str, float]:

@@ -8,11 +8,13 @@ The scores are the float32 kernel's within fp32 rounding (the sums run in anothe
 
 ``PackedStates`` keeps two packed copies of the store, in slices of ``SLICE_ROWS`` rows: the states
 [b, d] (scores: queries @ states^T) and their transpose [d, b] (values: weights @ states). Together
-they take about 2.5 times the 16-bit store's bytes, beside it (the store itself still serves gathers
-and chapter views), so a store is packed only when the kernel is measured faster
-(``kernels.calibrate``) and the copies fit ``PACKED_MEMORY_FRACTION`` of this machine's memory (or of
-the container's limit, or of this process's share of the machine when it runs beside others: a Ray
-worker's, ``MEMORY_LIMIT_ENV``; whichever is lowest).
+they take about 2.5 times the 16-bit store's bytes, beside it (the store itself still serves gathers),
+so a store is packed only when the kernel is measured ``kernels.PACKED_MIN_SPEEDUP`` times faster than
+the best unpacked one (``kernels.calibrate``) and the copies fit ``PACKED_MEMORY_FRACTION`` of the memory
+left beside what this process already holds (the model, the store): physical memory, or the container's
+limit, or this process's share of the machine when it runs beside others (a Ray worker's,
+``MEMORY_LIMIT_ENV``), whichever is lowest. A chapter's view of a packed store reads the book's copies
+(``PackedStates.window``) instead of packing its rows again.
 
 bfloat16 values become fp16 exactly when |x| >= 2^-17 (fp16's 11 significant bits hold bfloat16's 8);
 smaller ones are rounded to fp16's grid of 2^-24, an absolute error below 3e-8. A store holding a value
@@ -29,7 +31,9 @@ import torch
 
 SLICE_ROWS = 16_384  # rows per packed slice: bounds the temporaries (packing them); fbgemm blocks for the caches inside
 FP16_MAX = 65504.0
-PACKED_MEMORY_FRACTION = 0.125  # the packed copies of one store may take this share of physical memory
+# the packed copies of one store may take this share of the memory left beside what the process holds
+# (usable memory minus its resident set: the model and the store are in it by the time a store is packed)
+PACKED_MEMORY_FRACTION = 0.125
 BYTES_PER_NUMBER = 2.6  # packed copy bytes per stored number, each of the two (measured: 2.54 at d=768)
 
 
@@ -75,10 +79,26 @@ def usable_memory() -> int | None:
     return usable
 
 
-def memory_allows(n_tokens: int, dim: int) -> bool:
-    """The packed copies of an [n_tokens, dim] store fit PACKED_MEMORY_FRACTION of the usable memory."""
+def resident_memory() -> int:
+    """Bytes this process holds now (its resident set); 0 where that cannot be read."""
+    try:
+        import psutil
+
+        return psutil.Process().memory_info().rss
+    except Exception:  # noqa: BLE001  (no /proc, a sandbox): count nothing held
+        return 0
+
+
+def memory_budget() -> int:
+    """Bytes the packed copies of one store may take: PACKED_MEMORY_FRACTION of the usable memory left beside
+    this process's resident set; 0 where the usable memory is unknown."""
     usable = usable_memory()
-    return usable is not None and packed_bytes(n_tokens, dim) <= PACKED_MEMORY_FRACTION * usable
+    return 0 if usable is None else max(0, int(PACKED_MEMORY_FRACTION * (usable - resident_memory())))
+
+
+def memory_allows(n_tokens: int, dim: int) -> bool:
+    """The packed copies of an [n_tokens, dim] store fit ``memory_budget``."""
+    return packed_bytes(n_tokens, dim) <= memory_budget()
 
 
 def packable(states: torch.Tensor) -> bool:
@@ -103,10 +123,15 @@ class PackedStates:
         self.starts = list(range(0, self.n_tokens, slice_rows))
 
         def pack(start: int):
+            # one fp32 temporary of the slice at a time (48 MiB at d=768): the rows, then their transpose, widened
+            # straight from the 16-bit store
+            part = states[start:start + slice_rows]  # [b, d]
             with torch.inference_mode(False):
-                block = states[start:start + slice_rows].float()  # [b, d]
-                rows = torch.ops.quantized.linear_prepack_fp16(block, None)
-                columns = torch.ops.quantized.linear_prepack_fp16(block.T.contiguous(), None) if values else None
+                rows = torch.ops.quantized.linear_prepack_fp16(part.float(), None)
+                columns = None
+                if values:
+                    transposed = torch.empty(part.shape[1], part.shape[0], dtype=torch.float32).copy_(part.T)
+                    columns = torch.ops.quantized.linear_prepack_fp16(transposed, None)
             return rows, columns
 
         # fbgemm packs on one thread (about 15 ns per number per copy) and lets go of the GIL: slices in parallel
@@ -118,12 +143,35 @@ class PackedStates:
             packed = [pack(start) for start in self.starts]
         self._rows = [rows for rows, _ in packed]
         self._columns = [columns for _, columns in packed] if values else []
+        ends = self.starts[1:] + [self.n_tokens]
+        self._widths = [end - start for start, end in zip(self.starts, ends)]  # rows of each packed slice
+        # what this object reads: (packed slice, first and last column of it, position of the first in the rows here)
+        self._parts = [(index, 0, end - start, start) for index, (start, end) in enumerate(zip(self.starts, ends))]
+        self.covered_rows = self.n_tokens  # rows of the packed slices read (a window's end slices may be wider)
+
+    def window(self, start: int, end: int) -> "PackedStates":
+        """The rows [start, end) as packed states of their own (rows 0..end-start), sharing these copies: the
+        slices that hold them, their outer columns cut off from scores and given no weight in sums."""
+        if not 0 <= start < end <= self.n_tokens:
+            raise ValueError(f"a window needs 0 <= start < end <= {self.n_tokens}, got [{start}, {end})")
+        window = object.__new__(PackedStates)
+        window.n_tokens, window.dim = end - start, self.dim
+        window._rows, window._columns, window._widths = self._rows, self._columns, self._widths
+        window._parts = []
+        for index, first, last, at in self._parts:
+            low, high = max(start, at), min(end, at + last - first)
+            if low < high:
+                window._parts.append((index, first + low - at, first + high - at, low - start))
+        window.starts = [at for _, _, _, at in window._parts]
+        window.covered_rows = sum(self._widths[index] for index, *_ in window._parts)
+        return window
 
     def slice_scores(self, queries: torch.Tensor):
         """(start, scores [nq, b] fp32) for every slice of the store, in order; queries [nq, d] fp32."""
         queries = queries.contiguous()
-        for start, packed in zip(self.starts, self._rows):
-            yield start, torch.ops.quantized.linear_dynamic_fp16(queries, packed)
+        for index, first, last, at in self._parts:
+            part = torch.ops.quantized.linear_dynamic_fp16(queries, self._rows[index])
+            yield at, part if first == 0 and last == part.shape[1] else part[:, first:last].contiguous()
 
     def scores(self, queries: torch.Tensor) -> torch.Tensor:
         """[nq, N] fp32 scores of every query against every stored state."""
@@ -133,13 +181,18 @@ class PackedStates:
         return out
 
     def slice_values(self, index: int, weights: torch.Tensor) -> torch.Tensor:
-        """weights [nq, b] @ the rows of slice ``index`` -> [nq, d] fp32."""
-        return torch.ops.quantized.linear_dynamic_fp16(weights.contiguous(), self._columns[index])
+        """weights [nq, b] @ the rows of the ``index``-th slice (as ``slice_scores`` yields them) -> [nq, d] fp32."""
+        packed, first, last, _ = self._parts[index]
+        width = self._widths[packed]
+        if first != 0 or last != width:  # a window's end slice: no weight on the rows outside it
+            padded = weights.new_zeros(weights.shape[0], width)
+            padded[:, first:last] = weights
+            weights = padded
+        return torch.ops.quantized.linear_dynamic_fp16(weights.contiguous(), self._columns[packed])
 
     def values(self, weights: torch.Tensor) -> torch.Tensor:
         """weights [nq, N] @ states [N, d] -> [nq, d] fp32."""
         out = weights.new_zeros(weights.shape[0], self.dim)
-        for index, start in enumerate(self.starts):
-            end = self.starts[index + 1] if index + 1 < len(self.starts) else self.n_tokens
-            out += self.slice_values(index, weights[:, start:end])
+        for index, (_, first, last, at) in enumerate(self._parts):
+            out += self.slice_values(index, weights[:, at:at + last - first])
         return out
