@@ -142,8 +142,9 @@ def collect_plan(tokens: int, model: str, index: IndexConfig) -> dict:
         choice = kernel_for(torch.device(plan.device), storage_dtype(index), d_model)
         kernel = choice.reason
         if choice.scores == "packed" and not packed.memory_allows(tokens, d_model):
-            kernel = (f"float32 for {tokens:,} tokens: the packed copies ({packed.packed_bytes(tokens, d_model) / 2**30:.1f} "
-                      f"GiB) would exceed {packed.PACKED_MEMORY_FRACTION:.1%} of this machine's memory; "
+            kernel = (f"{choice.fallback} for {tokens:,} tokens: the packed copies "
+                      f"({packed.packed_bytes(tokens, d_model) / 2**30:.1f} GiB) would exceed "
+                      f"{packed.PACKED_MEMORY_FRACTION:.1%} of the memory left beside this process; "
                       f"for smaller inputs {kernel}")
     return {
         "model_kind": "seq2seq",
