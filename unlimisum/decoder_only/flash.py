@@ -128,16 +128,13 @@ def _mass(queries: torch.Tensor, part: Part, head: int, scaling: float, lse: tor
     keys = part.keys[head].to(dtype)  # [n, D]
     n = keys.shape[0]
     mask = _head_mask(part, head, n_queries)
-    first = n  # keys [0, first) are seen by every query, [first, n) causally (or by the mask)
+    first, tail = n, 0  # keys [0, first) are seen by every query, the last ``tail`` causally (the chunk's own)
     if mask is not None:
-        hidden = ~mask.expand(n_queries, -1).all(dim=0)
-        if bool(hidden.any()):
-            first = int(hidden.nonzero()[0])
-    tail = n - first
-    causal_tail = tail == 0 or (tail == n_queries and torch.equal(
-        mask.expand(n_queries, -1)[:, first:], torch.ones(tail, tail, dtype=torch.bool, device=q.device).tril()))
-    if not causal_tail:
-        return _mass_float32(q, keys, mask, scaling, lse)
+        full = mask.expand(n_queries, n)
+        first, tail = n - n_queries, n_queries
+        if first < 0 or not bool(full[:, :first].all()) or not torch.equal(
+                full[:, first:], torch.ones(tail, tail, dtype=torch.bool, device=q.device).tril()):
+            return _mass_float32(q, keys, mask, scaling, lse)
     offsets = _split(lse.neg() / scaling, dtype)  # 3 x [g, C]
     sources = torch.cat([q] + [o.unsqueeze(-1) for o in offsets], dim=-1)  # [g, C, D + 3]: the kernel's keys
     readers = torch.cat([keys, keys.new_ones(n, len(offsets))], dim=-1)  # [n, D + 3]: its queries
