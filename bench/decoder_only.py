@@ -34,6 +34,7 @@ Prints the tables and writes bench/results/decoder_only.json.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import subprocess
 import sys
@@ -43,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import print_table, write_result
+from bench.common import RESULTS, print_table, write_result
 from unlimisum.config import DecoderOnlyConfig
 from unlimisum.decoder_only import reading
 from unlimisum.decoder_only.cache import RetrievalLayer
@@ -236,8 +237,11 @@ def main(argv=None) -> None:
     prefill = None
     if args.table in ("prefill", "both"):
         prefill = prefill_table(args, [int(n) for n in (args.prefill_tokens or "8192,32768,131072").split(",")])
-        if args.table == "prefill":
-            path = write_result("decoder_only", dict(threads=args.threads, prefill=prefill))
+        if args.table == "prefill":  # the decode table of an earlier run stays beside it
+            earlier = RESULTS / "decoder_only.json"
+            kept = json.loads(earlier.read_text()) if earlier.exists() else {}
+            kept.pop("machine", None)
+            path = write_result("decoder_only", dict(kept, prefill=prefill))
             print(f"wrote {path}")
             return
     default = "4096,16384,65536" if args.quick else "4096,16384,65536,262144"
