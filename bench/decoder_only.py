@@ -1,6 +1,9 @@
-"""Decoder-only retrieval: seconds per generated token against the prompt length N, next to the bandwidth floor.
+"""Decoder-only retrieval: seconds per generated token against the prompt length N, next to the bandwidth floor;
+and prefill tokens per second against the plain model's own forward.
 
     nice -n 10 python -m bench.decoder_only [--quick] [--tokens 4096,16384,65536,262144] [--new-tokens 8]
+                                            [--table decode|prefill|both] [--prefill-tokens 8192,32768,131072]
+                                            [--prefill-layers 24] [--before REV]
 
 A Qwen2.5-0.5B-shaped model (24 layers, hidden 896, 14 query heads on 2 key-value heads of 64,
 vocabulary 151,936, 32,768 positions) with random weights (weights do not change cost), float32,
@@ -17,17 +20,31 @@ generate() makes --new-tokens greedy tokens through unlimisum's attention. In th
 - memory per token: the store's bytes per prompt token (2 x layers x KV heads x head dim x 2), and
   the plain cache's.
 
-Prints a table and writes bench/results/decoder_only.json.
+The prefill table reads a random prompt of N tokens the way a summary does (reading.prefill: chunks
+of --prefill-window, blocks, k = --k) with the same model in bfloat16 (its --prefill-layers first
+layers: a layer's cost does not depend on how many there are), next to the plain model's single
+forward over the N tokens (its own SDPA attention, the last position's logits only) where N fits
+its positions and PLAIN_PREFILL_MAX_TOKENS. With --before REV, unlimisum/decoder_only/cache.py of
+git revision REV is loaded beside this tree's and the first N is read with each in turns
+(plain, before, now; twice), so that a busy moment of a shared machine falls on all alike.
+
+Prints the tables and writes bench/results/decoder_only.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
+import subprocess
+import sys
 import time
+import types
+from pathlib import Path
 
 import torch
 
-from bench.common import print_table, write_result
+from bench.common import RESULTS, print_table, write_result
 from unlimisum.config import DecoderOnlyConfig
 from unlimisum.decoder_only import reading
 from unlimisum.decoder_only.cache import RetrievalLayer
@@ -40,6 +57,8 @@ QWEN_05B = dict(vocab_size=151_936, hidden_size=896, intermediate_size=4864, num
 TINY = dict(vocab_size=1024, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True)
 PLAIN_MAX_TOKENS = 65_536
+PLAIN_PREFILL_MAX_TOKENS = 32_768  # the plain forward's attention is quadratic: 128k would take hours here
+CACHE_PATH = "unlimisum/decoder_only/cache.py"
 
 
 def random_model(size: dict, model_type: str = "qwen2"):
@@ -117,6 +136,90 @@ def plain_seconds(model, n_tokens: int, new_tokens: int) -> float:
     return (time.perf_counter() - started) / new_tokens
 
 
+def cache_at(revision: str):
+    """unlimisum/decoder_only/cache.py as it was at ``revision``, imported under its own name."""
+    root = Path(__file__).resolve().parent.parent
+    source = subprocess.run(["git", "show", f"{revision}:{CACHE_PATH}"], cwd=root, capture_output=True,
+                            text=True, check=True).stdout
+    module = types.ModuleType("cache_before")
+    sys.modules["cache_before"] = module
+    exec(compile(source, f"{revision}:{CACHE_PATH}", "exec"), module.__dict__)
+    return module
+
+
+def prefill_seconds(model, ids: torch.Tensor, window: int, k: int, cache_class=None) -> float:
+    """Seconds to read ``ids`` through unlimisum's chunked prefill (with ``cache_class`` in place of this tree's)."""
+    from unlimisum.models.architectures import architecture_for
+
+    plan = plan_retrieval(prompt_tokens=ids.shape[0], text_start=0, max_new_tokens=256,
+                          max_positions=model.config.max_position_embeddings, window=window, retrieval_k=k,
+                          config=DecoderOnlyConfig(), storage_dtype=torch.bfloat16)
+    current = reading.RetrievalCache
+    reading.RetrievalCache = cache_class or current
+    try:
+        with torch.inference_mode(), reading.session(model, architecture_for(model.config), plan) as cache:
+            started = time.perf_counter()
+            reading.prefill(model, cache, ids)
+            return time.perf_counter() - started
+    finally:
+        reading.RetrievalCache = current
+
+
+def plain_prefill_seconds(model, ids: torch.Tensor) -> float:
+    """Seconds of the plain model's one forward over ``ids`` (its own attention, the last logits only)."""
+    with torch.inference_mode():
+        started = time.perf_counter()
+        model(ids.unsqueeze(0), logits_to_keep=1)
+        return time.perf_counter() - started
+
+
+def prefill_table(args, tokens: list[int]) -> dict:
+    """The prefill table: tokens/s of unlimisum's chunked prefill and of the plain forward, per N."""
+    model = random_model(dict(QWEN_05B, num_hidden_layers=args.prefill_layers)).to(torch.bfloat16)
+    positions = model.config.max_position_embeddings
+    ids_of = {n: torch.randint(4, model.config.vocab_size, (n,), generator=torch.Generator().manual_seed(1))
+              for n in tokens}
+    prefill_seconds(model, ids_of[tokens[0]][:2048], args.prefill_window, args.k)  # warm-up
+    plain_prefill_seconds(model, ids_of[tokens[0]][:2048])
+    before = None
+    if args.before:
+        old = cache_at(args.before).RetrievalCache
+        turns = {"plain": [], "before": [], "now": []}
+        ids = ids_of[tokens[0]]
+        for _ in range(args.turns):
+            turns["plain"].append(plain_prefill_seconds(model, ids))
+            turns["before"].append(prefill_seconds(model, ids, args.prefill_window, args.k, old))
+            turns["now"].append(prefill_seconds(model, ids, args.prefill_window, args.k))
+        median = {name: statistics.median(values) for name, values in turns.items()}
+        before = dict(revision=args.before, tokens=tokens[0], seconds=turns,
+                      rate_vs_plain={name: median["plain"] / median[name] for name in ("before", "now")})
+        print_table(["N", "turn", "plain s", "before s", "now s", "before x plain rate", "now x plain rate"],
+                    [[f"{tokens[0]:,}", i + 1, f"{p:.1f}", f"{b:.1f}", f"{n:.1f}", f"{p / b:.2f}", f"{p / n:.2f}"]
+                     for i, (p, b, n) in enumerate(zip(turns["plain"], turns["before"], turns["now"]))])
+        print(flush=True)
+    rows, results = [], []
+    for n in tokens:
+        ids = ids_of[n]
+        if before is not None and n == before["tokens"]:
+            ours, plain = statistics.median(before["seconds"]["now"]), statistics.median(before["seconds"]["plain"])
+        else:
+            ours = prefill_seconds(model, ids, args.prefill_window, args.k)
+            plain = plain_prefill_seconds(model, ids) if n <= min(positions, PLAIN_PREFILL_MAX_TOKENS) else None
+        positions_kind = "true" if n + 257 <= positions else "fixed distance"
+        results.append(dict(tokens=n, seconds=ours, tokens_per_second=n / ours, plain_seconds=plain,
+                            plain_tokens_per_second=n / plain if plain else None, positions=positions_kind,
+                            rate_vs_plain=plain / ours if plain else None))
+        rows.append([f"{n:,}", positions_kind, f"{ours:.1f}", f"{n / ours:.0f}",
+                     f"{plain:.1f}" if plain else "-", f"{n / plain:.0f}" if plain else "-",
+                     f"{plain / ours:.2f}" if plain else "-",
+                     f"{n / ours / (tokens[0] / results[0]['seconds']):.2f}"])
+        print_table(["N", "positions", "s", "tokens/s", "plain s", "plain tokens/s", "x plain rate",
+                     "rate vs first N"], rows)
+        print(flush=True)
+    return dict(layers=args.prefill_layers, window=args.prefill_window, k=args.k, dtype="bfloat16",
+                results=results, before=before)
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="N up to 65,536")
@@ -126,8 +229,26 @@ def main(argv=None) -> None:
     parser.add_argument("--window", type=int, default=4096)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--size", choices=["qwen2.5-0.5b", "tiny"], default="qwen2.5-0.5b")
+    parser.add_argument("--table", choices=["decode", "prefill", "both"], default="both")
+    parser.add_argument("--prefill-tokens", default=None, help="comma-separated prompt lengths to prefill")
+    parser.add_argument("--prefill-layers", type=int, default=None, help="layers of the prefill model (24; --quick 4)")
+    parser.add_argument("--prefill-window", type=int, default=1024)
+    parser.add_argument("--before", default=None, help="git revision whose decoder_only/cache.py is the baseline")
+    parser.add_argument("--turns", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.prefill_layers is None:
+        args.prefill_layers = 4 if args.quick else QWEN_05B["num_hidden_layers"]
+    prefill = None
+    if args.table in ("prefill", "both"):
+        prefill = prefill_table(args, [int(n) for n in (args.prefill_tokens or "8192,32768,131072").split(",")])
+        if args.table == "prefill":  # the decode table of an earlier run stays beside it
+            earlier = RESULTS / "decoder_only.json"
+            kept = json.loads(earlier.read_text()) if earlier.exists() else {}
+            kept.pop("machine", None)
+            path = write_result("decoder_only", dict(kept, prefill=prefill))
+            print(f"wrote {path}")
+            return
     default = "4096,16384,65536" if args.quick else "4096,16384,65536,262144"
     tokens = [int(n) for n in (args.tokens or default).split(",")]
     model = random_model(QWEN_05B if args.size == "qwen2.5-0.5b" else TINY)
@@ -157,7 +278,7 @@ def main(argv=None) -> None:
         print(flush=True)
     path = write_result("decoder_only", dict(
         model=args.size, weights_bytes=weight_bytes, read_bandwidth_bytes_per_second=bandwidth,
-        new_tokens=args.new_tokens, threads=args.threads, results=results))
+        new_tokens=args.new_tokens, threads=args.threads, results=results, prefill=prefill))
     print(f"wrote {path}")
 
 

@@ -23,7 +23,7 @@ import time
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from unlimisum.decoder_only import selection
+from unlimisum.decoder_only import flash, selection
 from unlimisum.decoder_only.attention import check_updated
 from unlimisum.decoder_only.parts import Part, attend, causal, grouped, ungrouped
 from unlimisum.decoder_only.plan import RetrievalPlan
@@ -181,15 +181,21 @@ class RetrievalLayer(CacheLayerMixin):
         sink_part = Part(store.keys[:, :sink_end].to(self.device), store.values[:, :sink_end].to(self.device),
                          "shared", queries=q_sink)
         far_part = self._prefill_far(q_far, far_start, far_end)
-        dtype = self.compute_dtype
+        fast = flash.usable(q, [sink_part, far_part], softcap)
+        dtype = q.dtype if fast else self.compute_dtype  # the flash kernel reads 16-bit keys as they are
         local_keys = torch.cat([self._window_keys(first_local, start).to(dtype), key[0].to(dtype)], dim=1)
         local_values = torch.cat([store.values[:, first_local:start].to(self.device, dtype), value[0].to(dtype)], dim=1)
         mask = causal(start, n_queries, first_local, end - first_local, self.device)
         local_part = Part(local_keys, local_values, "shared", mask=mask)
-        mass = [] if self.received is not None else None
-        out = attend(q, [sink_part, far_part, local_part], scaling, softcap, mass)
-        if mass is not None:  # attention drawn by each local key: it chooses the block representatives
-            self.received[:, first_local:end] += mass[2].sum(dim=0)
+        parts = [sink_part, far_part, local_part]
+        if fast:
+            out, local_mass = flash.attend(q, parts, scaling, 2 if self.received is not None else None)
+        else:
+            mass = [] if self.received is not None else None
+            out = attend(q, parts, scaling, softcap, mass)
+            local_mass = mass[2].sum(dim=0) if mass is not None else None
+        if local_mass is not None:  # attention drawn by each local key: it chooses the block representatives
+            self.received[:, first_local:end] += local_mass
         return out
 
     def _prefill_far(self, q_far, far_start: int, far_end: int) -> Part:

@@ -1,0 +1,93 @@
+"""A 16-bit model's prefill attends through torch's flash kernel (decoder_only/flash.py), to parts.attend's precision.
+
+The float32 path (parts.attend) is the reference: the same chunks, parts and masks, every score in
+float32. The flash path must give the same attention to 16-bit precision (the model's own output
+dtype), the same attention mass per local key to ~1e-4 (block representatives are chosen by it),
+and so the same blocks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.tiny_decoders import tiny_decoder
+from unlimisum.config import DecoderOnlyConfig
+from unlimisum.decoder_only import flash, parts, reading
+from unlimisum.decoder_only.parts import Part, causal
+from unlimisum.decoder_only.plan import plan_retrieval
+from unlimisum.models.architectures import architecture_for
+
+pytestmark = pytest.mark.skipif(flash._kernel() is None, reason="this torch has no CPU flash-attention kernel")
+
+
+def _random_parts(generator, *, shared_queries: bool, dtype=torch.bfloat16):
+    heads, group, n_queries, dim = 2, 3, 24, 16
+    def r(*shape):
+        return (torch.randn(*shape, generator=generator) * 2).to(dtype)
+    q = r(1, heads, group, n_queries, dim)
+    own = None if shared_queries else r(1, heads, group, n_queries, dim)
+    valid = torch.rand(1, heads, 1, 1, 10, generator=generator) > 0.3
+    valid[..., 0] = True
+    local_mask = causal(40, n_queries, 40 - 16, 16 + n_queries, "cpu")
+    return q, [
+        Part(r(heads, 4, dim), r(heads, 4, dim), "shared", queries=own),  # sinks
+        Part(r(heads, 10, dim), r(heads, 10, dim), "shared", mask=valid, queries=own),  # far blocks, padded
+        Part(r(heads, 16 + n_queries, dim), r(heads, 16 + n_queries, dim), "shared", mask=local_mask),  # window
+    ]
+
+
+@pytest.mark.parametrize("shared_queries", [True, False], ids=["true positions", "fixed distance"])
+def test_flash_attend_equals_float32_attention_and_its_mass(monkeypatch, shared_queries):
+    monkeypatch.setattr(flash, "_mass_float32", None)  # a causal window's mass comes from the kernel
+    q, chunk_parts = _random_parts(torch.Generator().manual_seed(0), shared_queries=shared_queries)
+    mass = []
+    expected = parts.attend(q, chunk_parts, 0.25, None, mass)
+    got, got_mass = flash.attend(q, chunk_parts, 0.25, mass_part=2)
+    scale = expected.abs().max()
+    assert (got - expected).abs().max() <= 2 * 2**-8 * scale  # two 16-bit roundings at most
+    torch.testing.assert_close(got_mass, mass[2].sum(dim=0), rtol=1e-4, atol=1e-6)
+
+
+def test_mass_under_a_mask_that_is_not_causal_falls_back_to_float32_scores():
+    generator = torch.Generator().manual_seed(1)
+    q, chunk_parts = _random_parts(generator, shared_queries=True)
+    odd = torch.rand(24, 40, generator=generator) > 0.5
+    odd[:, 0] = True
+    chunk_parts[2] = Part(chunk_parts[2].keys, chunk_parts[2].values, "shared", mask=odd)
+    mass = []
+    parts.attend(q, chunk_parts, 0.25, None, mass)
+    _, got_mass = flash.attend(q, chunk_parts, 0.25, mass_part=2)
+    torch.testing.assert_close(got_mass, mass[2].sum(dim=0), rtol=1e-4, atol=1e-6)
+
+
+def _read(model, ids, plan):
+    with torch.inference_mode(), reading.session(model, architecture_for(model.config), plan) as cache:
+        logits = reading.prefill(model, cache, ids, logits=True)
+    return logits.float(), cache
+
+
+@pytest.mark.parametrize("max_positions", [512, 64], ids=["true positions", "fixed distance"])
+def test_a_bfloat16_prefill_reads_through_the_flash_kernel_as_the_float32_path_does(monkeypatch, max_positions):
+    """Window 16, k 16: chunks from the fourth on select one block of 16 among several, by the mass."""
+    model = tiny_decoder("llama").to(torch.bfloat16)
+    ids = torch.randint(3, 96, (120,), generator=torch.Generator().manual_seed(3))
+    plan = plan_retrieval(prompt_tokens=ids.shape[0], text_start=0, max_new_tokens=4, max_positions=max_positions,
+                          window=16, retrieval_k=16, storage_dtype=torch.bfloat16,
+                          config=DecoderOnlyConfig(sinks=4, block_size=16, block_representatives=2))
+    assert plan.true_positions == (max_positions == 512)
+    calls = []
+    real = flash.attend
+    monkeypatch.setattr(flash, "attend", lambda *a, **k: calls.append(1) or real(*a, **k))
+    logits, cache = _read(model, ids, plan)
+    assert len(calls) == 2 * -(-ids.shape[0] // 16)  # every chunk of both layers
+    monkeypatch.setattr(flash, "usable", lambda *a: False)
+    expected, reference = _read(model, ids, plan)
+    first, reference_first = cache.retrieval_layers[0], reference.retrieval_layers[0]
+    if plan.true_positions:  # the same 16-bit keys and queries: the mass to float32 precision, the same blocks
+        torch.testing.assert_close(first.received, reference_first.received, rtol=1e-4, atol=1e-5)
+        assert torch.equal(first.blocks.rep_keys, reference_first.blocks.rep_keys)
+    else:  # turned queries and re-rotated window keys are rounded to 16 bits, as the model's own are
+        torch.testing.assert_close(first.received, reference_first.received, rtol=3e-2, atol=3e-2)
+    scale = expected.abs().max()
+    assert (logits - expected).abs().max() <= 0.05 * scale  # 16-bit hidden states through 2 layers

@@ -1,0 +1,163 @@
+"""A prefill chunk's attention for a 16-bit model on the CPU: torch's fused flash kernel, parts merged by log-sum-exp.
+
+parts.attend computes every score in float32 and holds them for one softmax: at a chunk of 1,024
+queries over ~3,000 keys that is ~4x the time of the model's own (flash) attention, most of it in
+passes over the scores (concatenation, masking, softmax, the attention mass). Here each group of
+parts that share their queries (all of them at true positions; sinks, far tokens and the local
+window each in the fixed-distance regime) is one call of torch's CPU flash-attention kernel per
+key-value head (16-bit products accumulated in float32, as the model's own SDPA attention does),
+which also returns each query's log-sum-exp; groups are merged in float32 by their log-sum-exps.
+Block mode needs the attention each local key drew (its mass): it is recomputed for the local part
+only, exp(scaling q.k - lse) in float32 from the same 16-bit keys and queries.
+
+Precision: the output is the model's dtype either way; against parts.attend it differs by the
+kernel's order of summation and, with several groups, one more 16-bit rounding of each group's
+output before the merge; the local mass agrees to ~1e-5. In the fixed-distance regime the turned
+queries and the window's re-rotated keys (float32 in parts.attend) are rounded to 16 bits, as the
+model's own queries and keys are, which moves the mass by up to ~1 % on a random model
+(tests/test_decoder_prefill.py bounds all of it).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from unlimisum.decoder_only.parts import Part
+
+FLASH_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _kernel():
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def usable(queries: torch.Tensor, parts: list[Part], softcap: float | None) -> bool:
+    """The flash path applies: a 16-bit model on the CPU, no soft-capping (Gemma 2), every part shared by the
+    chunk's queries (not token mode's per-query far tokens), and a torch that has the kernel."""
+    return (queries.dtype in FLASH_DTYPES and queries.device.type == "cpu" and softcap is None
+            and all(part.layout == "shared" for part in parts) and _kernel() is not None)
+
+
+def _head_mask(part: Part, head: int, n_queries: int) -> torch.Tensor | None:
+    """The part's mask for KV head ``head`` as [C, n] or [1, n] bool, or None (every key)."""
+    mask = part.mask
+    if mask is None:
+        return None
+    if mask.dim() == 5:  # [1, G, 1, 1|C, n]
+        mask = mask[0, head if mask.shape[1] > 1 else 0, 0]
+    return mask
+
+
+def attend(queries: torch.Tensor, parts: list[Part], scaling: float, mass_part: int | None = None,
+           ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """queries [1, G, g, C, D] (16-bit) and shared parts -> (out [1, G, g, C, D] float32, mass [G, n] float32 of
+    part ``mass_part``: the attention each of its keys drew, summed over the g query heads and the C queries)."""
+    kernel = _kernel()
+    _, heads, group, n_queries, dim = queries.shape
+    dtype = queries.dtype
+    groups: list[list[Part]] = []
+    for part in parts:
+        if part.size == 0:
+            continue
+        own = part.queries if part.queries is not None else queries
+        if groups and (groups[-1][0].queries if groups[-1][0].queries is not None else queries) is own:
+            groups[-1].append(part)
+        else:
+            groups.append([part])
+    out = queries.new_empty(queries.shape, dtype=torch.float32)
+    mass = None
+    if mass_part is not None:
+        mass = torch.zeros(heads, parts[mass_part].size, dtype=torch.float32, device=queries.device)
+    for head in range(heads):
+        outputs, lses = [], []
+        for members in groups:
+            q = (members[0].queries if members[0].queries is not None else queries)[0, head].to(dtype)  # [g, C, D]
+            keys = torch.cat([part.keys[head].to(dtype) for part in members]) if len(members) > 1 \
+                else members[0].keys[head].to(dtype)
+            values = torch.cat([part.values[head].to(dtype) for part in members]) if len(members) > 1 \
+                else members[0].values[head].to(dtype)
+            additive = None
+            masks = [_head_mask(part, head, n_queries) for part in members]
+            if any(mask is not None for mask in masks):
+                additive = torch.zeros(n_queries, keys.shape[0], dtype=dtype, device=queries.device)
+                offset = 0
+                for part, mask in zip(members, masks):
+                    if mask is not None:
+                        additive[:, offset:offset + part.size].masked_fill_(~mask, float("-inf"))
+                    offset += part.size
+            shape = (1, group, keys.shape[0], dim)
+            o, lse = kernel(q.unsqueeze(0), keys.expand(shape), values.expand(shape), 0.0, False,
+                            attn_mask=additive, scale=scaling)
+            outputs.append(o[0])  # [g, C, D]
+            lses.append(lse[0])  # [g, C] float32
+        if len(outputs) == 1:
+            out[0, head] = outputs[0]
+            total = lses[0]
+        else:
+            stacked = torch.stack(lses)  # [groups, g, C]
+            total = torch.logsumexp(stacked, dim=0)
+            weights = torch.exp(stacked - total).unsqueeze(-1)  # [groups, g, C, 1]
+            out[0, head] = sum(w * o.float() for w, o in zip(weights, outputs))
+        if mass is not None:
+            mass[head] = _mass(queries, parts[mass_part], head, scaling, total)
+    return out, mass
+
+
+def _split(x: torch.Tensor, dtype: torch.dtype, parts: int = 3) -> list[torch.Tensor]:
+    """float32 x as ``parts`` 16-bit tensors whose sum is x to ~float32 precision."""
+    out = []
+    for _ in range(parts):
+        high = x.to(dtype)
+        out.append(high)
+        x = x - high.float()
+    return out
+
+
+def _mass(queries: torch.Tensor, part: Part, head: int, scaling: float, lse: torch.Tensor) -> torch.Tensor:
+    """[n]: exp(scaling q.k - lse) over the part's keys, masked, summed over the g heads and C queries (float32).
+
+    The flash kernel computes it with the roles of keys and queries swapped: its log-sum-exp for "query" k_j
+    over "keys" [q_i, -lse_i / scaling] is log sum_i exp(scaling q_i.k_j - lse_i), the mass of k_j, with
+    float32 scores and without holding them. -lse / scaling rides in three 16-bit columns (their sum keeps
+    float32's precision). A causal mask (the chunk's own keys) is the kernel's causal mode on reversed
+    sequences; any other mask falls back to float32 scores.
+    """
+    q = (part.queries if part.queries is not None else queries)[0, head]  # [g, C, D]
+    group, n_queries, dim = q.shape
+    dtype = queries.dtype
+    keys = part.keys[head].to(dtype)  # [n, D]
+    n = keys.shape[0]
+    mask = _head_mask(part, head, n_queries)
+    first, tail = n, 0  # keys [0, first) are seen by every query, the last ``tail`` causally (the chunk's own)
+    if mask is not None:
+        full = mask.expand(n_queries, n)
+        first, tail = n - n_queries, n_queries
+        if first < 0 or not bool(full[:, :first].all()) or not torch.equal(
+                full[:, first:], torch.ones(tail, tail, dtype=torch.bool, device=q.device).tril()):
+            return _mass_float32(q, keys, mask, scaling, lse)
+    offsets = _split(lse.neg() / scaling, dtype)  # 3 x [g, C]
+    sources = torch.cat([q] + [o.unsqueeze(-1) for o in offsets], dim=-1)  # [g, C, D + 3]: the kernel's keys
+    readers = torch.cat([keys, keys.new_ones(n, len(offsets))], dim=-1)  # [n, D + 3]: its queries
+    width = readers.shape[-1]
+    values = sources.new_zeros(1, group, n_queries, width)  # the kernel's output is not used
+    mass = keys.new_empty(n, dtype=torch.float32)
+    kernel = _kernel()
+    if first:
+        _, lse_seen = kernel(readers[:first].expand(1, group, first, width), sources.unsqueeze(0), values, 0.0, False,
+                             scale=scaling)
+        mass[:first] = lse_seen[0].exp().sum(dim=0)
+    if tail:  # key j sees queries i >= j: reversed, that is the kernel's causal mask
+        _, lse_tail = kernel(readers[first:].flip(0).expand(1, group, tail, width), sources.flip(1).unsqueeze(0),
+                             values, 0.0, True, scale=scaling)
+        mass[first:] = lse_tail[0].flip(-1).exp().sum(dim=0)
+    return mass
+
+
+def _mass_float32(q, keys, mask, scaling: float, lse: torch.Tensor) -> torch.Tensor:
+    """_mass by float32 scores: q [g, C, D], keys [n, D], mask broadcast to [C, n] or None."""
+    group, n_queries, dim = q.shape
+    weights = torch.addmm(lse.reshape(-1, 1).neg(), q.reshape(-1, dim).float(), keys.float().T, alpha=scaling).exp_()
+    weights = weights.view(group, n_queries, -1)
+    if mask is not None:
+        weights.mul_(mask.expand(n_queries, -1))
+    return weights.sum(dim=(0, 1))
