@@ -15,6 +15,10 @@ BENCHMARKS = [
     "encode_once", "weights_memory", "needle_eval", "tc_recall", "tc_decoder", "decoder_only", "needle_decoder_eval",
 ]
 
+# What --quick leaves out to stay under ten minutes: the prefill table of bench.decoder_only takes about
+# twelve on two cores (run it alone: python -m bench.decoder_only --quick --table prefill).
+QUICK_FLAGS = {"decoder_only": ["--table", "decode"]}
+
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -26,7 +30,7 @@ def main(argv=None) -> None:
     for name in names:
         print(f"\n=== bench.{name} {' '.join(flags)}", flush=True)
         started = time.perf_counter()
-        importlib.import_module(f"bench.{name}").main(flags)
+        importlib.import_module(f"bench.{name}").main(flags + (QUICK_FLAGS.get(name, []) if args.quick else []))
         print(f"=== bench.{name}: {time.perf_counter() - started:.0f} s", flush=True)
     from bench import plot
 
