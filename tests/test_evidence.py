@@ -172,3 +172,45 @@ def test_sentences_and_quotes():
     cut = quote("  " + long + "  ")
     assert len(cut) <= MAX_QUOTE_CHARS and cut.endswith("…") and long.startswith(cut[:-1])
     assert quote("  short passage ") == "short passage"
+
+
+# -- the command line ---------------------------------------------------------------------------
+
+
+def test_cli_json_markdown_and_no_evidence(loader, tiny_model_dir, tmp_path):
+    """--json: every summary object has "evidence" whose offsets cut the quote out of `ingest --json --text`'s
+    chapter text; --evidence: footnotes in the Markdown; --no-evidence: none."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from tests.cli_helpers import write_small_books
+    from unlimisum.cli import app
+
+    books = write_small_books(tmp_path / "books")
+    runner = CliRunner()
+    base = ["summarize", "-m", str(tiny_model_dir("bart")), "--device", "cpu", "--max-new-tokens", "8",
+            "--min-new-tokens", "6"]
+    result = runner.invoke(app, [*base, "--json", "--per-chapter", "--evidence-passages", "2", str(books["epub"])])
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout.splitlines()[0])
+    ingest = runner.invoke(app, ["ingest", "--json", "--text", str(books["epub"])])
+    chapters = json.loads(ingest.stdout.splitlines()[0])["chapters"]
+    for part in (record, *record["chapters"]):
+        assert part["evidence"], part["summary"]
+        for sentence in part["evidence"]:
+            assert part["summary"][sentence["start"]:sentence["end"]] == sentence["sentence"]
+            assert 1 <= len(sentence["sources"]) <= 2
+            assert abs(sum(source["share"] for source in sentence["sources"]) - 1) < 1e-6
+            for source in sentence["sources"]:
+                assert set(source) == {"chapter_index", "chapter", "start_char", "end_char", "share", "quote"}
+                chapter = chapters[source["chapter_index"]]
+                assert chapter["title"] == source["chapter"]
+                assert chapter["text"][source["start_char"]:source["end_char"]].strip() == source["quote"]
+    marked = runner.invoke(app, [*base, "--evidence", str(books["text"])])
+    assert marked.exit_code == 0, marked.output
+    assert "[^1]" in marked.stdout and "\n[^1]: " in marked.stdout and "“" in marked.stdout
+    plain = runner.invoke(app, [*base, str(books["text"])])
+    assert "[^1]" not in plain.stdout
+    skipped = runner.invoke(app, [*base, "--json", "--no-evidence", str(books["text"])])
+    assert json.loads(skipped.stdout.splitlines()[0])["evidence"] == []
