@@ -214,3 +214,13 @@ def test_cli_json_markdown_and_no_evidence(loader, tiny_model_dir, tmp_path):
     assert "[^1]" not in plain.stdout
     skipped = runner.invoke(app, [*base, "--json", "--no-evidence", str(books["text"])])
     assert json.loads(skipped.stdout.splitlines()[0])["evidence"] == []
+
+
+def test_an_approximate_index_gives_evidence_too(loaded, filler):  # noqa: F811
+    """The pass reads a faiss index (HNSW here) through the same search as generation."""
+    text, _, _ = long_input(filler, 50, 0.6)
+    summarizer = Summarizer(loaded, generation=GENERATION, retrieval=RetrievalConfig(retrieval_k=16),
+                            index=IndexConfig(kind="hnsw", device="cpu"))
+    summary = summarizer.summarize(text)
+    assert summary.stats.index_kind == "hnsw"  # approximate: it need not copy the needle, but it cites
+    check_records(summary, Document.from_text(text))

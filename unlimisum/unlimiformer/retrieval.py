@@ -58,14 +58,23 @@ class EvidenceCollector:
 
     def __init__(self, valid: Sequence[torch.Tensor], sizes: Sequence[int], top: int = EVIDENCE_TOP_POSITIONS):
         self.valid = list(valid)
+        self.sizes = list(sizes)
         self.top = top
-        self.positions = [torch.zeros(len(v), 0, dtype=torch.long) for v in self.valid]
-        self.mass = [torch.zeros(len(v), 0) for v in self.valid]
-        self.coverage = [torch.zeros(n, dtype=torch.float64) for n in sizes]
+        # made on the first layer's device (the store's): the merging stays there, one copy at the end
+        self.positions: list[torch.Tensor | None] = [None] * len(self.valid)
+        self.mass: list[torch.Tensor | None] = [None] * len(self.valid)
+        self.coverage: list[torch.Tensor | None] = [None] * len(self.valid)
 
     def add(self, doc: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
         """One layer's retrieval of document ``doc``: ids and weights [T, heads * k]."""
-        ids, weights = ids.cpu(), weights.cpu().float()
+        weights = weights.float()
+        device = ids.device
+        if self.positions[doc] is None:
+            rows = len(self.valid[doc])
+            self.valid[doc] = self.valid[doc].to(device)
+            self.positions[doc] = torch.zeros(rows, 0, dtype=torch.long, device=device)
+            self.mass[doc] = torch.zeros(rows, 0, device=device)
+            self.coverage[doc] = torch.zeros(self.sizes[doc], dtype=torch.float64, device=device)
         valid = self.valid[doc]
         self.coverage[doc].index_add_(0, ids[valid].reshape(-1), weights[valid].reshape(-1).double())
         ids = torch.cat([self.positions[doc], ids], dim=1)
@@ -83,6 +92,13 @@ class EvidenceCollector:
         top = min(self.top, ids.shape[1])
         self.mass[doc], columns = sums.float().topk(top, dim=1)
         self.positions[doc] = ids.gather(1, columns)
+
+    def results(self, doc: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(positions [T, M], mass [T, M], coverage [N] float32) of document ``doc``, on the CPU."""
+        if self.positions[doc] is None:  # no layer retrieved (a model without cross-attention layers)
+            rows = len(self.valid[doc])
+            return (torch.zeros(rows, 0, dtype=torch.long), torch.zeros(rows, 0), torch.zeros(self.sizes[doc]))
+        return self.positions[doc].cpu(), self.mass[doc].cpu(), self.coverage[doc].float().cpu()
 
 
 class RetrievalCrossAttention(wrapping.CrossAttentionWrapper):

@@ -226,13 +226,15 @@ class EncoderDecoderSummarizer:
         with retrieval(model, self.loaded.architecture, session), torch.inference_mode():
             model(encoder_outputs=compat.encoder_outputs(stand_in), attention_mask=attention_mask,
                   decoder_input_ids=output, use_cache=False)
-        masses = []
+        masses, covered = [], []
         for doc in range(batch):
+            positions, mass, mass_per_token = collector.results(doc)
+            mass = mass * valid[doc][:, None]
             # row j: the mass of the position that wrote token j (token 0, the start, has none)
-            positions, mass = collector.positions[doc], collector.mass[doc] * valid[doc][:, None]
             masses.append(evidence.TokenMass(torch.cat([torch.zeros_like(positions[:1]), positions[:-1]]),
                                              torch.cat([torch.zeros_like(mass[:1]), mass[:-1]])))
-        return Reread(tuple(c.float() for c in collector.coverage), tuple(masses), time.perf_counter() - started)
+            covered.append(mass_per_token)
+        return Reread(tuple(covered), tuple(masses), time.perf_counter() - started)
 
     # -- stages ---------------------------------------------------------------------------
 
