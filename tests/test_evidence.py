@@ -136,6 +136,14 @@ def test_a_chapter_alone_and_in_a_batch_gives_the_same_coverage_and_evidence(loa
         for x, y in zip(alone.evidence, together.evidence):
             assert [s.share for s in x.sources] == pytest.approx([s.share for s in y.sources], abs=1e-4)
         check_records(together, document)
+    # counted during generation instead, the padded rows' coverage differs alone and in the batch (the bug)
+    old = Summarizer(loaded, generation=GENERATION, retrieval=RetrievalConfig(retrieval_k=16, evidence=False),
+                     index=INDEX)
+    old_batched = old.summarize(document, per_chapter=True).chapters
+    old_alone = [old.family._summarize_parts([_Part(c.title, document.source, encoded, document, c.start, c.end)])[0]
+                 for c in encoded.chapters]
+    assert any([s.share for s in a.window_coverage] != pytest.approx([s.share for s in b.window_coverage], abs=1e-3)
+               for a, b in zip(old_alone, old_batched))
 
 
 def test_with_beams_coverage_and_evidence_belong_to_the_returned_sequence(loaded, filler):  # noqa: F811
@@ -154,6 +162,8 @@ def test_with_beams_coverage_and_evidence_belong_to_the_returned_sequence(loaded
     every_step = Summarizer(loaded, generation=beams, index=INDEX,
                             retrieval=RetrievalConfig(evidence=False)).summarize(document)
     assert every_step.evidence == () and every_step.text == summary.text
+    # counted during generation, the dropped beams' attention is in it: not the returned sequence's
+    assert [span.share for span in every_step.coverage] != pytest.approx([span.share for span in expected], abs=1e-3)
     check_records(summary, document)
 
 
