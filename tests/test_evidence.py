@@ -172,6 +172,12 @@ def test_no_evidence_skips_the_pass(tiny_loaded):
                          retrieval=RetrievalConfig(evidence=False)).summarize(book())
     assert summary.evidence == () and "evidence" not in summary.stats.timings
     assert sum(span.share for span in summary.coverage) == pytest.approx(1.0)
+    from unlimisum import summarize
+
+    one = summarize(book(), tiny_loaded("bart"), index="exact", index_device="cpu", max_new_tokens=24,
+                    min_new_tokens=4, evidence_passages=1)
+    assert one.evidence and all(len(sentence.sources) == 1 for sentence in one.evidence)
+    assert summarize(book(), tiny_loaded("bart"), max_new_tokens=8, evidence=False).evidence == ()
 
 
 def test_sentences_and_quotes():
