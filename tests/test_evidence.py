@@ -240,3 +240,21 @@ def test_an_approximate_index_gives_evidence_too(loaded, filler):  # noqa: F811
     summary = summarizer.summarize(text)
     assert summary.stats.index_kind == "hnsw"  # approximate: it need not copy the needle, but it cites
     check_records(summary, Document.from_text(text))
+
+
+def test_in_a_terminal_evidence_shows_each_sentence_with_its_passages(tiny_model_dir, tmp_path):
+    from tests.test_cli_terminal import console_script, run_in_terminal
+    from tests.tiny_models import SAMPLE_TEXT
+
+    (tmp_path / "book.txt").write_text(SAMPLE_TEXT, encoding="utf-8")
+    command = [*console_script(), "summarize", "-m", str(tiny_model_dir("bart")), "--device", "cpu",
+               "--max-new-tokens", "8", "--min-new-tokens", "6", "--evidence", "--evidence-passages", "2", "book.txt"]
+    code, screen = run_in_terminal(command, tmp_path)
+    text = "\n".join(screen)
+    assert code == 0, text
+    rows = [line for line in screen if line.strip()]
+    start = next(i for i, line in enumerate(rows) if line.strip() == "evidence")
+    assert rows[start + 1].lstrip().startswith("[1] "), text
+    passages = [line for line in rows[start + 2:] if "%" in line and "\u201c" in line]
+    assert 1 <= len(passages) <= 2 * sum(line.lstrip().startswith("[") for line in rows[start + 1:]), text
+    assert "[^1]" in text  # the Markdown on stdout has its footnotes too

@@ -422,7 +422,7 @@ def summarize(
         cache_max_bytes=parse_size(cache_max_bytes) if cache_max_bytes else None,
         prompt=PromptConfig(template=prompt, system=system),
     )
-    display = ProgressDisplay(make_stderr_console(), show=not quiet, verbose=verbose)
+    display = ProgressDisplay(make_stderr_console(), show=not quiet, verbose=verbose, evidence=bool(evidence))
     try:
         check_index_settings(settings.index)
         plan = plan_jobs(paths, output_dir, JSON_EXTENSION if as_json else MARKDOWN_EXTENSION,
