@@ -258,3 +258,30 @@ def test_in_a_terminal_evidence_shows_each_sentence_with_its_passages(tiny_model
     passages = [line for line in rows[start + 2:] if "%" in line and "\u201c" in line]
     assert 1 <= len(passages) <= 2 * sum(line.lstrip().startswith("[") for line in rows[start + 1:]), text
     assert "[^1]" in text  # the Markdown on stdout has its footnotes too
+
+
+def test_a_search_for_many_queries_rescores_in_bounded_blocks(monkeypatch):
+    """The evidence pass searches for every summary token at once: the exact rescoring gathers the top-k
+    states in blocks of queries, with the same result as all at once."""
+    from unlimisum.unlimiformer import datastore
+    from unlimisum.unlimiformer.datastore import TorchExactDatastore
+
+    torch.manual_seed(0)
+    states = torch.randn(300, 16).to(torch.bfloat16)
+    store = TorchExactDatastore(states, "exact", "cpu", states.numel() * 2)
+    queries = torch.randn(50, 16)
+    whole = store.search(queries, 8)
+    gathered = []
+    original = torch.Tensor.__getitem__
+
+    def spy(tensor, index):
+        if tensor is states or (isinstance(index, torch.Tensor) and index.dim() == 2):
+            gathered.append(index.shape[0] if isinstance(index, torch.Tensor) else 0)
+        return original(tensor, index)
+
+    monkeypatch.setattr(datastore, "RESCORE_BYTES", 4 * 8 * 16 * 7)  # 7 queries' states at a time
+    monkeypatch.setattr(torch.Tensor, "__getitem__", spy)
+    blocked = store.search(queries, 8)
+    monkeypatch.undo()
+    assert torch.equal(whole[1], blocked[1]) and torch.allclose(whole[0], blocked[0])
+    assert gathered and max(gathered) <= 7
