@@ -64,6 +64,11 @@ class RetrievalConfig:
     # Retrieved input tokens per head and step (not sampling's top_k); None: the model's own window (the
     # paper's default), at most DEFAULT_RETRIEVAL_K, and capped by N.
     retrieval_k: int | None = None
+    # After generate(), read each returned summary once more, teacher-forced with the same retrieval, to say
+    # which passages each sentence drew on (Summary.evidence) and to count coverage over the returned sequence
+    # only. False (--no-evidence): no evidence, and coverage counts every generation step of every row and beam.
+    evidence: bool = True
+    evidence_passages: int = 3  # passages of the book kept per summary sentence (--evidence-passages)
 
 
 # The default k for models with long windows (LED: 16,384). bench/decode_speed.py, LED-base shape at 100k

@@ -1,11 +1,13 @@
 """Where a summary looked: the retrieval attention mass per token range of the input, and the token
 ranges themselves (chapters, windows) that both model families report coverage by.
 
-During generation every cross-attention head of every layer adds its softmax weights over the
-input tokens to one vector per document (``Datastore.attend(..., coverage=...)``): all steps,
-layers, heads and beams (every beam's queries count, not only the returned sequence's). The
-vector, cut at chapter or window boundaries and normalised, says which share of the attention
-each part of the book received.
+The evidence pass (``EncoderDecoderSummarizer.reread``: the returned summary read once more,
+teacher-forced) adds every cross-attention head's softmax weights over the input tokens to one vector
+per document, over the positions that produced the returned sequence only (no padding after its end
+in a batch, no dropped beams). Without that pass (``RetrievalConfig(evidence=False)``, decoder-only
+models) the vector is filled during generation instead (``Datastore.attend(..., coverage=...)``): all
+steps, rows and beams. The vector, cut at chapter or window boundaries and normalised, says which share
+of the attention each part of the book received.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from typing import Callable, Sequence
 import torch
 
 from unlimisum.coverage import CoverageSpan
+from unlimisum.evidence import SentenceEvidence
 
 # Summary.warnings of a summary the model ended at once (it emitted its end token first).
 EMPTY_SUMMARY = ("the summary is empty: the model ended it at once; a minimum length (--min-new-tokens N, "
@@ -43,9 +44,12 @@ class SummaryStats:
 class Summary:
     """The summary of one document (and of each chapter, when asked for).
 
-    ``coverage``: where the summary looked, as shares of its retrieval attention mass (all steps,
-    layers, heads and beams) per chapter of the document (per window for a chapter's own
-    summary); ``window_coverage``: the same per encoding window. Each sums to 1.
+    ``coverage``: where the summary looked, as shares of its retrieval attention mass (all layers and
+    heads, over the returned sequence's tokens; with ``RetrievalConfig(evidence=False)``, every generation
+    step of every row and beam) per chapter of the document (per window for a chapter's own summary);
+    ``window_coverage``: the same per encoding window. Each sums to 1. ``evidence``: per sentence of
+    ``text``, the passages of the book its attention went to (``unlimisum/evidence.py``); empty without
+    the evidence pass (decoder-only models, ``evidence=False``).
     """
 
     text: str
@@ -57,6 +61,7 @@ class Summary:
     coverage: tuple[CoverageSpan, ...] = ()
     window_coverage: tuple[CoverageSpan, ...] = ()
     warnings: tuple[str, ...] = ()  # what the reader of this summary should know (EMPTY_SUMMARY)
+    evidence: tuple[SentenceEvidence, ...] = ()  # per sentence of `text`: the passages it drew on
 
     def to_dict(self) -> dict:
         """Plain data (for JSON): every field, chapters and stats included."""

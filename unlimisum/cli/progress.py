@@ -242,9 +242,11 @@ class ProgressDisplay(DrawnOnLiveArea):
         clock: Callable[[], float] = time.monotonic,
         memory: MemoryProbe | None = None,
         auto_refresh: bool = True,
+        evidence: bool = False,
     ):
         self.console = console
         self.show = show
+        self.evidence = evidence  # --evidence: in a terminal, each sentence with its passages after the done line
         self.live = show and (console.is_terminal if live is None else live)
         self.verbose = verbose if show else 0
         self.clock = clock
@@ -458,6 +460,10 @@ class ProgressDisplay(DrawnOnLiveArea):
         self._area.print(line, soft_wrap=True)
         if self.console.is_terminal and len(summary.coverage) > 1:
             self._area.print(coverage_line(summary), soft_wrap=True, highlight=False)
+        if self.console.is_terminal and self.evidence:
+            for part in (summary, *summary.chapters):
+                for line in evidence_lines(part, heading=part.title if part is not summary else ""):
+                    self._area.print(line, soft_wrap=True, highlight=False)
 
     def document_skipped(self, source: str, output) -> None:
         """An input whose output exists and was written by unlimisum (--skip-existing)."""
@@ -619,6 +625,32 @@ def coverage_line(summary: Summary, width: int = 48) -> Text:
     line.append("\u2595" + bar(summary.coverage, width) + "\u258f", style="cyan")
     line.append(f" most at \"{name}\" ({top.share:.0%})", style="dim")
     return line
+
+
+EVIDENCE_QUOTE_CELLS = 100  # a passage's quote in the terminal is cut here (the JSON and Markdown keep ~300)
+
+
+def evidence_lines(summary: Summary, heading: str = "") -> list[Text]:
+    """``  evidence (Chapter 2)`` then per sentence ``  [1] The sentence.`` and under it one line per passage,
+    ``       62%  Loomings  "the quoted passage…"``, strongest first."""
+    if not summary.evidence:
+        return []
+    title = " ".join(heading.split())
+    lines = [Text(f"  evidence ({title})" if title else "  evidence", style="dim")]
+    for number, sentence in enumerate(summary.evidence, start=1):
+        lines.append(Text(f"  [{number}] ", style="dim") + Text(" ".join(sentence.sentence.split())))
+        for source in sentence.sources:
+            passage = " ".join(source.quote.split())
+            if len(passage) > EVIDENCE_QUOTE_CELLS:
+                passage = passage[: EVIDENCE_QUOTE_CELLS - 1] + "\u2026"
+            chapter = " ".join(source.chapter.split()) or f"Part {source.chapter_index + 1}"
+            if len(chapter) > CHAPTER_TITLE_CELLS:
+                chapter = chapter[: CHAPTER_TITLE_CELLS - 1] + "\u2026"
+            line = Text(f"      {source.share:>4.0%}  ", style="cyan")
+            line.append(chapter, style="bold")
+            line.append(f"  \u201c{passage}\u201d", style="dim")
+            lines.append(line)
+    return lines
 
 
 def _chapter_label(number: int, total: int, title: str) -> str:

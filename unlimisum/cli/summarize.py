@@ -270,6 +270,16 @@ def summarize(
         False, "--coverage", help="Add a table of where each summary looked (its share of attention per chapter).",
         rich_help_panel=OUTPUT_PANEL,
     ),
+    evidence: Optional[bool] = typer.Option(
+        None, "--evidence/--no-evidence",
+        help="--evidence: after each sentence a footnote quoting the passages of the book it drew on (JSON has "
+        "them always). --no-evidence: skip the pass that finds them (coverage then counts every generation step).",
+        rich_help_panel=OUTPUT_PANEL,
+    ),
+    evidence_passages: int = typer.Option(
+        3, "--evidence-passages", metavar="N", min=1, help="Passages of the book kept per summary sentence.",
+        rich_help_panel=OUTPUT_PANEL,
+    ),
     # -- cache of encoded books
     cache_dir: Optional[Path] = typer.Option(
         None, "--cache-dir", envvar="UNLIMISUM_CACHE_DIR", show_envvar=True, metavar="DIR", file_okay=False,
@@ -398,7 +408,8 @@ def summarize(
         model=ModelConfig(name=model, tokenizer=tokenizer, device=device, dtype=dtype, trust_remote_code=trust_remote_code),
         encoding=EncodingConfig(overlap=overlap, batch_size=encode_batch, window=window),
         index=IndexConfig(kind=index, device=index_device, storage_dtype=storage_dtype),
-        retrieval=RetrievalConfig(retrieval_k=retrieval_k if retrieval_k is not None else retrieval_k_alias),
+        retrieval=RetrievalConfig(retrieval_k=retrieval_k if retrieval_k is not None else retrieval_k_alias,
+                                  evidence=evidence is not False, evidence_passages=evidence_passages),
         generation=GenerationOptions(
             max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, num_beams=num_beams,
             no_repeat_ngram_size=no_repeat_ngram_size, length_penalty=length_penalty,
@@ -406,11 +417,12 @@ def summarize(
             top_k=top_k, top_p=top_p, seed=seed,
         ),
         per_chapter=per_chapter, as_json=as_json, output_dir=output_dir, skip_existing=skip_existing,
-        password=password, keep_all=keep_all, tensor_cache=memory, coverage=coverage, cache_dir=cache_dir,
+        password=password, keep_all=keep_all, tensor_cache=memory, coverage=coverage,
+        evidence=bool(evidence), cache_dir=cache_dir,
         cache_max_bytes=parse_size(cache_max_bytes) if cache_max_bytes else None,
         prompt=PromptConfig(template=prompt, system=system),
     )
-    display = ProgressDisplay(make_stderr_console(), show=not quiet, verbose=verbose)
+    display = ProgressDisplay(make_stderr_console(), show=not quiet, verbose=verbose, evidence=bool(evidence))
     try:
         check_index_settings(settings.index)
         plan = plan_jobs(paths, output_dir, JSON_EXTENSION if as_json else MARKDOWN_EXTENSION,

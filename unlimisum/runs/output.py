@@ -15,9 +15,18 @@ JSON schema (one object per document; JSON Lines on stdout, one file per input w
         {"title": "Loomings", "start_token": 0, "end_token": 4211, "share": 0.031}, ...
       ],                                  # per chapter (sums to 1); a chapter's own summary: per window
       "window_coverage": [...],           # the same per encoding window
+      "evidence": [                       # per sentence of the summary, the passages its attention went to
+        {"sentence": "...", "start": 0, "end": 42,   # character offsets of the sentence in "summary"
+         "sources": [                     # strongest first, at most --evidence-passages
+           {"chapter_index": 0,           # 0-based, as `unlimisum ingest --json` lists the chapters
+            "chapter": "Loomings",
+            "start_char": 1200, "end_char": 1391,  # into that chapter's text (`ingest --json --text`)
+            "share": 0.62,                # of the sentence's attention over its listed passages (sum to 1)
+            "quote": "..."}]}             # that slice, trimmed, at most ~300 characters ("…" where cut)
+      ],                                  # [] with --no-evidence, for decoder-only models, for an empty summary
       "chapters": [                       # empty unless --per-chapter
         {"title": "Loomings", "summary": "...", "warnings": [], "coverage": [...], "window_coverage": [...],
-         "stats": {...}}
+         "evidence": [...], "stats": {...}}
       ],
       "stats": {
         "model": "...", "input_tokens": 0, "windows": 0, "window": 0,
@@ -83,9 +92,10 @@ def summary_record(summary: Summary, document: Document, read_seconds: float | N
         "summary": summary.text,
         "warnings": list(summary.warnings),
         **coverage_record(summary),
+        "evidence": evidence_record(summary),
         "chapters": [
             {"title": part.title, "summary": part.text, "warnings": list(part.warnings), **coverage_record(part),
-             "stats": stats_record(part)}
+             "evidence": evidence_record(part), "stats": stats_record(part)}
             for part in summary.chapters
         ],
         "stats": stats_record(summary, read_seconds),
@@ -98,6 +108,12 @@ def coverage_record(summary: Summary) -> dict:
         "coverage": [dataclasses.asdict(span) for span in summary.coverage],
         "window_coverage": [dataclasses.asdict(span) for span in summary.window_coverage],
     }
+
+
+def evidence_record(summary: Summary) -> list[dict]:
+    """``evidence``: per sentence {sentence, start, end, sources: [{chapter_index, chapter, start_char, end_char,
+    share, quote}]}."""
+    return [dataclasses.asdict(sentence) for sentence in summary.evidence]
 
 
 def error_record(source: str, problem: str, error_type: str) -> dict:
@@ -140,19 +156,45 @@ def document_heading(document: Document) -> str:
 
 
 def render_markdown(summary: Summary, document: Document, *, heading: bool, marker: bool = False,
-                    coverage: bool = False) -> str:
+                    coverage: bool = False, evidence: bool = False) -> str:
     """The summary as Markdown: the marker line (for files), ``# heading`` (when asked), the text,
-    with ``coverage`` a table of where it looked, then ``## chapter`` sections."""
+    with ``coverage`` a table of where it looked, with ``evidence`` a footnote mark after each sentence and
+    the quoted passages under the text, then ``## chapter`` sections (each with its own)."""
     parts = [MARKDOWN_MARKER] if marker else []
     if heading:
         parts.append(f"# {document_heading(document)}")
-    parts.append(summary.text)
+    notes = 0  # footnote labels run through the whole file: Markdown's are global
+    text, notes = with_evidence(summary, notes) if evidence else (summary.text, notes)
+    parts.append(text)
     if coverage and summary.coverage:
         parts.append(coverage_table(summary))
     for number, chapter in enumerate(summary.chapters, start=1):
         title = chapter.title or f"Part {number}"  # never a chapter name the book does not have
-        parts.append(f"## {title}\n\n{chapter.text}")
+        text, notes = with_evidence(chapter, notes) if evidence else (chapter.text, notes)
+        parts.append(f"## {title}\n\n{text}")
     return "\n\n".join(parts) + "\n"
+
+
+def with_evidence(summary: Summary, first: int) -> tuple[str, int]:
+    """The summary's text with a footnote mark ``[^n]`` after each sentence that has sources, then the
+    footnotes: each passage quoted with its chapter and share. Labels continue after ``first``; returns the
+    text and the last label used."""
+    if not summary.evidence:
+        return summary.text, first
+    text, position, label, notes = summary.text, 0, first, []
+    pieces = []
+    for sentence in summary.evidence:
+        if not sentence.sources:
+            continue
+        label += 1
+        pieces.append(text[position:sentence.end] + f"[^{label}]")
+        position = sentence.end
+        quoted = "; ".join(
+            f"{source.chapter or f'Part {source.chapter_index + 1}'} ({source.share:.0%}): "
+            f"“{' '.join(source.quote.split())}”" for source in sentence.sources)
+        notes.append(f"[^{label}]: {quoted}")
+    pieces.append(text[position:])
+    return "".join(pieces) + ("\n\n" + "\n".join(notes) if notes else ""), label
 
 
 def coverage_table(summary: Summary) -> str:

@@ -58,6 +58,7 @@ class SummarizeSettings:
     keep_all: bool = False  # EPUB: keep front/back matter and notes (read_document's keep_all)
     tensor_cache: object | None = None  # unlimisum.tensor_cache.TensorCacheSettings, or None for the ordinary cache
     coverage: bool = False  # a coverage table in the Markdown output
+    evidence: bool = False  # footnotes quoting each sentence's passages in the Markdown output (--evidence)
     cache_dir: Path | None = None  # the cache of encoded books, None: off
     cache_max_bytes: int | None = None  # its size cap, None: none
     prompt: PromptConfig = PromptConfig()  # decoder-only models: what they are asked
@@ -325,9 +326,10 @@ class BatchRunner:
             return to_json_line(record) + "\n"
         if job.output is not None:
             self._write(job, render_markdown(summary, document, heading=True, marker=True,
-                                             coverage=settings.coverage))
+                                             coverage=settings.coverage, evidence=settings.evidence))
             return ""
-        return render_markdown(summary, document, heading=several, coverage=settings.coverage)
+        return render_markdown(summary, document, heading=several, coverage=settings.coverage,
+                               evidence=settings.evidence)
 
     def _write(self, job: Job, text: str) -> None:
         """Write the summary file, unless another program put a file there while this one was summarized."""

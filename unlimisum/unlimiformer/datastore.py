@@ -51,6 +51,9 @@ HNSW_EF_PER_K = 2
 _SCALAR_QUANTIZER = {torch.float16: faiss.ScalarQuantizer.QT_fp16, torch.bfloat16: faiss.ScalarQuantizer.QT_bf16}
 
 
+RESCORE_BYTES = 256 * 2**20  # fp32 states gathered at once to rescore a search's top-k exactly
+
+
 class Datastore:
     """The encoded input, ready for search and value lookup. Build it with ``DatastoreBuilder``."""
 
@@ -183,7 +186,11 @@ class TorchExactDatastore(Datastore):
         """Top-k by the kernel's scores; the scores returned are recomputed in fp32 for the ids found."""
         queries = queries.to(self._states.device)  # [nq, d] fp32
         _, ids = kernels.select(self._states, queries, k, self.kernel(), self.packed())  # [nq, k]
-        exact = torch.einsum("qkd,qd->qk", self._states[ids].float(), queries)  # [nq, k]
+        # rescored in blocks of queries: the gathered states [block, k, d] stay within RESCORE_BYTES (the
+        # evidence pass searches for every summary token at once)
+        block = max(1, RESCORE_BYTES // (4 * ids.shape[1] * self.dim))
+        exact = torch.cat([torch.einsum("qkd,qd->qk", self._states[ids[i:i + block]].float(), queries[i:i + block])
+                           for i in range(0, ids.shape[0], block)]) if ids.shape[0] else ids.float()  # [nq, k]
         exact, order = exact.sort(dim=1, descending=True)
         return exact, ids.gather(1, order)
 

@@ -40,6 +40,65 @@ class RetrievalSession:
     # per document, [N] float32 on its store's device: attention mass per input token, summed over
     # steps, layers, heads and beams (see unlimisum/coverage.py); None: not measured
     coverage: Sequence | None = None
+    # the evidence pass (teacher-forced over returned summaries): per-token attention mass kept here
+    evidence: "EvidenceCollector | None" = None
+
+
+# input positions kept per summary token by the evidence pass (the rest of its mass counts in coverage only)
+EVIDENCE_TOP_POSITIONS = 64
+
+
+class EvidenceCollector:
+    """Per document of a teacher-forced pass: each decoder position's top input positions by attention mass
+    (over all layers and heads), and the coverage of the positions that produced the returned sequence.
+
+    ``valid`` [T] bool per document: the decoder positions whose next token is part of the returned sequence
+    (through its end token); the others (padding after it in a batch) count nowhere.
+    """
+
+    def __init__(self, valid: Sequence[torch.Tensor], sizes: Sequence[int], top: int = EVIDENCE_TOP_POSITIONS):
+        self.valid = list(valid)
+        self.sizes = list(sizes)
+        self.top = top
+        # made on the first layer's device (the store's): the merging stays there, one copy at the end
+        self.positions: list[torch.Tensor | None] = [None] * len(self.valid)
+        self.mass: list[torch.Tensor | None] = [None] * len(self.valid)
+        self.coverage: list[torch.Tensor | None] = [None] * len(self.valid)
+
+    def add(self, doc: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """One layer's retrieval of document ``doc``: ids and weights [T, heads * k]."""
+        weights = weights.float()
+        device = ids.device
+        if self.positions[doc] is None:
+            rows = len(self.valid[doc])
+            self.valid[doc] = self.valid[doc].to(device)
+            self.positions[doc] = torch.zeros(rows, 0, dtype=torch.long, device=device)
+            self.mass[doc] = torch.zeros(rows, 0, device=device)
+            self.coverage[doc] = torch.zeros(self.sizes[doc], dtype=torch.float64, device=device)
+        valid = self.valid[doc]
+        self.coverage[doc].index_add_(0, ids[valid].reshape(-1), weights[valid].reshape(-1).double())
+        ids = torch.cat([self.positions[doc], ids], dim=1)
+        weights = torch.cat([self.mass[doc], weights], dim=1)
+        ids, order = ids.sort(dim=1)
+        weights = weights.gather(1, order).double()
+        # the mass of each run of equal ids, kept at the run's last column
+        ends = torch.ones_like(ids, dtype=torch.bool)
+        ends[:, :-1] = ids[:, 1:] != ids[:, :-1]
+        running = weights.cumsum(dim=1)
+        at_ends = torch.where(ends, running, torch.zeros_like(running))
+        before = torch.cummax(at_ends, dim=1).values  # the running sum at the previous run's end
+        before = torch.cat([torch.zeros_like(before[:, :1]), before[:, :-1]], dim=1)
+        sums = torch.where(ends, running - before, torch.zeros_like(running))
+        top = min(self.top, ids.shape[1])
+        self.mass[doc], columns = sums.float().topk(top, dim=1)
+        self.positions[doc] = ids.gather(1, columns)
+
+    def results(self, doc: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(positions [T, M], mass [T, M], coverage [N] float32) of document ``doc``, on the CPU."""
+        if self.positions[doc] is None:  # no layer retrieved (a model without cross-attention layers)
+            rows = len(self.valid[doc])
+            return (torch.zeros(rows, 0, dtype=torch.long), torch.zeros(rows, 0), torch.zeros(self.sizes[doc]))
+        return self.positions[doc].cpu(), self.mass[doc].cpu(), self.coverage[doc].float().cpu()
 
 
 class RetrievalCrossAttention(wrapping.CrossAttentionWrapper):
@@ -70,8 +129,15 @@ class RetrievalCrossAttention(wrapping.CrossAttentionWrapper):
             queries = q_hidden[block].reshape(-1, d_model) * self.scaling  # [rows_per_doc * T * H, d]
             started = time.perf_counter()
             # one call per layer and document: every head, beam and step of it in one pass over the store
-            coverage = session.coverage[doc] if session.coverage is not None else None
-            mixed[block] = store.attend(queries, session.retrieval_k, coverage).view(rows_per_doc, steps, heads, d_model)
+            if session.evidence is not None:  # the weights themselves are kept: search, softmax, sum
+                scores, ids = store.search(queries, session.retrieval_k)  # [T * H, k]
+                weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+                session.evidence.add(doc, ids.view(rows_per_doc * steps, -1), weights.view(rows_per_doc * steps, -1))
+                attended = store.weighted_sum(ids, weights)
+            else:
+                coverage = session.coverage[doc] if session.coverage is not None else None
+                attended = store.attend(queries, session.retrieval_k, coverage)
+            mixed[block] = attended.view(rows_per_doc, steps, heads, d_model)
             session.stats.search_seconds += time.perf_counter() - started
 
         w_v = value_proj.weight.view(heads, head_dim, d_model)  # [H, dh, d]

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from unlimisum import coverage
+from unlimisum import coverage, evidence
 from unlimisum.config import DEFAULT_RETRIEVAL_K, EncodingConfig, GenerationOptions, IndexConfig, RetrievalConfig
 from unlimisum.document import Document
 from unlimisum.errors import ConfigError, EmptyDocumentError
@@ -27,7 +27,7 @@ from unlimisum.unlimiformer.datastore import Datastore
 from unlimisum.unlimiformer.encoded import EncodedDocument
 from unlimisum.unlimiformer.encoder import DocumentEncoder, EncodePlan
 from unlimisum.unlimiformer.placement import storage_dtype
-from unlimisum.unlimiformer.retrieval import RetrievalSession, retrieval
+from unlimisum.unlimiformer.retrieval import EvidenceCollector, RetrievalSession, retrieval
 
 # Chapters generated together with --per-chapter: batching speeds generation up; every chapter
 # of a batch reads a view of the one encoded document, so batching costs no memory.
@@ -44,7 +44,16 @@ class Generated:
     search_seconds: float  # within `seconds`
     prepare_seconds: float  # before `seconds`: the stores made ready for retrieval (Datastore.prepare)
     tensor_cache_bytes: int | None  # self-attention state retained at the end, with a Tensor Cache
-    coverage: tuple[torch.Tensor, ...] = ()  # per store, [N] attention mass per input token
+    coverage: tuple[torch.Tensor, ...] = ()  # per store, [N] attention mass per input token (every step)
+
+
+@dataclass(frozen=True)
+class Reread:
+    """What the evidence pass (the returned summaries read once more, teacher-forced) found and cost."""
+
+    coverage: tuple[torch.Tensor, ...]  # per store, [N] mass per input token over the returned sequence only
+    token_mass: tuple[evidence.TokenMass, ...]  # per store: row j is the mass behind output token j
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,7 @@ class _Part:
     title: str
     source: str
     encoded: EncodedDocument
+    document: Document | None = None  # what evidence quotes from
     start: int = 0
     end: int | None = None  # None: to the end of the document
 
@@ -92,6 +102,8 @@ class EncoderDecoderSummarizer:
         if window is not None and window > loaded.max_source_length:
             raise ConfigError(f"window {window} exceeds the {loaded.max_source_length}-token encoder window of "
                               f"model '{loaded.name}'")
+        if retrieval.evidence_passages < 1:
+            raise ConfigError(f"evidence passages must be at least 1, got {retrieval.evidence_passages}")
         self.loaded = loaded
         self.encoding = encoding
         self.index = index
@@ -108,7 +120,7 @@ class EncoderDecoderSummarizer:
         the chapter's tokens, which kept the context of their neighbours that the windows gave them.
         """
         encoded = self.encode(document)
-        whole = self._summarize_parts([_Part(document.title, document.source, encoded)])[0]
+        whole = self._summarize_parts([_Part(document.title, document.source, encoded, document)])[0]
         chapters = encoded.chapters
         if not per_chapter or len(chapters) < 2:  # one chapter: its summary is the whole summary
             return whole
@@ -118,14 +130,15 @@ class EncoderDecoderSummarizer:
             titles = [chapter.title for chapter in batch]
             self.progress(ProgressEvent("chapter", start, total, titles[0], {"titles": titles}))
             parts.extend(self._summarize_parts(
-                [_Part(chapter.title, document.source, encoded, chapter.start, chapter.end) for chapter in batch]
+                [_Part(chapter.title, document.source, encoded, document, chapter.start, chapter.end)
+                 for chapter in batch]
             ))
         self.progress(ProgressEvent("chapter", total, total, chapters[-1].title, {"titles": []}))
         return replace(whole, chapters=tuple(parts))
 
     def summarize_many(self, documents: Sequence[Document]) -> list[Summary]:
         """Summarize several documents in one generation batch (each has its own datastore)."""
-        return self._summarize_parts([_Part(d.title, d.source, self.encode(d)) for d in documents])
+        return self._summarize_parts([_Part(d.title, d.source, self.encode(d), d) for d in documents])
 
     def encode(self, document: Document) -> EncodedDocument:
         """The document's tokens, encoder states (one store), windows and chapter token ranges."""
@@ -145,8 +158,9 @@ class EncoderDecoderSummarizer:
             raise ConfigError(f"retrieval k must be at least 1, got {k}")
         return k
 
-    def generate(self, stores: Sequence[Datastore], name: str = "") -> Generated:
-        """Generate from encoded inputs, one datastore per document (in batch order)."""
+    def generate(self, stores: Sequence[Datastore], name: str = "", coverage: bool = True) -> Generated:
+        """Generate from encoded inputs, one datastore per document (in batch order); ``coverage``: add up
+        the attention mass of every step (else ``Generated.coverage`` stays zero)."""
         model = self.loaded.model
         options = self.generation
         kwargs = options.to_generate_kwargs()
@@ -160,7 +174,8 @@ class EncoderDecoderSummarizer:
         progress = GenerationProgress(lambda written: self.progress(ProgressEvent("generate", written, total, name)),
                                        self.loaded.tokenizer.all_special_ids)
         mass = tuple(torch.zeros(store.n_tokens, device=store.states().device) for store in stores)
-        session = RetrievalSession(stores=list(stores), retrieval_k=self.retrieval_k(), coverage=mass)
+        session = RetrievalSession(stores=list(stores), retrieval_k=self.retrieval_k(),
+                                   coverage=mass if coverage else None)
         preparing = time.perf_counter()
         self.progress(ProgressEvent("prepare", 0, batch, name))
         for store in stores:  # kernels measured and stores packed here, not silently inside the first step
@@ -189,6 +204,38 @@ class EncoderDecoderSummarizer:
         return Generated(output, total, time.perf_counter() - started, session.stats.search_seconds,
                          prepare_seconds, retained, mass)
 
+    def reread(self, stores: Sequence[Datastore], output: torch.Tensor) -> Reread:
+        """The evidence pass: the decoder reads the returned ids ``output`` [B, T] at once, every
+        cross-attention retrieving as in generation (same k, same stores), keeping per summary token its
+        top input positions; coverage counts the positions that produced the returned sequence only."""
+        model = self.loaded.model
+        started = time.perf_counter()
+        batch, steps = output.shape
+        eos = model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, (list, tuple)) else [eos if eos is not None else
+                                                              self.loaded.tokenizer.eos_token_id]) - {None}
+        valid = []
+        for row in output.cpu().tolist():
+            # the sequence ends with its first end token after the start; padding after it predicts nothing
+            length = next((t + 1 for t in range(1, steps) if row[t] in eos), steps)
+            valid.append(torch.arange(steps) < length - 1)  # position t predicts token t + 1
+        collector = EvidenceCollector(valid, [store.n_tokens for store in stores])
+        session = RetrievalSession(stores=list(stores), retrieval_k=self.retrieval_k(), evidence=collector)
+        stand_in = torch.zeros(batch, 1, model.config.d_model, dtype=self.loaded.dtype, device=self.loaded.device)
+        attention_mask = torch.ones(batch, 1, dtype=torch.long, device=self.loaded.device)
+        with retrieval(model, self.loaded.architecture, session), torch.inference_mode():
+            model(encoder_outputs=compat.encoder_outputs(stand_in), attention_mask=attention_mask,
+                  decoder_input_ids=output, use_cache=False)
+        masses, covered = [], []
+        for doc in range(batch):
+            positions, mass, mass_per_token = collector.results(doc)
+            mass = mass * valid[doc][:, None]
+            # row j: the mass of the position that wrote token j (token 0, the start, has none)
+            masses.append(evidence.TokenMass(torch.cat([torch.zeros_like(positions[:1]), positions[:-1]]),
+                                             torch.cat([torch.zeros_like(mass[:1]), mass[:-1]])))
+            covered.append(mass_per_token)
+        return Reread(tuple(covered), tuple(masses), time.perf_counter() - started)
+
     # -- stages ---------------------------------------------------------------------------
 
     def _encoder(self) -> DocumentEncoder:
@@ -205,8 +252,10 @@ class EncoderDecoderSummarizer:
             torch.cuda.reset_peak_memory_stats(self.loaded.device)
         stores = [part.store() for part in parts]
         name = (parts[0].title or parts[0].source) if len(parts) == 1 else f"{len(parts)} documents"
-        run = self.generate(stores, name=name)
+        with_evidence = self.retrieval.evidence
+        run = self.generate(stores, name=name, coverage=not with_evidence)
         output = run.token_ids
+        reread = self.reread(stores, output) if with_evidence else None
         tokenizer = self.loaded.tokenizer
         texts = [text.strip() for text in tokenizer.batch_decode(output, skip_special_tokens=True)]
         special = torch.tensor(sorted(set(tokenizer.all_special_ids)), device=output.device)
@@ -214,11 +263,16 @@ class EncoderDecoderSummarizer:
         self.progress(ProgressEvent("generate", max(counts), run.total, name))  # the count ends at the summary's
         peak_gpu = torch.cuda.max_memory_allocated(self.loaded.device) if on_cuda else None
         summaries = []
-        for part, store, mass, text, n_generated, ids in zip(parts, stores, run.coverage, texts, counts,
-                                                                output.tolist()):
+        special_ids = set(tokenizer.all_special_ids)
+        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        masses = reread.coverage if reread is not None else run.coverage
+        for number, (part, store, mass, text, n_generated, ids) in enumerate(zip(parts, stores, masses, texts, counts,
+                                                                                 output.tolist())):
             windows = part.windows()
             timings = dict(part.encoded.seconds, prepare=run.prepare_seconds, generate=run.seconds,
                            search=run.search_seconds)
+            if reread is not None:
+                timings["evidence"] = reread.seconds
             stats = SummaryStats(
                 model=self.loaded.name, input_tokens=store.n_tokens, windows=len(windows),
                 window=self._window(), index_kind=store.kind, index_device=store.device,
@@ -229,10 +283,18 @@ class EncoderDecoderSummarizer:
                 model_dtype=str(self.loaded.dtype).removeprefix("torch."),
             )
             mass = mass.cpu()
+            found = ()
+            if reread is not None and part.document is not None and text:
+                token_mass = reread.token_mass[number]
+                if part.start:  # a chapter's view numbers its tokens from its own start
+                    token_mass = evidence.TokenMass(token_mass.positions + part.start, token_mass.mass)
+                found = evidence.build(text, ids, decode, special_ids, token_mass, part.document,
+                                       part.encoded.token_ends, part.encoded.n_tokens,
+                                       self.retrieval.evidence_passages)
             summaries.append(Summary(
                 text=text, title=part.title, source=part.source, stats=stats, token_ids=tuple(ids),
                 coverage=coverage.spans(mass, part.sections()), window_coverage=coverage.spans(mass, windows),
-                warnings=() if text else (EMPTY_SUMMARY,),
+                warnings=() if text else (EMPTY_SUMMARY,), evidence=found,
             ))
         return summaries
 

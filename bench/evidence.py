@@ -1,0 +1,136 @@
+"""Evidence on the trained needle: is the top-1 source of the answer's sentence the needle, and what the pass costs.
+
+    python -m bench.evidence [--quick] [--trials 10] [--lengths 1,50,100,200] [--top-k 16] [--model tests/fixtures/needle]
+
+The model is the tiny BART of bench/train_needle.py (a 64-token window). Each input is filler words with
+one span ``<needle> d d d d </needle>`` at a relative position of the text; the input length is given in
+windows. Per trial the summary is generated (greedy, 10 new tokens at most) and read once more by the
+evidence pass; it counts as:
+
+- copied: the summary is the span's digits exactly (as bench/needle_eval.py);
+- top-1 is the needle: the first source of the summary's sentence covers the span's digits (its
+  character range in the text holds them);
+- cost: the evidence pass's seconds over generate()'s, summed over the cell's trials. The needle's
+  summaries are 5-8 tokens, where the pass's fixed cost (one decoder forward) weighs most; a second table
+  forces summaries of 60 tokens (the decoder's 64 positions allow no more) to show how it scales with length.
+
+Writes bench/results/evidence.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import print_table, write_result
+from bench.needle_eval import GENERATION, POSITIONS
+from bench.train_needle import FIXTURE, document
+from unlimisum.config import GenerationOptions, IndexConfig, ModelConfig, RetrievalConfig
+from unlimisum.models import load_model
+from unlimisum.summarizer import Summarizer
+
+
+def needle_cited(summary, text: str, content: str) -> bool:
+    """The first source of the first sentence holds the needle's digits."""
+    if not summary.evidence or not summary.evidence[0].sources:
+        return False
+    first = summary.evidence[0].sources[0]
+    at = text.index(content, text.index("<needle>"))
+    return first.start_char <= at and at + len(content) <= first.end_char
+
+
+def run(model: Path, lengths: list[int], trials: int, top_k: int, seed: int = 0) -> dict:
+    loaded = load_model(ModelConfig(name=str(model), device="cpu"))
+    window = loaded.max_source_length
+    summarizer = Summarizer(loaded, generation=GENERATION, retrieval=RetrievalConfig(retrieval_k=top_k),
+                            index=IndexConfig(kind="exact", device="cpu"))
+    summarizer.summarize(document(window - 2, 0.5, random.Random(seed))[0])  # the kernels measured first
+    started = time.perf_counter()
+    cells = []
+    for length in lengths:
+        for p, position in enumerate(POSITIONS):
+            rng = random.Random(seed * 1_000_003 + length * 1009 + p)
+            cell = {"length": length, "position": position, "trials": trials, "copied": 0, "cited": 0,
+                    "cited_when_copied": 0, "generate_seconds": 0.0, "evidence_seconds": 0.0}
+            for _ in range(trials):
+                text, content = document(length * window - 2, position, rng)
+                summary = summarizer.summarize(text)
+                copied = summary.text == content
+                cited = needle_cited(summary, text, content)
+                cell["copied"] += copied
+                cell["cited"] += cited
+                cell["cited_when_copied"] += copied and cited
+                cell["generate_seconds"] += summary.stats.timings["generate"]
+                cell["evidence_seconds"] += summary.stats.timings["evidence"]
+            cells.append(cell)
+    forced = []  # the pass's cost for summaries of a given length (the model made to write them)
+    for new_tokens in (10, 60):
+        long = Summarizer(loaded, generation=GenerationOptions(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                                               num_beams=1, do_sample=False),
+                          retrieval=RetrievalConfig(retrieval_k=top_k), index=IndexConfig(kind="exact", device="cpu"))
+        for length in lengths:
+            rng = random.Random(seed + length)
+            row = {"new_tokens": new_tokens, "length": length, "generate_seconds": 0.0, "evidence_seconds": 0.0}
+            for _ in range(trials):
+                summary = long.summarize(document(length * window - 2, rng.random(), rng)[0])
+                row["generate_seconds"] += summary.stats.timings["generate"]
+                row["evidence_seconds"] += summary.stats.timings["evidence"]
+            forced.append(row)
+    return {"window": window, "top_k": top_k, "trials": trials, "positions": list(POSITIONS), "cells": cells,
+            "forced": forced, "seconds": time.perf_counter() - started}
+
+
+def report(result: dict) -> None:
+    lengths = sorted({cell["length"] for cell in result["cells"]})
+    print(f"top-1 source is the needle, by needle position (rows) x input length in windows of {result['window']} "
+          f"tokens (columns); k={result['top_k']}, {result['trials']} trials per cell; in brackets: copied exactly")
+    rows = []
+    for position in result["positions"]:
+        row = [f"{position:.2f}"]
+        for length in lengths:
+            cell = next(c for c in result["cells"] if c["length"] == length and c["position"] == position)
+            row.append(f"{cell['cited'] / cell['trials']:.2f} ({cell['copied'] / cell['trials']:.2f})")
+        rows.append(row)
+    print_table(["position"] + [f"{n}x ({n * result['window']} tok)" for n in lengths], rows)
+    print("\ncost of the evidence pass against generate(), all positions:")
+    cost_rows = []
+    for length in lengths:
+        cells = [c for c in result["cells"] if c["length"] == length]
+        generate = sum(c["generate_seconds"] for c in cells)
+        evidence = sum(c["evidence_seconds"] for c in cells)
+        trials = sum(c["trials"] for c in cells)
+        cost_rows.append([f"{length}x", f"{1000 * generate / trials:.1f}", f"{1000 * evidence / trials:.1f}",
+                          f"{evidence / generate:.1%}"])
+    print_table(["length", "generate ms", "evidence ms", "evidence / generate"], cost_rows)
+    print("\ncost against generate() for summaries forced to a length:")
+    print_table(["summary tokens", "length", "generate ms", "evidence ms", "evidence / generate"],
+                [[row["new_tokens"], f"{row['length']}x", f"{1000 * row['generate_seconds'] / result['trials']:.1f}",
+                  f"{1000 * row['evidence_seconds'] / result['trials']:.1f}",
+                  f"{row['evidence_seconds'] / row['generate_seconds']:.1%}"] for row in result["forced"]])
+    print(f"\n{result['seconds']:.0f}s")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="fewer trials and lengths (about a minute)")
+    parser.add_argument("--trials", type=int, default=None, help="trials per cell (default 10; quick 3)")
+    parser.add_argument("--lengths", default=None, help="input lengths in windows (default 1,50,100,200; quick 1,50,200)")
+    parser.add_argument("--top-k", type=int, default=16, help="retrieved tokens per head (16: the needle's best)")
+    parser.add_argument("--model", type=Path, default=FIXTURE)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    trials = args.trials or (3 if args.quick else 10)
+    lengths = [int(n) for n in (args.lengths or ("1,50,200" if args.quick else "1,50,100,200")).split(",")]
+    result = run(args.model, lengths, trials, args.top_k)
+    result["quick"] = args.quick
+    report(result)
+    print(f"wrote {write_result('evidence', result)}")
+
+
+if __name__ == "__main__":
+    main()
