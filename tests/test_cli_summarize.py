@@ -54,7 +54,7 @@ def test_text_epub_and_pdf_give_one_json_record_each_with_one_model_load(summari
     assert [record["format"] for record in records] == ["text", "epub", "pdf"]
     assert [record["path"] for record in records] == [str(books[kind]) for kind in ("text", "epub", "pdf")]
     for record in records:
-        assert record["schema_version"] == 2
+        assert record["schema_version"] == 3
         assert isinstance(record["summary"], str) and isinstance(record["title"], str)
         assert record["chapters"] == []
         assert set(record["stats"]) == STATS_KEYS

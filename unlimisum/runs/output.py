@@ -3,7 +3,7 @@
 JSON schema (one object per document; JSON Lines on stdout, one file per input with -o)::
 
     {
-      "schema_version": 2,
+      "schema_version": 3,
       "written_by": "unlimisum",          # only in .summary.json files: marks them as unlimisum's own
       "path": "books/moby.epub",          # the input as given ("-" for standard input)
       "title": "Moby-Dick",               # the title the Markdown heading shows: the document's own,
@@ -45,7 +45,7 @@ JSON schema (one object per document; JSON Lines on stdout, one file per input w
       }
     }
 
-A document that failed is, on stdout only, ``{"schema_version": 2, "path": ..., "error": ...,
+A document that failed is, on stdout only, ``{"schema_version": 3, "path": ..., "error": ...,
 "error_type": ...}`` so that a JSON Lines consumer sees every input once.
 
 Files written with -o are marked as unlimisum's own — Markdown with ``MARKDOWN_MARKER`` as its
@@ -70,7 +70,9 @@ MARKDOWN_MARKER = "<!-- written by unlimisum -->"
 WRITTEN_BY = "unlimisum"  # the value of "written_by" in .summary.json files
 _MARKER_PROBE_BYTES = 256  # how much of a file is read to recognise an unlimisum summary
 
-JSON_SCHEMA_VERSION = 2  # 2: stats.top_k became retrieval_k. Bump when a field changes meaning or disappears (adding fields keeps it)
+JSON_SCHEMA_VERSION = 3  # 2: stats.top_k became retrieval_k; 3: coverage counts the returned summary only,
+# stats.datastore_bytes the store alone (its packed copies in packed_bytes). Bump when a field changes meaning
+# or disappears (adding fields keeps it)
 
 
 def stats_record(summary: Summary, read_seconds: float | None = None) -> dict:
