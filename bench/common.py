@@ -115,3 +115,17 @@ def print_table(headers: list[str], rows: list[list]) -> None:
     print("  ".join(str(h).rjust(w) for h, w in zip(headers, widths)))
     for row in rows:
         print("  ".join(str(c).rjust(w) for c, w in zip(row, widths)))
+
+
+def print_position_table(result: dict, cell_text) -> None:
+    """The needle benchmarks' table: needle position (rows) x input length in windows (columns), one cell of
+    ``result["cells"]`` each, written by ``cell_text(cell)``."""
+    lengths = sorted({cell["length"] for cell in result["cells"]})
+    rows = []
+    for position in result["positions"]:
+        row = [f"{position:.2f}"]
+        for length in lengths:
+            cell = next(c for c in result["cells"] if c["length"] == length and c["position"] == position)
+            row.append(cell_text(cell))
+        rows.append(row)
+    print_table(["position"] + [f"{n}x ({n * result['window']} tok)" for n in lengths], rows)

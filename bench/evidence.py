@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import print_table, write_result
+from bench.common import print_position_table, print_table, write_result
 from bench.needle_eval import GENERATION, POSITIONS
 from bench.train_needle import FIXTURE, document
 from unlimisum.config import GenerationOptions, IndexConfig, ModelConfig, RetrievalConfig
@@ -85,20 +85,13 @@ def run(model: Path, lengths: list[int], trials: int, top_k: int, seed: int = 0)
 
 
 def report(result: dict) -> None:
-    lengths = sorted({cell["length"] for cell in result["cells"]})
     print(f"top-1 source is the needle, by needle position (rows) x input length in windows of {result['window']} "
           f"tokens (columns); k={result['top_k']}, {result['trials']} trials per cell; in brackets: copied exactly")
-    rows = []
-    for position in result["positions"]:
-        row = [f"{position:.2f}"]
-        for length in lengths:
-            cell = next(c for c in result["cells"] if c["length"] == length and c["position"] == position)
-            row.append(f"{cell['cited'] / cell['trials']:.2f} ({cell['copied'] / cell['trials']:.2f})")
-        rows.append(row)
-    print_table(["position"] + [f"{n}x ({n * result['window']} tok)" for n in lengths], rows)
+    print_position_table(result, lambda cell: f"{cell['cited'] / cell['trials']:.2f} "
+                                              f"({cell['copied'] / cell['trials']:.2f})")
     print("\ncost of the evidence pass against generate(), all positions:")
     cost_rows = []
-    for length in lengths:
+    for length in sorted({cell["length"] for cell in result["cells"]}):
         cells = [c for c in result["cells"] if c["length"] == length]
         generate = sum(c["generate_seconds"] for c in cells)
         evidence = sum(c["evidence_seconds"] for c in cells)

@@ -44,6 +44,17 @@ def synthetic_states(n: int, d: int, seed: int = 0) -> torch.Tensor:
     return states
 
 
+def synthetic_store(n: int, d: int, config, chunk: int = 65_536):
+    """An exact-or-planned datastore (``config``: an IndexConfig) of ``synthetic_states``, built ``chunk`` rows at
+    a time as the encoder fills it (no [n, d] float32 tensor at once)."""
+    from unlimisum.unlimiformer.datastore import DatastoreBuilder, plan_index
+
+    builder = DatastoreBuilder(n, d, plan_index(n, d, config), config)
+    for start in range(0, n, chunk):
+        builder.add(synthetic_states(min(chunk, n - start), d, seed=start))
+    return builder.finish()
+
+
 def synthetic_queries(states: torch.Tensor, nq: int, seed: int = 1, strength: float = 2.0) -> torch.Tensor:
     """[nq, d] hidden-space queries: per-head rank-64 projections of stored states plus noise."""
     g = torch.Generator().manual_seed(seed)

@@ -31,9 +31,8 @@ def child(n_tokens: int, encode: bool, size: str) -> dict:
     import torch
 
     from bench.common import random_model, random_text
-    from bench.index_choice import synthetic_states
+    from bench.index_choice import synthetic_store
     from unlimisum.config import GenerationOptions, IndexConfig
-    from unlimisum.unlimiformer.datastore import DatastoreBuilder, plan_index
     from unlimisum.summarizer import Summarizer
 
     loaded = random_model(size)
@@ -45,11 +44,7 @@ def child(n_tokens: int, encode: bool, size: str) -> dict:
         summary = summarizer.summarize(random_text(n_tokens))
         store_bytes, kind = summary.stats.datastore_bytes, summary.stats.index_kind
     else:
-        config = IndexConfig()
-        builder = DatastoreBuilder(n_tokens, d, plan_index(n_tokens, d, config), config)
-        for start in range(0, n_tokens, 65_536):
-            builder.add(synthetic_states(min(65_536, n_tokens - start), d, seed=start))
-        store = builder.finish()
+        store = synthetic_store(n_tokens, d, IndexConfig())
         summarizer.generate([store])
         store_bytes, kind = store.nbytes, store.kind
     layers = loaded.model.config.decoder_layers

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import print_table, write_result
+from bench.common import print_position_table, print_table, write_result
 from bench.train_needle import FIXTURE, document
 from unlimisum.config import GenerationOptions, IndexConfig, ModelConfig, RetrievalConfig
 from unlimisum.models import load_model
@@ -93,18 +93,10 @@ def run(model: Path, lengths: list[int], trials: int, ablation_k: list[int], ext
 
 
 def report(result: dict) -> None:
-    lengths = sorted({cell["length"] for cell in result["cells"]})
     for system in result["systems"]:
         print(f"\n{system}: exact match by needle position (rows) x input length in windows of "
               f"{result['window']} tokens (columns), {result['trials']} trials per cell")
-        rows = []
-        for position in result["positions"]:
-            row = [f"{position:.2f}"]
-            for length in lengths:
-                cell = next(c for c in result["cells"] if c["length"] == length and c["position"] == position)
-                row.append(f"{cell[system] / cell['trials']:.2f}")
-            rows.append(row)
-        print_table(["position"] + [f"{n}x ({n * result['window']} tok)" for n in lengths], rows)
+        print_position_table(result, lambda cell, system=system: f"{cell[system] / cell['trials']:.2f}")
     if result["top_k_ablation"]:
         print(f"\nunlimisum top-k ablation at {result['top_k_ablation'][0]['length']}x, all positions:")
         print_table(["top_k", "trials", "exact"],

@@ -78,12 +78,11 @@ def child(mode: str, folder: str, n_tokens: int, encode: bool, new_tokens: int) 
     elif mode == "bf16, after":
         os.environ.pop("UNLIMISUM_SCORE_KERNEL", None)
     from bench.common import random_text
-    from bench.index_choice import synthetic_states
+    from bench.index_choice import synthetic_states, synthetic_store
     from unlimisum.config import GenerationOptions, IndexConfig, ModelConfig
     from unlimisum.models import load_model, weights
     from unlimisum.summarizer import Summarizer
     from unlimisum.unlimiformer import kernels
-    from unlimisum.unlimiformer.datastore import DatastoreBuilder, plan_index
 
     if mode == "bf16, before":
         weights.load_converted = lambda *args, **kwargs: None  # transformers' own memory-mapped conversion
@@ -101,11 +100,7 @@ def child(mode: str, folder: str, n_tokens: int, encode: bool, new_tokens: int) 
             store_bytes, packed_bytes = summary.stats.datastore_bytes, summary.stats.packed_bytes
         else:
             sampler.enter("index")
-            config = IndexConfig(kind="exact")
-            builder = DatastoreBuilder(n_tokens, d, plan_index(n_tokens, d, config), config)
-            for start in range(0, n_tokens, 16_384):
-                builder.add(synthetic_states(min(16_384, n_tokens - start), d, seed=start))
-            store = builder.finish()
+            store = synthetic_store(n_tokens, d, IndexConfig(kind="exact"), chunk=16_384)
             summarizer.generate([store])
             store_bytes, packed_bytes = store.nbytes, store.packed_nbytes
     seconds = time.perf_counter() - started
