@@ -125,8 +125,6 @@ class BatchRunner:
 
     def read_stdin_ahead(self, jobs: list[Job]) -> None:
         """Read standard input now, before the model loads; at a terminal, first say how to end it."""
-        from unlimisum.ingest import read_document
-
         for job in jobs:
             if not job.is_stdin or job.problem is not None or job.skip:
                 continue
@@ -134,8 +132,7 @@ class BatchRunner:
                 self.reporter.reading_stdin_hint()
             started = self.clock()
             try:
-                job.document = read_document(job.source, password=self.settings.password,
-                                             keep_all=self.settings.keep_all)
+                job.document = self._read(job.source)
             except UnlimisumError as error:
                 job.problem = error
             self.read_seconds[job.source] = self.clock() - started
@@ -162,16 +159,13 @@ class BatchRunner:
         """Read every input now, before the model loads; report those that cannot be read at once and return
         the others. Their documents are kept for their turn up to READ_AHEAD_CHARS of text in all (pipes and
         devices always: they cannot be read twice); past that a file is read again when its turn comes."""
-        from unlimisum.ingest import read_document
-
         readable, kept = [], 0
         for number, job in enumerate(jobs, start=1):
             if job.document is None:
                 self.reporter.reading_input(number, len(jobs), job.source)
                 started = self.clock()
                 try:
-                    document = read_document(job.source, password=self.settings.password,
-                                             keep_all=self.settings.keep_all)
+                    document = self._read(job.source)
                 except UnlimisumError as error:
                     self._finish(job, self.failed_result(job, error.problem, type(error).__name__,
                                                          self.clock() - started))
@@ -245,15 +239,12 @@ class BatchRunner:
         workers and prints on the driver). ``several``: the run has more than one input (the
         Markdown on stdout then starts with a heading).
         """
-        from unlimisum.ingest import read_document
-
         started = self.clock()
         try:
             if job.document is not None:
                 document, read_seconds = job.document, self.read_seconds.get(job.source, 0.0)
             else:
-                document = read_document(job.source, password=self.settings.password,
-                                         keep_all=self.settings.keep_all)
+                document = self._read(job.source)
                 read_seconds = self.clock() - started
             for warning in document.metadata.get("warnings", []):
                 self.reporter.note(f"unlimisum: warning: {job.source}: {warning}")
@@ -275,6 +266,12 @@ class BatchRunner:
             return self.failed_result(job, _unexpected(error), type(error).__name__, self.clock() - started)
         outcome = run_manifest.done_outcome(job.source, job.output, summary, read_seconds, self.clock() - started)
         return JobResult(outcome, summary=summary, stdout=stdout, model=self.result.model)
+
+    def _read(self, source: str):
+        """The Document of ``source``, read with the run's password and --keep-all; UnlimisumError if it cannot be."""
+        from unlimisum.ingest import read_document
+
+        return read_document(source, password=self.settings.password, keep_all=self.settings.keep_all)
 
     def failed_result(self, job: Job, problem: str, error_type: str, seconds: float | None = None) -> JobResult:
         """The JobResult of an input that failed: with --json and no -o, its error record goes to stdout."""
