@@ -298,7 +298,7 @@ class ProgressDisplay(DrawnOnLiveArea):
     def begin_document(self, number: int, total: int, source: str, *, read: bool = False) -> None:
         """A new input: show its name, and the reading stage unless it was ``read`` ahead."""
         self._end_chapters()
-        self._document = "standard input" if source == "-" else source
+        self._document = _display_name(source)
         self._document_number = f"{number}/{total}" if total > 1 else ""
         self._datastore_bytes = None
         self._packed_bytes = 0
