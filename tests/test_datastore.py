@@ -41,11 +41,11 @@ def build(states: torch.Tensor, plan: IndexPlan = CPU, config: IndexConfig = Ind
     return builder.finish()
 
 
-@pytest.fixture(params=["native", "native-tokens-major", "float32", "packed"])
+@pytest.fixture(params=["native", "native-tokens-major", "native-bmm-gather", "float32", "packed"])
 def kernel(request, monkeypatch):
-    """Every exact test runs with every score kernel and both selection layouts, whichever this machine
-    would pick, and with blocks, packed slices and gathers small enough that the stores here take several of
-    each."""
+    """Every exact test runs with every score kernel, both selection layouts and both gathers of the native
+    kernel (fused embedding_bag, gathered rows and a bmm), whichever this machine would pick, and with blocks,
+    packed slices and gathers small enough that the stores here take several of each."""
     name = request.param.split("-")[0]
     if name == "packed" and not packing.available():
         pytest.skip("this torch build has no fbgemm fp16 GEMM (the packed kernel falls back to float32)")
@@ -53,9 +53,10 @@ def kernel(request, monkeypatch):
     monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", name)
     real = kernels.kernel_for
     layout = request.param.endswith("tokens-major")
+    fused = not request.param.endswith("bmm-gather")
     monkeypatch.setattr(kernels, "kernel_for",
                         lambda *args: dataclasses.replace(real(*args), tokens_major=layout, block_rows=384,
-                                                           dense_block_rows=300))
+                                                           dense_block_rows=300, fused_gather=fused))
     monkeypatch.setattr(kernels, "GATHER_ROWS", 700)
     return name
 
@@ -230,6 +231,8 @@ def test_kernel_choice_is_measured_and_can_be_forced(monkeypatch):
     choice = kernels.calibrate(torch.device("cpu"), torch.bfloat16, 64, rows=2048)
     assert choice.scores in kernels.SCORE_KERNELS and choice.block_rows in kernels.BLOCK_CHOICES
     assert choice.gather_row_cost > 0 and choice.dense_row_cost > 0 and "measured" in choice.reason
+    native = kernels.calibrate(torch.device("cpu"), torch.bfloat16, 64, rows=2048, force="native")
+    assert "gather/fused" in native.reason and isinstance(native.fused_gather, bool)  # both gathers timed
     forced = kernels.calibrate(torch.device("cpu"), torch.bfloat16, 64, rows=2048, force="float32")
     assert forced.scores == "float32" and "forced" in forced.reason
     assert kernels.calibrate(torch.device("cpu"), torch.bfloat16, 64, rows=2048, force="native").scores == "native"
@@ -241,6 +244,28 @@ def test_kernel_choice_is_measured_and_can_be_forced(monkeypatch):
     monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", "fastest")
     with pytest.raises(ValueError, match="native, float32 or packed"):
         kernels.forced_kernel()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fused_gather_equals_the_gathered_rows_bmm(dtype):
+    """The native kernel's two gathers: one embedding_bag call and gathered rows with a bmm give the same sums,
+    each within the storage dtype's rounding of the float64 reference; with no ids, zeros."""
+    states = clustered_states(3000, 40).to(dtype)
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 3000, (7, 900), generator=generator)
+    weights = torch.softmax(torch.randn(7, 900, generator=generator) * 3, dim=1)
+    expected = torch.einsum("qk,qkd->qd", weights.to(dtype).double(), states.double()[ids])
+    atol = torch.finfo(dtype).eps * float(expected.abs().max())
+    fused = kernels.gathered_attention(states, ids, weights, widen=False, fused=True)
+    rows = kernels.gathered_attention(states, ids, weights, widen=False, fused=False)
+    assert fused.dtype == rows.dtype == torch.float32 and fused.shape == (7, 40)
+    torch.testing.assert_close(fused.double(), expected, rtol=0, atol=atol)
+    torch.testing.assert_close(rows.double(), expected, rtol=0, atol=atol)
+    torch.testing.assert_close(fused, rows, rtol=0, atol=2 * atol)
+    wrong = kernels.gathered_attention(states, ids.roll(1, dims=1), weights, widen=False, fused=True)
+    assert (wrong.double() - expected).abs().max() > 10 * atol
+    empty = kernels.gathered_attention(states, ids[:, :0], weights[:, :0], widen=False)
+    assert empty.shape == (7, 40) and (empty == 0).all()
 
 
 def test_dense_attention_over_an_empty_store_is_zero():

@@ -7,8 +7,9 @@ weighted sum of its top-k stored states. How the store is read:
 - k >= N (dense attention): one pass, block by block; each block is scored and, while it is
   still in cache, summed into the output under an online softmax (running maxima and sums).
 - k < N: one pass scores every query against the whole store, the top-k are selected, then
-  either the k winners are gathered (k small next to N) or a second dense pass sums the masked
-  softmax over every state (k a large share of N).
+  either the k winners are gathered (k small next to N; with the native kernel one fused
+  ``embedding_bag`` call, no gathered copy, where measured faster) or a second dense pass sums the
+  masked softmax over every state (k a large share of N).
 
 Three score kernels, the same result within the documented precision:
 
@@ -41,6 +42,7 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from unlimisum.unlimiformer import packed as packing
 from unlimisum.unlimiformer.packed import PackedStates
@@ -82,6 +84,7 @@ class KernelChoice:
     reason: str = ""  # what was measured, for `unlimisum info` and the benchmarks
     dense_block_rows: int | None = None  # rows per block of the one-pass dense attention; None: block_rows
     fallback: str = "float32"  # the best unpacked kernel measured: serves a store that is not packed
+    fused_gather: bool = True  # the native kernel's gather as one fused embedding_bag call, measured faster
 
     @property
     def widens(self) -> bool:
@@ -94,7 +97,7 @@ class KernelChoice:
             return self
         return KernelChoice(self.fallback, self.block_rows, self.tokens_major and self.fallback == "native",
                             self.gather_row_cost, self.dense_row_cost, self.reason, self.dense_block_rows,
-                            self.fallback)
+                            self.fallback, self.fused_gather)
 
     def dense_is_cheaper(self, n_queries: int, k: int, n_tokens: int) -> bool:
         """Gathering nq*k states costs more than a second dense pass over all N states."""
@@ -201,8 +204,13 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
     else:
         dense_values_run, dense_rows = (lambda: dense_values(states, weights.new_zeros(CALIBRATION_QUERIES, rows), choice),
                                         rows)
-    costs = _race({"gather": lambda: gathered_attention(states, ids, weights, choice.widens),
-                   "dense values": dense_values_run}, device)
+    gathers = {"gather": lambda: gathered_attention(states, ids, weights, choice.widens, fused=False)}
+    if not choice.widens:  # the native kernel's gather: fused (embedding_bag) or gathered rows and a bmm
+        gathers["gather/fused"] = lambda: gathered_attention(states, ids, weights, False, fused=True)
+    costs = _race(dict(gathers, **{"dense values": dense_values_run}), device)
+    timings.update({name: costs[name] for name in gathers})
+    fused_gather = "gather/fused" in costs and costs["gather/fused"] < costs["gather"]
+    costs["gather"] = min(costs["gather"], costs.get("gather/fused", float("inf")))
     measured = ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in timings.items()
                          if seconds < float("inf"))
     unavailable = " (packed unavailable here)" if force == "packed" and not can_pack else ""
@@ -212,7 +220,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
     return KernelChoice(
         scores=kernel, block_rows=block, tokens_major=tokens_major,
         gather_row_cost=costs["gather"] / ids.numel(), dense_row_cost=costs["dense values"] / dense_rows,
-        reason=reason, dense_block_rows=dense_block, fallback=fallback,
+        reason=reason, dense_block_rows=dense_block, fallback=fallback, fused_gather=fused_gather,
     )
 
 
@@ -312,15 +320,23 @@ def scores(states: torch.Tensor, queries: torch.Tensor, choice: KernelChoice) ->
     return float32_scores(states, queries, choice.block_rows)
 
 
-def gathered_attention(states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, widen: bool) -> torch.Tensor:
+def gathered_attention(states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, widen: bool,
+                       fused: bool = True) -> torch.Tensor:
     """sum_j weights[i, j] * states[ids[i, j]]: ids, weights [nq, k] -> [nq, d] fp32.
 
-    Gathers at most GATHER_ROWS states at a time into reused buffers (whole queries while they fit,
-    slices of one query's k beyond). ``widen`` sums in fp32 (float32 kernel and the approximate
-    stores); otherwise the 16-bit states are summed in their dtype with fp32 accumulation.
+    ``widen`` sums in fp32 (float32 kernel and the approximate stores); otherwise the 16-bit states are
+    summed in their dtype with fp32 accumulation: ``fused``, in one ``embedding_bag`` call (fbgemm's
+    kernel on CPUs: no gathered copy; the sums rounded to the storage dtype, as a 16-bit bmm rounds them),
+    else gathering at most GATHER_ROWS states at a time into reused buffers (whole queries while they
+    fit, slices of one query's k beyond), one bmm each.
     """
     nq, k = ids.shape
     d = states.shape[1]
+    if k == 0:
+        return torch.zeros(nq, d, dtype=torch.float32, device=states.device)
+    if fused and not widen:
+        # [nq, k] ids are nq bags of k rows; weights in the storage dtype, as the bmm below rounds them
+        return F.embedding_bag(ids, states, mode="sum", per_sample_weights=weights.to(states.dtype)).float()
     widen = widen or states.dtype == torch.float32
     out = torch.zeros(nq, d, dtype=torch.float32, device=states.device)
     queries_per_step = max(1, GATHER_ROWS // k)
@@ -489,7 +505,7 @@ def attend(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelCh
     weights = torch.softmax(logits, dim=1, dtype=torch.float32)  # [nq, k]
     if coverage is not None:
         coverage.index_add_(0, ids.reshape(-1), weights.reshape(-1))
-    return gathered_attention(states, ids, weights, choice.widens)
+    return gathered_attention(states, ids, weights, choice.widens, choice.fused_gather)
 
 
 def select(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelChoice,
