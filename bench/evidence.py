@@ -14,6 +14,10 @@ evidence pass; it counts as:
   summaries are 5-8 tokens, where the pass's fixed cost (one decoder forward) weighs most; a second table
   forces summaries of 60 tokens (the decoder's 64 positions allow no more) to show how it scales with length.
 
+With ``--decoder-only``, instead: the pass's cost for a decoder-only model of Qwen2.5-0.5B's shape
+(random weights; ``--decoder-layers`` of its 24), summaries forced to 32 and 128 tokens after a prompt of
+``--decoder-tokens`` tokens, read with a 1,024-token window and k=1,024 (bfloat16 weights).
+
 Writes bench/results/evidence.json.
 """
 
@@ -84,6 +88,36 @@ def run(model: Path, lengths: list[int], trials: int, top_k: int, seed: int = 0)
             "forced": forced, "seconds": time.perf_counter() - started}
 
 
+def decoder_only_cost(n_tokens: int, layers: int, trials: int = 2) -> list[dict]:
+    """Generation and the evidence pass for a Qwen2.5-0.5B-shaped random model: seconds per forced length."""
+    from bench.common import VOCAB, random_text, word_tokenizer
+    from bench.decoder_only import QWEN_05B, random_model as random_decoder
+    from unlimisum.config import EncodingConfig, PromptConfig
+    from unlimisum.models import LoadedModel
+    from unlimisum.models.architectures import architecture_for
+
+    model = random_decoder(dict(QWEN_05B, num_hidden_layers=layers, vocab_size=VOCAB)).to(torch.bfloat16)
+    loaded = LoadedModel(model=model, tokenizer=word_tokenizer(max_length=QWEN_05B["max_position_embeddings"]),
+                         architecture=architecture_for(model.config), name="random qwen2.5-0.5b shape")
+    text = random_text(n_tokens)
+    rows = []
+    for new_tokens in (32, 128):
+        summarizer = Summarizer(loaded, encoding=EncodingConfig(window=1024), prompt=PromptConfig(template="{text}"),
+                                retrieval=RetrievalConfig(retrieval_k=1024),
+                                generation=GenerationOptions(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                                             num_beams=1, do_sample=False))
+        row = {"new_tokens": new_tokens, "prompt_tokens": n_tokens, "layers": layers, "generate_seconds": 0.0,
+               "evidence_seconds": 0.0}
+        for _ in range(trials):
+            timings = summarizer.summarize(text).stats.timings
+            row["generate_seconds"] += timings["generate"]
+            row["evidence_seconds"] += timings["evidence"]
+        print(f"  decoder-only, {new_tokens} tokens: evidence {row['evidence_seconds'] / row['generate_seconds']:.1%} "
+              f"of generate", flush=True)
+        rows.append(row)
+    return rows
+
+
 def report(result: dict) -> None:
     print(f"top-1 source is the needle, by needle position (rows) x input length in windows of {result['window']} "
           f"tokens (columns); k={result['top_k']}, {result['trials']} trials per cell; in brackets: copied exactly")
@@ -107,6 +141,15 @@ def report(result: dict) -> None:
     print(f"\n{result['seconds']:.0f}s")
 
 
+def report_decoder_only(result: dict) -> None:
+    print("decoder-only (Qwen2.5-0.5B's shape, random weights), the evidence pass against generate():")
+    print_table(["summary tokens", "prompt tokens", "layers", "generate s", "evidence s", "evidence / generate"],
+                [[row["new_tokens"], f"{row['prompt_tokens']:,}", row["layers"], f"{row['generate_seconds']:.2f}",
+                  f"{row['evidence_seconds']:.2f}", f"{row['evidence_seconds'] / row['generate_seconds']:.1%}"]
+                 for row in result["decoder_only"]])
+    print(f"\n{result['seconds']:.0f}s")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer trials and lengths (about a minute)")
@@ -115,10 +158,21 @@ def main(argv=None) -> None:
     parser.add_argument("--top-k", type=int, default=16, help="retrieved tokens per head (16: the needle's best)")
     parser.add_argument("--model", type=Path, default=FIXTURE)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--decoder-only", action="store_true",
+                        help="instead: the pass's cost for a decoder-only model (writes evidence_decoder_only.json)")
+    parser.add_argument("--decoder-tokens", type=int, default=4096, help="prompt tokens of the decoder-only table")
+    parser.add_argument("--decoder-layers", type=int, default=24, help="layers of the decoder-only model")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     trials = args.trials or (3 if args.quick else 10)
     lengths = [int(n) for n in (args.lengths or ("1,50,200" if args.quick else "1,50,100,200")).split(",")]
+    if args.decoder_only:
+        started = time.perf_counter()
+        result = {"decoder_only": decoder_only_cost(args.decoder_tokens, args.decoder_layers)}
+        result["seconds"] = time.perf_counter() - started
+        report_decoder_only(result)
+        print(f"wrote {write_result('evidence_decoder_only', result)}")
+        return
     result = run(args.model, lengths, trials, args.top_k)
     result["quick"] = args.quick
     report(result)

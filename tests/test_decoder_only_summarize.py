@@ -13,6 +13,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from tests.test_evidence import check_records
 from tests.tiny_decoders import build_tiny_decoder_dir
 from tests.tiny_models import SAMPLE_TEXT
 from unlimisum import Chapter, Document, read_document
@@ -75,7 +76,7 @@ def test_the_summary_is_what_generate_gives_after_the_chat_prompt(chat_model):
     assert stats.datastore_bytes == (len(prompt.ids) - 1) * 2 * 2 * 2 * 16 * 4  # k+v x layers x KV heads x dim x fp32
     assert [span.title for span in summary.coverage] == ["Chapter 1", "Chapter 2", "Chapter 3"]
     assert abs(sum(span.share for span in summary.coverage) - 1) < 1e-9
-    assert set(stats.timings) == {"tokenize", "prefill", "generate", "search"}
+    assert set(stats.timings) == {"tokenize", "prefill", "generate", "search", "evidence"}
 
 
 def test_a_system_message_goes_through_the_chat_template(chat_model):
@@ -207,3 +208,69 @@ def test_no_sample_searches_greedily_where_the_checkpoint_samples(sampling_dir, 
     assert summary("--config", str(settings)) == greedy
     contradiction = CliRunner().invoke(app, ["summarize", *common, "--no-sample", "--temperature", "0.5"])
     assert contradiction.exit_code == 2 and "--no-sample contradicts --temperature" in contradiction.stderr
+
+
+# -- evidence ----------------------------------------------------------------------------------
+
+FAR = dict(encoding=EncodingConfig(window=32), index=IndexConfig(storage_dtype="float32"), generation=GREEDY)
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2"])
+def test_the_evidence_pass_retrieves_what_generation_did(family, tmp_path):
+    """k=8 of ~600 far tokens: the summary read again at once, each of its tokens choosing its own far tokens,
+    draws the same mass per prompt token as generation did step by step (coverage equal); sharing one far set
+    between the pass's tokens would not. Gemma 2's sliding layers are rewound to the prompt's end first."""
+    loaded = load_model(ModelConfig(name=str(build_tiny_decoder_dir(tmp_path, family)), device="cpu"))
+    counted = {}
+    for with_evidence in (False, True):
+        summarizer = Summarizer(loaded, **FAR, retrieval=RetrievalConfig(retrieval_k=8, evidence=with_evidence))
+        counted[with_evidence] = summarizer.summarize(BOOK)
+    during, after = counted[False], counted[True]
+    assert after.token_ids == during.token_ids and len(after.token_ids) >= 2
+    assert not during.evidence and "evidence" not in during.stats.timings and "evidence" in after.stats.timings
+    for spans in ("coverage", "window_coverage"):
+        shares = [[span.share for span in getattr(summary, spans)] for summary in (during, after)]
+        torch.testing.assert_close(torch.tensor(shares[1]), torch.tensor(shares[0]), rtol=1e-4, atol=1e-6)
+    assert max(span.share for span in during.window_coverage) < 0.9  # spread over many windows: retrieval mattered
+    if after.text:
+        check_records(after, BOOK)
+
+
+def test_the_evidence_pass_with_one_far_set_for_all_its_tokens_differs(chat_model, monkeypatch):
+    """The test above can fail: the pass's tokens sharing one far set (generation's single-step rule) give
+    other masses."""
+    from unlimisum.decoder_only import cache as cache_module
+
+    reference = Summarizer(chat_model, **FAR, retrieval=RetrievalConfig(retrieval_k=8, evidence=False)).summarize(BOOK)
+    real = cache_module.RetrievalLayer._decode_far
+    monkeypatch.setattr(cache_module.RetrievalLayer, "_decode_far",
+                        lambda self, q, start, end, per_query=False: real(self, q, start, end, False))
+    monkeypatch.setattr(cache_module.RetrievalLayer, "_add_evidence", _evidence_of_shared_far_set)
+    shared = Summarizer(chat_model, **FAR, retrieval=RetrievalConfig(retrieval_k=8)).summarize(BOOK)
+    got = torch.tensor([span.share for span in shared.window_coverage])
+    expected = torch.tensor([span.share for span in reference.window_coverage])
+    assert (got - expected).abs().max() > 1e-3
+
+
+def _evidence_of_shared_far_set(self, mass, sink_end, far_ids, far_start, first_local, prompt):
+    sinks, far, local = (part[0] for part in mass[:3])  # [G, C, n]
+    queries = sinks.shape[1]
+    span = lambda a, b: torch.arange(a, b).expand(queries, -1)  # noqa: E731
+    far_positions = (span(far_start, far_start + far.shape[-1]) if far_ids is None else
+                     far_ids[0].unsqueeze(1).expand(-1, queries, -1).permute(1, 0, 2).reshape(queries, -1))
+    far_mass = far.sum(dim=0) if far_ids is None else far.permute(1, 0, 2).reshape(queries, -1)
+    self.evidence(torch.cat([span(0, sink_end), far_positions, span(first_local, prompt)], dim=1),
+                  torch.cat([sinks.sum(dim=0), far_mass, local.sum(dim=0)], dim=1))
+
+
+def test_decoder_only_evidence_per_chapter_quotes_each_chapter_from_its_own_prompt(chat_model):
+    summarizer = Summarizer(chat_model, **FAR, retrieval=RetrievalConfig(retrieval_k=8))
+    summary = summarizer.summarize(BOOK, per_chapter=True)
+    with_text = [part for part in (summary, *summary.chapters) if part.text]
+    assert with_text, "the tiny model writes something"
+    for part in with_text:
+        check_records(part, BOOK)
+    for number, part in enumerate(summary.chapters):
+        assert {source.chapter_index for sentence in part.evidence for source in sentence.sources} <= {number}
+    no_evidence = Summarizer(chat_model, **FAR, retrieval=RetrievalConfig(retrieval_k=8, evidence=False))
+    assert no_evidence.summarize(BOOK).evidence == ()

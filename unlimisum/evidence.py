@@ -128,6 +128,22 @@ def build(text: str, ids: Sequence[int], decode: Callable[[Sequence[int]], str],
     return tuple(records)
 
 
+def chapter_starts(document: Document) -> list[int | None]:
+    """Where each chapter's text starts in ``document.text`` (None: a chapter with no text, not in it)."""
+    starts: list[int | None] = []
+    position, first = 0, True
+    for chapter in document.chapters:
+        if not chapter.text:
+            starts.append(None)
+            continue
+        if not first:
+            position += 2  # Document.text joins chapters with a blank line
+        starts.append(position)
+        position += len(chapter.text)
+        first = False
+    return starts
+
+
 class _Mapper:
     """Input token positions -> characters of the document -> chapters, and passages around peaks."""
 
@@ -135,15 +151,9 @@ class _Mapper:
         self.document = document
         self.token_ends = token_ends
         self.n_tokens = n_tokens
-        self.chapters: list[_Chapter] = []
-        position = 0
-        for index, chapter in enumerate(document.chapters):
-            if not chapter.text:
-                continue
-            if self.chapters:
-                position += 2  # Document.text joins chapters with a blank line
-            self.chapters.append(_Chapter(index, chapter.title, position, position + len(chapter.text)))
-            position += len(chapter.text)
+        self.chapters = [_Chapter(index, chapter.title, start, start + len(chapter.text))
+                         for index, (chapter, start) in enumerate(zip(document.chapters, chapter_starts(document)))
+                         if start is not None]
         self.chapter_starts = [chapter.start for chapter in self.chapters]
 
     def char_end(self, position: int) -> int:

@@ -89,6 +89,7 @@ class Summarizer:
         return DecoderOnlySummarizer(
             self.loaded, window=self.encoding.window, index=self.index, retrieval_k=self.retrieval.retrieval_k,
             generation=self.generation, decoder=decoder, prompt=prompt, progress=self.progress,
+            evidence=self.retrieval.evidence, evidence_passages=self.retrieval.evidence_passages,
         )
 
     def summarize(self, item: str | Document, *, per_chapter: bool = False) -> Summary:

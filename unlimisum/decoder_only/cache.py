@@ -57,6 +57,9 @@ class RetrievalLayer(CacheLayerMixin):
         self.tail_keys = self.tail_values = None  # [B, G, T, D] in the model's dtype
         self.prompt_window = None  # (keys, values) [G, W, D] of the prompt's window while generating, post-rotary
         self.coverage: torch.Tensor | None = None  # [N] fp32, set by the caller: attention mass while generating
+        # the evidence pass (set by the caller): every query selects its own far tokens, and
+        # evidence(positions [C, M], mass [C, M]) gets each query's attention per prompt position (row 0 only)
+        self.evidence = None
         self.search_seconds = 0.0
         self.choice: kernels.KernelChoice | None = None
         self.updated: torch.Tensor | None = None  # the keys of this call, set by update(), taken by attend()
@@ -233,7 +236,8 @@ class RetrievalLayer(CacheLayerMixin):
                                   store.values[:, first_local:prompt].to(self.device, self.compute_dtype))
 
         started = time.perf_counter()
-        far_part, far_ids = self._decode_far(q_far, far_start, far_end)
+        per_query = self.evidence is not None
+        far_part, far_ids = self._decode_far(q_far, far_start, far_end, per_query)
         self.search_seconds += time.perf_counter() - started
         parts = [
             Part(store.keys[:, :sink_end].to(self.device), store.values[:, :sink_end].to(self.device), "shared",
@@ -243,19 +247,31 @@ class RetrievalLayer(CacheLayerMixin):
             Part(self.tail_keys, self.tail_values, "batched",
                  mask=causal(tail - n_queries, n_queries, 0, tail, self.device)),
         ]
-        mass = [] if self.coverage is not None else None
-        out = attend(q, parts, scaling, softcap, mass)
-        if mass is not None:
+        mass = [] if self.coverage is not None or per_query else None
+        out = attend(q, parts, scaling, softcap, mass, per_query_mass=per_query)
+        if per_query:
+            self._add_evidence(mass, sink_end, far_ids, far_start, first_local, prompt)
+        elif mass is not None:
             self._add_coverage(mass, sink_end, far_ids, first_local, prompt)
         return out
 
-    def _decode_far(self, q_far, far_start: int, far_end: int):
-        """(far part, its token ids [B, G, k] or None when every far token is in it) of a generation step."""
+    def _decode_far(self, q_far, far_start: int, far_end: int, per_query: bool = False):
+        """(far part, its token ids [B, G, k] or None when every far token is in it) of a generation step;
+        ``per_query``: each query selects its own (the evidence pass reads the summary's tokens at once, and
+        each of them retrieves as it did while being generated): ids [B, G, C, k]."""
         plan, store = self.plan, self.store
         keys, values = store.keys[:, far_start:far_end], store.values[:, far_start:far_end]
         if far_end - far_start <= plan.retrieval_k:
             return Part(keys.to(self.device), values.to(self.device), "shared", queries=q_far), None
         b, heads, group, n_queries, dim = q_far.shape
+        if per_query:
+            rows = q_far.permute(0, 3, 1, 2, 4).reshape(b * n_queries, heads, group, dim).to(keys.device)
+            ids = selection.decode_ids(keys, rows.float(), plan.retrieval_k, self.choice)  # [B*C, G, k]
+            ids = ids.view(b, n_queries, heads, -1)  # [B, C, G, k]
+            far_keys = _gather(keys, ids, self.device).permute(0, 2, 1, 3, 4)  # [B, G, C, k, D]
+            far_values = _gather(values, ids, self.device).permute(0, 2, 1, 3, 4)
+            return (Part(far_keys, far_values, "per_query", queries=q_far),
+                    ids.permute(0, 2, 1, 3).to(self.device) + far_start)
         rows = q_far.reshape(b, heads, group * n_queries, dim).to(keys.device)  # every query of the step selects
         ids = selection.decode_ids(keys, rows.float(), plan.retrieval_k, self.choice)  # [B, G, k]
         far_keys, far_values = _gather(keys, ids, self.device), _gather(values, ids, self.device)  # [B, G, k, D]
@@ -271,6 +287,24 @@ class RetrievalLayer(CacheLayerMixin):
         else:
             self.coverage.index_add_(0, far_ids.reshape(-1), far.reshape(-1))
         self.coverage[first_local:prompt] += local.sum(dim=(0, 1))
+
+
+    def _add_evidence(self, mass, sink_end: int, far_ids, far_start: int, first_local: int, prompt: int) -> None:
+        """Each query's attention per prompt position (sinks, far tokens, the prompt's window; not the
+        generated tail), summed over heads, handed to ``evidence`` as positions and mass [C, M] (row 0)."""
+        sinks, far, local = (part[0] for part in mass[:3])  # [G, C, n]: summed over the query heads
+        queries = sinks.shape[1]
+
+        def span(start: int, end: int) -> torch.Tensor:
+            return torch.arange(start, end, device=self.device).expand(queries, -1)
+
+        if far_ids is None:  # every far token, in order
+            far_positions, far_mass = span(far_start, far_start + far.shape[-1]), far.sum(dim=0)
+        else:  # [G, C, k] ids and mass: each KV head's own
+            far_positions = far_ids[0].permute(1, 0, 2).reshape(queries, -1)
+            far_mass = far.permute(1, 0, 2).reshape(queries, -1)
+        self.evidence(torch.cat([span(0, sink_end), far_positions, span(first_local, prompt)], dim=1),
+                      torch.cat([sinks.sum(dim=0), far_mass, local.sum(dim=0)], dim=1))
 
 
 class RetrievalCache(Cache):
@@ -302,6 +336,25 @@ class RetrievalCache(Cache):
         """Accumulate every full layer's attention mass per prompt token into ``coverage`` [N] while generating."""
         for layer in self.retrieval_layers:
             layer.coverage = coverage
+
+    def set_evidence(self, evidence) -> None:
+        """The evidence pass: ``evidence(positions [C, M], mass [C, M])`` receives, for each full layer, each
+        query's attention per prompt position, and every query selects its own far tokens; None: off."""
+        for layer in self.retrieval_layers:
+            layer.evidence = evidence
+
+    def mark(self) -> None:
+        """Remember the state after the prompt was read, for ``rewind`` (the sliding layers' windows)."""
+        self._marked = [(layer.keys, layer.values, layer.seen) if isinstance(layer, WindowLayer) and
+                        layer.is_initialized else None for layer in self.layers]
+
+    def rewind(self) -> None:
+        """Back to the state ``mark`` remembered: what generate() appended is dropped, the stored prompt kept."""
+        for layer, marked in zip(self.layers, self._marked):
+            if isinstance(layer, RetrievalLayer):
+                layer.tail_keys = layer.tail_values = None
+            elif marked is not None:
+                layer.keys, layer.values, layer.seen = marked
 
     @property
     def store_bytes(self) -> int:

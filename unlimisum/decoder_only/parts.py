@@ -42,13 +42,14 @@ class Part:
 
 
 def attend(queries: torch.Tensor, parts: list[Part], scaling: float, softcap: float | None = None,
-           mass_out: list | None = None) -> torch.Tensor:
+           mass_out: list | None = None, per_query_mass: bool = False) -> torch.Tensor:
     """queries [B, G, g, C, D] -> [B, G, g, C, D] (float32 or wider): softmax over all parts' keys, times their values.
 
     ``mass_out``: when a list, it receives per part (in order, empty parts included) the attention each key
     drew, summed over the g query heads and the C queries: [B, G, n] ([B, G, C, n] for a per_query part,
-    whose keys differ per query), float32 or wider, for coverage and for choosing block representatives.
-    Summed block by block: the weights of a whole chunk ([B, G, g, C, n]) are never held at once.
+    whose keys differ per query, and for every part with ``per_query_mass``), float32 or wider, for coverage,
+    evidence and choosing block representatives. Summed block by block: the weights of a whole chunk
+    ([B, G, g, C, n]) are never held at once.
     """
     b, heads, group, n_queries, _ = queries.shape
     dtype = torch.promote_types(queries.dtype, torch.float32)
@@ -75,16 +76,16 @@ def attend(queries: torch.Tensor, parts: list[Part], scaling: float, softcap: fl
             values = part.values[:, :, rows] if part.layout == "per_query" else part.values
             result = result + torch.einsum(_VALUES[part.layout], part_weights, values.to(dtype))
             if mass_out is not None:
-                masses[index] = _add_mass(masses[index], part_weights, part.layout, rows)
+                masses[index] = _add_mass(masses[index], part_weights, per_query_mass or part.layout == "per_query")
         out[:, :, :, rows] = result
     if mass_out is not None:
         mass_out.extend(masses)
     return out
 
 
-def _add_mass(mass: torch.Tensor | None, weights: torch.Tensor, layout: str, rows: slice) -> torch.Tensor:
+def _add_mass(mass: torch.Tensor | None, weights: torch.Tensor, per_query: bool) -> torch.Tensor:
     """Add one block's weights [B, G, g, c, n] to a part's mass: [B, G, n], or [B, G, C, n] per query."""
-    if layout != "per_query":
+    if not per_query:
         block = weights.sum(dim=(2, 3))
         return block if mass is None else mass + block
     block = weights.sum(dim=2)  # [B, G, c, n]

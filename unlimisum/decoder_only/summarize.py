@@ -3,13 +3,15 @@
 The Summarizer (unlimisum/summarizer.py) hands documents here when its model is decoder-only. A
 summary is what the model generates after the prompt; per chapter, each chapter gets a prompt of
 its own (and is read again: unlike an encoder's states, a decoder's keys depend on the prompt
-around the text).
+around the text). The evidence pass reads the returned summary once more after the prompt, all its
+tokens at once, each retrieving its own far tokens as it did while being generated, and keeps per
+summary token the prompt positions its attention went to (sinks, far tokens, the local window).
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -24,37 +26,49 @@ from unlimisum.errors import EmptyDocumentError
 from unlimisum.models import LoadedModel
 from unlimisum.events import ProgressEvent
 from unlimisum.results import EMPTY_SUMMARY, GenerationProgress, Summary, SummaryStats, peak_rss_bytes
-from unlimisum import coverage
+from unlimisum import coverage, evidence
 from unlimisum.coverage import chapter_token_ranges
+from unlimisum.models import compat
 from unlimisum.unlimiformer.placement import storage_dtype
+from unlimisum.unlimiformer.retrieval import EvidenceCollector
+
+# summary tokens read at a time by the evidence pass: each brings its own far tokens ([G, k, D] per layer)
+EVIDENCE_CHUNK = 64
 
 
 class DecoderOnlySummarizer:
     """Summarizes documents with a loaded decoder-only model; see ``Summarizer`` for the options."""
 
     def __init__(self, loaded: LoadedModel, *, window: int | None, index: IndexConfig, retrieval_k: int | None,
-                 generation: GenerationOptions, decoder: DecoderOnlyConfig, prompt: PromptConfig, progress):
+                 generation: GenerationOptions, decoder: DecoderOnlyConfig, prompt: PromptConfig, progress,
+                 evidence: bool = True, evidence_passages: int = evidence.DEFAULT_PASSAGES):
         self.loaded, self.index, self.generation = loaded, index, generation
         self.decoder, self.prompt, self.progress = decoder, prompt, progress
+        self.evidence, self.evidence_passages = evidence, evidence_passages
         self.max_positions = loaded.architecture.max_positions(loaded.model.config)
         self.window = window if window is not None else default_window(self.max_positions)
         self.retrieval_k = retrieval_k if retrieval_k is not None else default_retrieval_k(self.window)
 
     def summarize(self, document: Document, *, per_chapter: bool = False) -> Summary:
         """The whole document's summary; with ``per_chapter`` one per chapter too, each from its own prompt."""
-        whole = self.summarize_text(document.text, document.title, document.source, document)
-        chapters = [chapter for chapter in document.chapters if chapter.text.strip()]
+        whole = self.summarize_text(document.text, document.title, document.source, document, quoted=(document, 0))
+        starts = evidence.chapter_starts(document)
+        chapters = [(chapter, start) for chapter, start in zip(document.chapters, starts) if chapter.text.strip()]
         if not per_chapter or len(chapters) < 2:
             return whole
         parts = []
-        for number, chapter in enumerate(chapters):
+        for number, (chapter, start) in enumerate(chapters):
             self.progress(ProgressEvent("chapter", number, len(chapters), chapter.title, {"titles": [chapter.title]}))
-            parts.append(self.summarize_text(chapter.text, chapter.title, document.source))
-        self.progress(ProgressEvent("chapter", len(chapters), len(chapters), chapters[-1].title, {"titles": []}))
+            parts.append(self.summarize_text(chapter.text, chapter.title, document.source, quoted=(document, start)))
+        self.progress(ProgressEvent("chapter", len(chapters), len(chapters), chapters[-1][0].title, {"titles": []}))
         return replace(whole, chapters=tuple(parts))
 
-    def summarize_text(self, text: str, title: str, source: str, document: Document | None = None) -> Summary:
-        """One summary: of ``document`` (coverage by its chapters) or of a chapter's text (coverage by windows)."""
+    def summarize_text(self, text: str, title: str, source: str, document: Document | None = None, *,
+                       quoted: tuple[Document, int] | None = None) -> Summary:
+        """One summary: of ``document`` (coverage by its chapters) or of a chapter's text (coverage by windows).
+
+        ``quoted``: the document evidence quotes from and where ``text`` starts in its text (None: no evidence).
+        """
         if not text.strip():
             raise EmptyDocumentError("there is no text to summarize", source=source)
         loaded, name = self.loaded, title or source
@@ -67,14 +81,15 @@ class DecoderOnlySummarizer:
         on_cuda = loaded.device.type == "cuda"
         if on_cuda:
             torch.cuda.reset_peak_memory_stats(loaded.device)
-        output, cache, mass, seconds = self._read_and_generate(prompt, plan, name)
-        seconds = dict(tokenize=tokenized - started, **seconds)
+        run = self._read_and_generate(prompt, plan, name, quoted is not None)
+        output, mass, token_mass = run.output, run.mass, run.token_mass
+        seconds = dict(tokenize=tokenized - started, **run.seconds)
         generated = output[0, prompt.n_tokens:]
         special = set(loaded.tokenizer.all_special_ids)
         stats = SummaryStats(
             model=loaded.name, input_tokens=prompt.n_tokens, windows=-(-(prompt.n_tokens - 1) // plan.window),
             window=plan.window, index_kind="kv-store", index_device=_device_name(plan),
-            retrieval_k=plan.retrieval_k, datastore_bytes=cache.store_bytes,
+            retrieval_k=plan.retrieval_k, datastore_bytes=run.store_bytes,
             generated_tokens=sum(t not in special for t in generated.tolist()), timings=seconds,
             peak_rss_bytes=peak_rss_bytes(), peak_gpu_bytes=torch.cuda.max_memory_allocated(loaded.device) if on_cuda
             else None, model_dtype=str(loaded.dtype).removeprefix("torch."),
@@ -89,9 +104,12 @@ class DecoderOnlySummarizer:
             sections = [(chapter.title, chapter.start, chapter.end) for chapter in chapters]
         else:
             sections = windows
+        found = ()
+        if token_mass is not None and summary_text:
+            found = self._evidence(summary_text, generated.tolist(), token_mass, prompt, quoted, len(text))
         return Summary(text=summary_text, title=title, source=source, stats=stats, token_ids=tuple(generated.tolist()),
                        coverage=coverage.spans(text_mass, sections), window_coverage=coverage.spans(text_mass, windows),
-                       warnings=() if summary_text else (EMPTY_SUMMARY,))
+                       warnings=() if summary_text else (EMPTY_SUMMARY,), evidence=found)
 
     def plan(self, prompt: Prompt) -> RetrievalPlan:
         """The retrieval plan of one prompt: window, sinks, k, position regime, where the store lives."""
@@ -107,8 +125,8 @@ class DecoderOnlySummarizer:
             values_device=values_device,
         )
 
-    def _read_and_generate(self, prompt: Prompt, plan: RetrievalPlan, name: str):
-        """(output ids [1, N + T], the cache, attention mass per stored prompt token, seconds per stage)."""
+    def _read_and_generate(self, prompt: Prompt, plan: RetrievalPlan, name: str, with_evidence: bool) -> "_Run":
+        """Read the prompt, generate after it and, ``with_evidence``, read the summary once more (evidence pass)."""
         model, architecture = self.loaded.model, self.loaded.architecture
         options = self.generation
         kwargs = options.to_generate_kwargs()
@@ -118,6 +136,7 @@ class DecoderOnlySummarizer:
         if getattr(model.generation_config, "pad_token_id", None) is None:
             kwargs.setdefault("pad_token_id", tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                               else tokenizer.eos_token_id)
+        with_evidence = with_evidence and self.evidence
         n_read = prompt.n_tokens - 1
         chunks = -(-n_read // plan.window)
         info = {"tokens": n_read, "window": plan.window}
@@ -125,19 +144,70 @@ class DecoderOnlySummarizer:
         progress = GenerationProgress(lambda written: self.progress(ProgressEvent("generate", written, total, name)),
                                        tokenizer.all_special_ids)
         started = time.perf_counter()
+        token_mass = None
         with torch.inference_mode(), reading.session(model, architecture, plan) as cache:
             self.progress(ProgressEvent("prefill", 0, chunks, name, info))
             reading.prefill(model, cache, prompt.ids[:-1], on_chunk=lambda done: self.progress(
                 ProgressEvent("prefill", -(-done // plan.window), chunks, name, info)))
             cache.finish_prefill()
+            cache.mark()
             read_at = time.perf_counter()
             mass = torch.zeros(n_read, device=self.loaded.device)
-            cache.set_coverage(mass)
+            cache.set_coverage(None if with_evidence else mass)  # with evidence: counted by its pass
             self.progress(ProgressEvent("generate", 0, total, name))
             output = reading.generate(model, cache, prompt.ids, stopping_criteria=[progress], **kwargs)
+            generated_at = time.perf_counter()
+            if with_evidence:
+                mass, token_mass = self._reread(cache, output[0], n_read)
         finished = time.perf_counter()
-        seconds = {"prefill": read_at - started, "generate": finished - read_at, "search": cache.search_seconds}
-        return output, cache, mass, seconds
+        seconds = {"prefill": read_at - started, "generate": generated_at - read_at, "search": cache.search_seconds}
+        if with_evidence:
+            seconds["evidence"] = finished - generated_at
+        return _Run(output, mass, token_mass, seconds, cache.store_bytes)
+
+    def _reread(self, cache, row: torch.Tensor, n_read: int) -> tuple[torch.Tensor, evidence.TokenMass]:
+        """The evidence pass over the returned sequence ``row`` [N + T] (prompt, then summary): (coverage [n_read]
+        of the positions that wrote the summary, TokenMass with row t for summary token t, in prompt positions)."""
+        model = self.loaded.model
+        inputs = row[n_read:-1]  # the prompt's last token, then the summary but its last: position t writes token t
+        steps = inputs.shape[0]
+        pieces = list(range(0, steps, EVIDENCE_CHUNK))
+        collector = EvidenceCollector([torch.ones(min(EVIDENCE_CHUNK, steps - start), dtype=torch.bool)
+                                       for start in pieces], [n_read] * len(pieces))
+        cache.rewind()
+        argument = compat.cache_argument(model)
+        device = next(model.parameters()).device
+        for number, start in enumerate(pieces):
+            cache.set_evidence(lambda positions, mass, number=number: collector.add(number, positions, mass))
+            ids = inputs[start:start + EVIDENCE_CHUNK].unsqueeze(0).to(device)
+            positions = torch.arange(n_read + start, n_read + start + ids.shape[1], device=device).unsqueeze(0)
+            model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1, **{argument: cache})
+        cache.set_evidence(None)
+        results = [collector.results(number) for number in range(len(pieces))]
+        if not results:
+            return torch.zeros(n_read), evidence.TokenMass(torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, 0))
+        positions = torch.cat([result[0] for result in results])
+        mass = torch.cat([result[1] for result in results])
+        covered = torch.stack([result[2] for result in results]).sum(dim=0)
+        return covered, evidence.TokenMass(positions, mass)
+
+    def _evidence(self, text: str, ids: list[int], token_mass: evidence.TokenMass, prompt: Prompt,
+                  quoted: tuple[Document, int], length: int) -> tuple[evidence.SentenceEvidence, ...]:
+        """The summary's evidence: prompt positions made text positions (the template's own tokens left out),
+        the text's token ends (``length`` characters in all) made characters of the quoted document's text."""
+        document, offset = quoted
+        n_text = prompt.text_end - prompt.text_start
+        positions = token_mass.positions - prompt.text_start
+        inside = (positions >= 0) & (positions < n_text)
+        token_mass = evidence.TokenMass(positions.clamp(0, max(0, n_text - 1)), token_mass.mass * inside)
+        if prompt.text_token_ends is not None:
+            ends = [offset + end for end in prompt.text_token_ends]
+        else:  # a tokenizer without offsets: the text's characters in proportion
+            ends = [offset + round((i + 1) / n_text * length) for i in range(n_text)]
+        tokenizer = self.loaded.tokenizer
+        return evidence.build(text, ids, lambda part: tokenizer.decode(part, skip_special_tokens=True),
+                              set(tokenizer.all_special_ids), token_mass, document, ends, n_text,
+                              self.evidence_passages)
 
     @staticmethod
     def _text_mass(mass: torch.Tensor, prompt: Prompt) -> torch.Tensor:
@@ -145,6 +215,17 @@ class DecoderOnlySummarizer:
         text = mass[prompt.text_start:prompt.text_end].double().cpu()
         missing = (prompt.text_end - prompt.text_start) - text.shape[0]
         return torch.cat([text, text.new_zeros(missing)]) if missing > 0 else text
+
+
+@dataclass(frozen=True)
+class _Run:
+    """What reading a prompt and generating after it gave."""
+
+    output: torch.Tensor  # [1, N + T] ids: the prompt, then the summary
+    mass: torch.Tensor  # [N - 1] attention mass per stored prompt token (the evidence pass's, when it ran)
+    token_mass: evidence.TokenMass | None  # per summary token, from the evidence pass; None: it did not run
+    seconds: dict  # per stage
+    store_bytes: int  # the stored prompt's keys and values
 
 
 def _device_name(plan: RetrievalPlan) -> str:
