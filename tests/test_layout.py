@@ -92,3 +92,17 @@ def test_the_checker_sees_every_kind_of_import(tmp_path):
                       "def f():\n    from unlimisum.cli import app\n    import unlimisum.runs.runner\n")
     found = [name for name, _ in imports(sample, "unlimisum.runs.sample")]
     assert found == ["unlimisum.coverage", "unlimisum.runs.output", "unlimisum.cli", "unlimisum.runs.runner"]
+
+
+def test_no_merge_conflict_markers_are_left_in_the_sources_or_docs():
+    """A merge once left its ``<<<<<<<``/``>>>>>>>`` lines in BENCHMARKS.md; none may land again."""
+    root = PACKAGE.parent
+    files = [root / name for name in ("README.md", "BENCHMARKS.md", "pyproject.toml")]
+    for folder in ("unlimisum", "tests", "bench", "docs", ".ci"):
+        files += [path for path in (root / folder).rglob("*") if path.is_file() and path.suffix in
+                  {".py", ".md", ".toml", ".txt", ".cfg", ".yaml", ".yml", ""} and "fixtures" not in path.parts]
+    markers = ("<<<<<<< ", ">>>>>>> ")
+    found = [f"{path.relative_to(root)}:{number}" for path in files
+             for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+             if line.startswith(markers)]
+    assert not found, "merge conflict markers: " + ", ".join(found)
