@@ -55,8 +55,9 @@ def kernel(request, monkeypatch):
     layout = request.param.endswith("tokens-major")
     fused = not request.param.endswith("bmm-gather")
     monkeypatch.setattr(kernels, "kernel_for",
-                        lambda *args: dataclasses.replace(real(*args), tokens_major=layout, block_rows=384,
-                                                           dense_block_rows=300, fused_gather=fused))
+                        lambda *args, **kwargs: dataclasses.replace(real(*args, **kwargs), tokens_major=layout,
+                                                                    block_rows=384, dense_block_rows=300,
+                                                                    fused_gather=fused))
     monkeypatch.setattr(kernels, "GATHER_ROWS", 700)
     return name
 
@@ -266,6 +267,33 @@ def test_fused_gather_equals_the_gathered_rows_bmm(dtype):
     assert (wrong.double() - expected).abs().max() > 10 * atol
     empty = kernels.gathered_attention(states, ids[:, :0], weights[:, :0], widen=False)
     assert empty.shape == (7, 40) and (empty == 0).all()
+
+
+def test_the_calibration_times_on_a_stores_own_rows_where_it_has_enough(monkeypatch):
+    """No synthetic store beside a real one (its bytes were the calibration's largest temporary): the first
+    ``rows`` of the store are read in place, unless too few, of another dtype, or beyond fp16's range where
+    the packed race would copy them."""
+    generator = torch.Generator().manual_seed(0)
+    device = torch.device("cpu")
+    store = torch.randn(3000, 64).bfloat16()
+    picked = kernels._calibration_states(store, 2048, 64, torch.bfloat16, device, generator)
+    assert picked.shape == (2048, 64) and picked.data_ptr() == store.data_ptr()
+    for sample in (store[:1000], store.half(), None):
+        other = kernels._calibration_states(sample, 2048, 64, torch.bfloat16, device, generator)
+        assert other.shape == (2048, 64) and other.dtype == torch.bfloat16
+        assert sample is None or other.data_ptr() != sample.data_ptr()
+    if packing.available():
+        huge = store.clone()
+        huge[5, 3] = 1e6  # beyond fp16: the packed race could not copy these rows
+        assert kernels._calibration_states(huge, 2048, 64, torch.bfloat16, device, generator).data_ptr() != \
+            huge.data_ptr()
+    seen = []
+    monkeypatch.setattr(kernels, "_CALIBRATED", {})
+    monkeypatch.setattr(kernels, "calibrate", lambda *args, sample=None, **kwargs: seen.append(sample) or
+                        kernels.KernelChoice("native", 512, False, 1e-9, 1e-9))
+    built = build(clustered_states(3000, 64), config=IndexConfig(storage_dtype="bfloat16"))
+    built.kernel()
+    assert seen and seen[0] is built.states()
 
 
 def test_dense_attention_over_an_empty_store_is_zero():

@@ -145,7 +145,8 @@ class TorchExactDatastore(Datastore):
 
     def kernel(self) -> kernels.KernelChoice:
         """The measured kernel choice for this store's device, dtype and width."""
-        return kernels.kernel_for(self._states.device, self.storage_dtype, self.dim)
+        # the first calibration of the process times on this store's own rows where it has enough
+        return kernels.kernel_for(self._states.device, self.storage_dtype, self.dim, sample=self._states)
 
     def prepare(self) -> None:
         self.packed()  # calibrates the kernels first (once per process), then packs when that kernel was chosen

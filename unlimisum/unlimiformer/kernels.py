@@ -115,24 +115,28 @@ def forced_kernel() -> str | None:
     return value or None
 
 
-def kernel_for(device: torch.device, dtype: torch.dtype, dim: int) -> KernelChoice:
-    """The calibrated choice for this device, dtype and width (measured on first use, then reused)."""
+def kernel_for(device: torch.device, dtype: torch.dtype, dim: int, sample: torch.Tensor | None = None) -> KernelChoice:
+    """The calibrated choice for this device, dtype and width (measured on first use, then reused).
+
+    ``sample``: a store's states [N, dim] the first measurement may time on instead of a synthetic store
+    of its own (see ``calibrate``)."""
     key = (str(device), dtype, dim, forced_kernel())
     if key not in _CALIBRATED:
-        _CALIBRATED[key] = calibrate(device, dtype, dim, force=forced_kernel())
+        _CALIBRATED[key] = calibrate(device, dtype, dim, force=forced_kernel(), sample=sample)
     return _CALIBRATED[key]
 
 
 def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str | None = None,
-              rows: int = CALIBRATION_ROWS) -> KernelChoice:
+              rows: int = CALIBRATION_ROWS, sample: torch.Tensor | None = None) -> KernelChoice:
     """Time the score kernels and their block sizes, the one-pass dense attention, a gather and a dense
-    values pass on a synthetic store, and choose the kernel whose scores and dense pass cost least."""
+    values pass on a store of ``rows`` states, and choose the kernel whose scores and dense pass cost least.
+
+    The store is the first ``rows`` of ``sample`` (a real store's states, read in place) when it has that
+    many in this dtype and device, all within fp16's range (the packed race copies them); else a synthetic
+    one, allocated for the calibration (``rows`` x ``dim`` 16-bit numbers beside the real store)."""
     device = torch.device(device)
     generator = torch.Generator(device="cpu").manual_seed(0)
-    states = torch.empty(rows, dim, dtype=dtype, device=device)  # [rows, d], filled in parts: a float32 one
-    for start in range(0, rows, CALIBRATION_FILL_ROWS):  # at once would be twice the 16-bit store's bytes
-        part = states[start:start + CALIBRATION_FILL_ROWS]
-        part.copy_(torch.randn(part.shape, generator=generator))
+    states = _calibration_states(sample, rows, dim, dtype, device, generator)  # [rows, d]
     queries = torch.randn(CALIBRATION_QUERIES, dim, generator=generator).to(device)  # [nq, d] fp32
     sixteen_bit = dtype != torch.float32
     can_pack = sixteen_bit and device.type == "cpu" and packing.available()
@@ -214,6 +218,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
     measured = ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in timings.items()
                          if seconds < float("inf"))
     unavailable = " (packed unavailable here)" if force == "packed" and not can_pack else ""
+    _SCRATCH.buffers = {}  # the races' widened blocks (up to 24 MiB): the chosen kernel makes its own again
     reason = (f"{kernel} scores{' (forced)' if force else ''}{unavailable}, blocks of {block:,} rows (dense attention "
               f"{dense_block:,}); measured on {rows:,} x {dim} {str(dtype)[6:]} for {CALIBRATION_QUERIES} queries: "
               f"{measured}{verdict}")
@@ -222,6 +227,21 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
         gather_row_cost=costs["gather"] / ids.numel(), dense_row_cost=costs["dense values"] / dense_rows,
         reason=reason, dense_block_rows=dense_block, fallback=fallback, fused_gather=fused_gather,
     )
+
+
+def _calibration_states(sample: torch.Tensor | None, rows: int, dim: int, dtype: torch.dtype, device: torch.device,
+                        generator: torch.Generator) -> torch.Tensor:
+    """[rows, dim] states to time on: ``sample``'s first rows where they serve, else random ones."""
+    usable = (sample is not None and sample.dim() == 2 and sample.shape[0] >= rows and sample.shape[1] == dim
+              and sample.dtype == dtype and sample.device == device)
+    packed_race = dtype == torch.bfloat16 and device.type == "cpu" and packing.available()
+    if usable and (not packed_race or packing.packable(sample[:rows])):
+        return sample[:rows]
+    states = torch.empty(rows, dim, dtype=dtype, device=device)  # filled in parts: a float32 one
+    for start in range(0, rows, CALIBRATION_FILL_ROWS):  # at once would be twice the 16-bit store's bytes
+        part = states[start:start + CALIBRATION_FILL_ROWS]
+        part.copy_(torch.randn(part.shape, generator=generator))
+    return states
 
 
 def choose_scores(cost: dict[str, float]) -> tuple[str, str]:
