@@ -215,52 +215,95 @@ def test_no_sample_searches_greedily_where_the_checkpoint_samples(sampling_dir, 
 FAR = dict(encoding=EncodingConfig(window=32), index=IndexConfig(storage_dtype="float32"), generation=GREEDY)
 
 
-@pytest.mark.parametrize("family", ["qwen2", "gemma2"])
-def test_the_evidence_pass_retrieves_what_generation_did(family, tmp_path):
-    """k=8 of ~600 far tokens: the summary read again at once, each of its tokens choosing its own far tokens,
-    draws the same mass per prompt token as generation did step by step (coverage equal); sharing one far set
-    between the pass's tokens would not. Gemma 2's sliding layers are rewound to the prompt's end first."""
-    loaded = load_model(ModelConfig(name=str(build_tiny_decoder_dir(tmp_path, family)), device="cpu"))
-    counted = {}
-    for with_evidence in (False, True):
+def summaries_by_path(loaded, **options):
+    """The same summary three ways: no evidence (coverage counted while generating), evidence recorded while
+    generating (one row), and evidence from the reread pass (forced, as after beam search)."""
+    from unlimisum.decoder_only.summarize import DecoderOnlySummarizer
+
+    def run(with_evidence: bool, reread: bool):
         summarizer = Summarizer(loaded, **FAR, retrieval=RetrievalConfig(retrieval_k=8, evidence=with_evidence))
-        counted[with_evidence] = summarizer.summarize(BOOK)
-    during, after = counted[False], counted[True]
-    assert after.token_ids == during.token_ids and len(after.token_ids) >= 2
-    assert not during.evidence and "evidence" not in during.stats.timings and "evidence" in after.stats.timings
+        original = DecoderOnlySummarizer._rereads
+        DecoderOnlySummarizer._rereads = (lambda self, kwargs: True) if reread else original
+        try:
+            return summarizer.summarize(BOOK, **options)
+        finally:
+            DecoderOnlySummarizer._rereads = original
+
+    return run(False, False), run(True, False), run(True, True)
+
+
+def shares(summary, spans: str = "window_coverage") -> torch.Tensor:
+    return torch.tensor([span.share for span in getattr(summary, spans)])
+
+
+@pytest.mark.parametrize("family", ["qwen2", "gemma2"])
+def test_evidence_recorded_while_generating_equals_the_reread_pass(family, tmp_path):
+    """k=8 of ~600 far tokens. Recorded while generating (each step its own token's attention) and read again
+    after the prompt at once (each token choosing its own far tokens), the evidence and the coverage are the
+    same, and the coverage is what generation counts without evidence. Gemma 2's sliding layers must be
+    rewound to the prompt's end for the reread (it fails without that)."""
+    loaded = load_model(ModelConfig(name=str(build_tiny_decoder_dir(tmp_path, family)), device="cpu"))
+    during, recorded, reread = summaries_by_path(loaded)
+    assert recorded.token_ids == reread.token_ids == during.token_ids and len(during.token_ids) >= 2
+    assert not during.evidence and "evidence" not in during.stats.timings and "evidence" in reread.stats.timings
     for spans in ("coverage", "window_coverage"):
-        shares = [[span.share for span in getattr(summary, spans)] for summary in (during, after)]
-        torch.testing.assert_close(torch.tensor(shares[1]), torch.tensor(shares[0]), rtol=1e-4, atol=1e-6)
-    assert max(span.share for span in during.window_coverage) < 0.9  # spread over many windows: retrieval mattered
-    if after.text:
-        check_records(after, BOOK)
+        torch.testing.assert_close(shares(recorded, spans), shares(during, spans), rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(shares(reread, spans), shares(during, spans), rtol=1e-4, atol=1e-6)
+    assert shares(during).max() < 0.9  # spread over many windows: retrieval mattered
+    assert [e.sentence for e in recorded.evidence] == [e.sentence for e in reread.evidence]
+    for ours, theirs in zip(recorded.evidence, reread.evidence):
+        assert [(s.chapter_index, s.start_char, s.end_char) for s in ours.sources] == \
+            [(s.chapter_index, s.start_char, s.end_char) for s in theirs.sources]
+        torch.testing.assert_close(torch.tensor([s.share for s in ours.sources]),
+                                   torch.tensor([s.share for s in theirs.sources]), rtol=1e-4, atol=1e-5)
+    if recorded.text:
+        check_records(recorded, BOOK)
 
 
-def test_the_evidence_pass_with_one_far_set_for_all_its_tokens_differs(chat_model, monkeypatch):
-    """The test above can fail: the pass's tokens sharing one far set (generation's single-step rule) give
-    other masses."""
+def test_a_reread_pass_with_one_far_set_for_all_its_tokens_differs(chat_model, monkeypatch):
+    """The test above can fail: the reread pass's tokens sharing one far set (a generation step's rule for its
+    rows) give other masses."""
     from unlimisum.decoder_only import cache as cache_module
+    from unlimisum.decoder_only.summarize import DecoderOnlySummarizer
 
     reference = Summarizer(chat_model, **FAR, retrieval=RetrievalConfig(retrieval_k=8, evidence=False)).summarize(BOOK)
     real = cache_module.RetrievalLayer._decode_far
     monkeypatch.setattr(cache_module.RetrievalLayer, "_decode_far",
                         lambda self, q, start, end, per_query=False: real(self, q, start, end, False))
     monkeypatch.setattr(cache_module.RetrievalLayer, "_add_evidence", _evidence_of_shared_far_set)
+    monkeypatch.setattr(DecoderOnlySummarizer, "_rereads", lambda self, kwargs: True)
     shared = Summarizer(chat_model, **FAR, retrieval=RetrievalConfig(retrieval_k=8)).summarize(BOOK)
-    got = torch.tensor([span.share for span in shared.window_coverage])
-    expected = torch.tensor([span.share for span in reference.window_coverage])
-    assert (got - expected).abs().max() > 1e-3
+    assert (shares(shared) - shares(reference)).abs().max() > 1e-3
 
 
-def _evidence_of_shared_far_set(self, mass, sink_end, far_ids, far_start, first_local, prompt):
+def _evidence_of_shared_far_set(self, mass, first, sink_end, far_ids, far_start, first_local, prompt):
     sinks, far, local = (part[0] for part in mass[:3])  # [G, C, n]
     queries = sinks.shape[1]
     span = lambda a, b: torch.arange(a, b).expand(queries, -1)  # noqa: E731
     far_positions = (span(far_start, far_start + far.shape[-1]) if far_ids is None else
-                     far_ids[0].unsqueeze(1).expand(-1, queries, -1).permute(1, 0, 2).reshape(queries, -1))
+                     far_ids[0].expand(-1, queries, -1).permute(1, 0, 2).reshape(queries, -1))  # [G, 1, k]: one set
     far_mass = far.sum(dim=0) if far_ids is None else far.permute(1, 0, 2).reshape(queries, -1)
-    self.evidence(torch.cat([span(0, sink_end), far_positions, span(first_local, prompt)], dim=1),
+    self.evidence(first, torch.cat([span(0, sink_end), far_positions, span(first_local, prompt)], dim=1),
                   torch.cat([sinks.sum(dim=0), far_mass, local.sum(dim=0)], dim=1))
+
+
+def test_with_beams_decoder_only_evidence_comes_from_the_reread_pass(chat_model, monkeypatch):
+    """Beam search runs several rows, none of them the returned sequence throughout: the evidence and coverage
+    come from reading the returned summary again; greedy search records them while generating (no reread)."""
+    from unlimisum.decoder_only.summarize import DecoderOnlySummarizer
+
+    calls = []
+    real = DecoderOnlySummarizer._reread
+    monkeypatch.setattr(DecoderOnlySummarizer, "_reread", lambda self, *args: calls.append(1) or real(self, *args))
+    beams = GenerationOptions(max_new_tokens=10, do_sample=False, num_beams=2)
+    summary = Summarizer(chat_model, encoding=FAR["encoding"], index=FAR["index"], generation=beams,
+                         retrieval=RetrievalConfig(retrieval_k=8)).summarize(BOOK)
+    assert calls and abs(sum(span.share for span in summary.coverage) - 1) < 1e-9
+    if summary.text:
+        check_records(summary, BOOK)
+    calls.clear()
+    Summarizer(chat_model, **FAR, retrieval=RetrievalConfig(retrieval_k=8)).summarize(BOOK)
+    assert not calls
 
 
 def test_decoder_only_evidence_per_chapter_quotes_each_chapter_from_its_own_prompt(chat_model):

@@ -57,9 +57,11 @@ class RetrievalLayer(CacheLayerMixin):
         self.tail_keys = self.tail_values = None  # [B, G, T, D] in the model's dtype
         self.prompt_window = None  # (keys, values) [G, W, D] of the prompt's window while generating, post-rotary
         self.coverage: torch.Tensor | None = None  # [N] fp32, set by the caller: attention mass while generating
-        # the evidence pass (set by the caller): every query selects its own far tokens, and
-        # evidence(positions [C, M], mass [C, M]) gets each query's attention per prompt position (row 0 only)
+        # evidence (set by the caller, one row only): every query selects its own far tokens, and
+        # evidence(first, positions [C, M], mass [C, M]) gets each query's attention per prompt position;
+        # ``first``: the call's first query, counted from the first token after the stored prompt
         self.evidence = None
+        self.evidence_skipped = False  # a call of several rows came while evidence was set: not recorded
         self.search_seconds = 0.0
         self.choice: kernels.KernelChoice | None = None
         self.updated: torch.Tensor | None = None  # the keys of this call, set by update(), taken by attend()
@@ -237,6 +239,8 @@ class RetrievalLayer(CacheLayerMixin):
 
         started = time.perf_counter()
         per_query = self.evidence is not None
+        if per_query and q.shape[0] != 1:  # several rows (beams, several sequences): the reread pass keeps it
+            self.evidence_skipped, per_query = True, False
         far_part, far_ids = self._decode_far(q_far, far_start, far_end, per_query)
         self.search_seconds += time.perf_counter() - started
         parts = [
@@ -250,7 +254,9 @@ class RetrievalLayer(CacheLayerMixin):
         mass = [] if self.coverage is not None or per_query else None
         out = attend(q, parts, scaling, softcap, mass, per_query_mass=per_query)
         if per_query:
-            self._add_evidence(mass, sink_end, far_ids, far_start, first_local, prompt)
+            if far_ids is not None and far_ids.dim() == 3:  # [B, G, k]: one query's
+                far_ids = far_ids.unsqueeze(2)
+            self._add_evidence(mass, tail - n_queries, sink_end, far_ids, far_start, first_local, prompt)
         elif mass is not None:
             self._add_coverage(mass, sink_end, far_ids, first_local, prompt)
         return out
@@ -264,7 +270,7 @@ class RetrievalLayer(CacheLayerMixin):
         if far_end - far_start <= plan.retrieval_k:
             return Part(keys.to(self.device), values.to(self.device), "shared", queries=q_far), None
         b, heads, group, n_queries, dim = q_far.shape
-        if per_query:
+        if per_query and n_queries > 1:  # one query selects as a generation step does: the path below
             rows = q_far.permute(0, 3, 1, 2, 4).reshape(b * n_queries, heads, group, dim).to(keys.device)
             ids = selection.decode_ids(keys, rows.float(), plan.retrieval_k, self.choice)  # [B*C, G, k]
             ids = ids.view(b, n_queries, heads, -1)  # [B, C, G, k]
@@ -289,9 +295,10 @@ class RetrievalLayer(CacheLayerMixin):
         self.coverage[first_local:prompt] += local.sum(dim=(0, 1))
 
 
-    def _add_evidence(self, mass, sink_end: int, far_ids, far_start: int, first_local: int, prompt: int) -> None:
+    def _add_evidence(self, mass, first: int, sink_end: int, far_ids, far_start: int, first_local: int,
+                      prompt: int) -> None:
         """Each query's attention per prompt position (sinks, far tokens, the prompt's window; not the
-        generated tail), summed over heads, handed to ``evidence`` as positions and mass [C, M] (row 0)."""
+        generated tail), summed over heads, handed to ``evidence`` as positions and mass [C, M]."""
         sinks, far, local = (part[0] for part in mass[:3])  # [G, C, n]: summed over the query heads
         queries = sinks.shape[1]
 
@@ -303,7 +310,7 @@ class RetrievalLayer(CacheLayerMixin):
         else:  # [G, C, k] ids and mass: each KV head's own
             far_positions = far_ids[0].permute(1, 0, 2).reshape(queries, -1)
             far_mass = far.permute(1, 0, 2).reshape(queries, -1)
-        self.evidence(torch.cat([span(0, sink_end), far_positions, span(first_local, prompt)], dim=1),
+        self.evidence(first, torch.cat([span(0, sink_end), far_positions, span(first_local, prompt)], dim=1),
                       torch.cat([sinks.sum(dim=0), far_mass, local.sum(dim=0)], dim=1))
 
 
@@ -338,10 +345,16 @@ class RetrievalCache(Cache):
             layer.coverage = coverage
 
     def set_evidence(self, evidence) -> None:
-        """The evidence pass: ``evidence(positions [C, M], mass [C, M])`` receives, for each full layer, each
-        query's attention per prompt position, and every query selects its own far tokens; None: off."""
+        """Evidence, for one row (greedy search or sampling, or the reread pass): ``evidence(first, positions
+        [C, M], mass [C, M])`` receives, for each full layer, each query's attention per prompt position, and
+        every query selects its own far tokens; None: off."""
         for layer in self.retrieval_layers:
-            layer.evidence = evidence
+            layer.evidence, layer.evidence_skipped = evidence, False
+
+    @property
+    def evidence_skipped(self) -> bool:
+        """Whether a forward of several rows ran while evidence was set (it was not recorded)."""
+        return any(layer.evidence_skipped for layer in self.retrieval_layers)
 
     def mark(self) -> None:
         """Remember the state after the prompt was read, for ``rewind`` (the sliding layers' windows)."""

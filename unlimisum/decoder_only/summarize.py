@@ -3,9 +3,10 @@
 The Summarizer (unlimisum/summarizer.py) hands documents here when its model is decoder-only. A
 summary is what the model generates after the prompt; per chapter, each chapter gets a prompt of
 its own (and is read again: unlike an encoder's states, a decoder's keys depend on the prompt
-around the text). The evidence pass reads the returned summary once more after the prompt, all its
-tokens at once, each retrieving its own far tokens as it did while being generated, and keeps per
-summary token the prompt positions its attention went to (sinks, far tokens, the local window).
+around the text). Evidence keeps per summary token the prompt positions its attention went to (sinks,
+far tokens, the local window): recorded while generate() writes one row (greedy search, sampling), or,
+after beam search, by a reread pass over the returned summary, all its tokens at once after the prompt,
+each retrieving its own far tokens as it did while being generated.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from unlimisum.decoder_only.plan import (
     RetrievalPlan, default_retrieval_k, default_window, plan_retrieval, store_bytes_per_token, store_devices,
 )
 from unlimisum.decoder_only.prompting import Prompt, build_prompt
+from unlimisum.decoder_only.token_mass import TokenMassRecorder, rows_per_forward
 from unlimisum.document import Document
 from unlimisum.errors import EmptyDocumentError
 from unlimisum.models import LoadedModel
@@ -30,9 +32,8 @@ from unlimisum import coverage, evidence
 from unlimisum.coverage import chapter_token_ranges
 from unlimisum.models import compat
 from unlimisum.unlimiformer.placement import storage_dtype
-from unlimisum.unlimiformer.retrieval import EvidenceCollector
 
-# summary tokens read at a time by the evidence pass: each brings its own far tokens ([G, k, D] per layer)
+# summary tokens read at a time by the reread pass at most: each brings its own far tokens ([G, k, D] per layer)
 EVIDENCE_CHUNK = 64
 
 
@@ -153,43 +154,50 @@ class DecoderOnlySummarizer:
             cache.mark()
             read_at = time.perf_counter()
             mass = torch.zeros(n_read, device=self.loaded.device)
-            cache.set_coverage(None if with_evidence else mass)  # with evidence: counted by its pass
+            rereads = with_evidence and self._rereads(kwargs)
+            record = TokenMassRecorder(n_read) if with_evidence else None
+            cache.set_coverage(None if with_evidence else mass)  # with evidence: counted with it
+            cache.set_evidence(record.add if with_evidence and not rereads else None)
             self.progress(ProgressEvent("generate", 0, total, name))
             output = reading.generate(model, cache, prompt.ids, stopping_criteria=[progress], **kwargs)
+            rereads = rereads or (with_evidence and cache.evidence_skipped)  # generate() ran several rows
+            cache.set_evidence(None)
             generated_at = time.perf_counter()
+            if rereads:
+                record = TokenMassRecorder(n_read)
+                self._reread(cache, output[0], n_read, record)
             if with_evidence:
-                mass, token_mass = self._reread(cache, output[0], n_read)
+                mass, token_mass = record.results(output.shape[1] - prompt.n_tokens)
         finished = time.perf_counter()
         seconds = {"prefill": read_at - started, "generate": generated_at - read_at, "search": cache.search_seconds}
         if with_evidence:
             seconds["evidence"] = finished - generated_at
         return _Run(output, mass, token_mass, seconds, cache.store_bytes)
 
-    def _reread(self, cache, row: torch.Tensor, n_read: int) -> tuple[torch.Tensor, evidence.TokenMass]:
-        """The evidence pass over the returned sequence ``row`` [N + T] (prompt, then summary): (coverage [n_read]
-        of the positions that wrote the summary, TokenMass with row t for summary token t, in prompt positions)."""
+    def _rereads(self, kwargs: dict) -> bool:
+        """Whether evidence needs the reread pass: with beams (or several sequences) the rows generate() runs
+        are not the returned sequence's; one row (greedy search, sampling) is recorded while it is generated,
+        each step its own token's. (A search that runs several rows otherwise is caught by the cache.)"""
+        config = self.loaded.model.generation_config
+        rows = [kwargs.get(name, getattr(config, name, 1)) for name in ("num_beams", "num_return_sequences")]
+        return any((value or 1) > 1 for value in rows)
+
+    def _reread(self, cache, row: torch.Tensor, n_read: int, record: TokenMassRecorder) -> None:
+        """The reread pass over the returned sequence ``row`` [N + T] (prompt, then summary), into ``record``:
+        back at the prompt's end, the summary is read up to EVIDENCE_CHUNK tokens at a time, each token retrieving
+        its own far tokens; row t is the position that wrote summary token t."""
         model = self.loaded.model
         inputs = row[n_read:-1]  # the prompt's last token, then the summary but its last: position t writes token t
-        steps = inputs.shape[0]
-        pieces = list(range(0, steps, EVIDENCE_CHUNK))
-        collector = EvidenceCollector([torch.ones(min(EVIDENCE_CHUNK, steps - start), dtype=torch.bool)
-                                       for start in pieces], [n_read] * len(pieces))
         cache.rewind()
+        cache.set_evidence(record.add)
         argument = compat.cache_argument(model)
         device = next(model.parameters()).device
-        for number, start in enumerate(pieces):
-            cache.set_evidence(lambda positions, mass, number=number: collector.add(number, positions, mass))
-            ids = inputs[start:start + EVIDENCE_CHUNK].unsqueeze(0).to(device)
+        chunk = rows_per_forward(n_read, EVIDENCE_CHUNK)
+        for start in range(0, inputs.shape[0], chunk):
+            ids = inputs[start:start + chunk].unsqueeze(0).to(device)
             positions = torch.arange(n_read + start, n_read + start + ids.shape[1], device=device).unsqueeze(0)
             model(input_ids=ids, position_ids=positions, use_cache=True, logits_to_keep=1, **{argument: cache})
         cache.set_evidence(None)
-        results = [collector.results(number) for number in range(len(pieces))]
-        if not results:
-            return torch.zeros(n_read), evidence.TokenMass(torch.zeros(0, 0, dtype=torch.long), torch.zeros(0, 0))
-        positions = torch.cat([result[0] for result in results])
-        mass = torch.cat([result[1] for result in results])
-        covered = torch.stack([result[2] for result in results]).sum(dim=0)
-        return covered, evidence.TokenMass(positions, mass)
 
     def _evidence(self, text: str, ids: list[int], token_mass: evidence.TokenMass, prompt: Prompt,
                   quoted: tuple[Document, int], length: int) -> tuple[evidence.SentenceEvidence, ...]:
