@@ -276,17 +276,18 @@ def test_the_calibration_times_on_a_stores_own_rows_where_it_has_enough(monkeypa
     generator = torch.Generator().manual_seed(0)
     device = torch.device("cpu")
     store = torch.randn(3000, 64).bfloat16()
-    picked = kernels._calibration_states(store, 2048, 64, torch.bfloat16, device, generator)
+    pick = lambda sample: kernels._calibration_states(sample, 2048, 64, torch.bfloat16, device, generator,  # noqa: E731
+                                                      packing.available())
+    picked = pick(store)
     assert picked.shape == (2048, 64) and picked.data_ptr() == store.data_ptr()
     for sample in (store[:1000], store.half(), None):
-        other = kernels._calibration_states(sample, 2048, 64, torch.bfloat16, device, generator)
+        other = pick(sample)
         assert other.shape == (2048, 64) and other.dtype == torch.bfloat16
         assert sample is None or other.data_ptr() != sample.data_ptr()
     if packing.available():
         huge = store.clone()
         huge[5, 3] = 1e6  # beyond fp16: the packed race could not copy these rows
-        assert kernels._calibration_states(huge, 2048, 64, torch.bfloat16, device, generator).data_ptr() != \
-            huge.data_ptr()
+        assert pick(huge).data_ptr() != huge.data_ptr()
     seen = []
     monkeypatch.setattr(kernels, "_CALIBRATED", {})
     monkeypatch.setattr(kernels, "calibrate", lambda *args, sample=None, **kwargs: seen.append(sample) or

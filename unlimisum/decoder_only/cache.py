@@ -294,7 +294,6 @@ class RetrievalLayer(CacheLayerMixin):
             self.coverage.index_add_(0, far_ids.reshape(-1), far.reshape(-1))
         self.coverage[first_local:prompt] += local.sum(dim=(0, 1))
 
-
     def _add_evidence(self, mass, first: int, sink_end: int, far_ids, far_start: int, first_local: int,
                       prompt: int) -> None:
         """Each query's attention per prompt position (sinks, far tokens, the prompt's window; not the

@@ -155,9 +155,9 @@ class DecoderOnlySummarizer:
             read_at = time.perf_counter()
             mass = torch.zeros(n_read, device=self.loaded.device)
             rereads = with_evidence and self._rereads(kwargs)
-            record = TokenMassRecorder(n_read) if with_evidence else None
+            record = TokenMassRecorder(n_read) if with_evidence and not rereads else None  # recorded while generating
             cache.set_coverage(None if with_evidence else mass)  # with evidence: counted with it
-            cache.set_evidence(record.add if with_evidence and not rereads else None)
+            cache.set_evidence(record.add if record is not None else None)
             self.progress(ProgressEvent("generate", 0, total, name))
             output = reading.generate(model, cache, prompt.ids, stopping_criteria=[progress], **kwargs)
             rereads = rereads or (with_evidence and cache.evidence_skipped)  # generate() ran several rows

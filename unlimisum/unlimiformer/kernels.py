@@ -136,10 +136,10 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
     one, allocated for the calibration (``rows`` x ``dim`` 16-bit numbers beside the real store)."""
     device = torch.device(device)
     generator = torch.Generator(device="cpu").manual_seed(0)
-    states = _calibration_states(sample, rows, dim, dtype, device, generator)  # [rows, d]
-    queries = torch.randn(CALIBRATION_QUERIES, dim, generator=generator).to(device)  # [nq, d] fp32
     sixteen_bit = dtype != torch.float32
     can_pack = sixteen_bit and device.type == "cpu" and packing.available()
+    states = _calibration_states(sample, rows, dim, dtype, device, generator, can_pack)  # [rows, d]
+    queries = torch.randn(CALIBRATION_QUERIES, dim, generator=generator).to(device)  # [nq, d] fp32
     plain = {kernel: KernelChoice(kernel, BLOCK_CHOICES[1], False, 0.0, 0.0) for kernel in SCORE_KERNELS}
     score_runs = {f"float32/{block}": (lambda b=block: float32_scores(states, queries, b)) for block in BLOCK_CHOICES}
     if sixteen_bit:
@@ -230,12 +230,12 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
 
 
 def _calibration_states(sample: torch.Tensor | None, rows: int, dim: int, dtype: torch.dtype, device: torch.device,
-                        generator: torch.Generator) -> torch.Tensor:
-    """[rows, dim] states to time on: ``sample``'s first rows where they serve, else random ones."""
+                        generator: torch.Generator, can_pack: bool) -> torch.Tensor:
+    """[rows, dim] states to time on: ``sample``'s first rows where they serve (within fp16's range where the
+    packed kernel races, ``can_pack``), else random ones."""
     usable = (sample is not None and sample.dim() == 2 and sample.shape[0] >= rows and sample.shape[1] == dim
               and sample.dtype == dtype and sample.device == device)
-    packed_race = dtype == torch.bfloat16 and device.type == "cpu" and packing.available()
-    if usable and (not packed_race or packing.packable(sample[:rows])):
+    if usable and (not can_pack or packing.packable(sample[:rows])):
         return sample[:rows]
     states = torch.empty(rows, dim, dtype=dtype, device=device)  # filled in parts: a float32 one
     for start in range(0, rows, CALIBRATION_FILL_ROWS):  # at once would be twice the 16-bit store's bytes
