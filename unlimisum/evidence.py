@@ -56,6 +56,10 @@ class SentenceEvidence:
     start: int  # character offsets of the sentence in the summary text
     end: int
     sources: tuple[Source, ...]
+    # How much the sentence depends on its listed passages: the drop in its log-probability per token (nats)
+    # when they are hidden from retrieval, the summary before it as written. Near 0: the passages did not carry
+    # it (check it first). None: not measured (no passages, or the ablation pass was not run).
+    support: float | None = None
 
 
 @dataclass(frozen=True)
