@@ -26,6 +26,9 @@ DEFAULT_PASSAGES = 3  # passages kept per sentence (--evidence-passages)
 PASSAGE_RADIUS = 16  # tokens each side of a peak that its passage spans (then widened to whole words)
 MAX_QUOTE_CHARS = 300  # a longer passage is quoted up to here, with an ellipsis
 _WORD_SLACK = 24  # characters a passage may widen by to start and end on whole words
+# A sentence whose support (nats per token lost when its passages are hidden) is below this was not carried by
+# them: the one a reader should check first.
+WEAK_SUPPORT_NATS = 0.1
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,11 @@ class SentenceEvidence:
     # when they are hidden from retrieval, the summary before it as written. Near 0: the passages did not carry
     # it (check it first). None: not measured (no passages, or the ablation pass was not run).
     support: float | None = None
+
+
+def weakly_supported(sentence: SentenceEvidence) -> bool:
+    """The sentence's listed passages barely carried it (support measured and under WEAK_SUPPORT_NATS)."""
+    return sentence.support is not None and sentence.support < WEAK_SUPPORT_NATS
 
 
 @dataclass(frozen=True)
