@@ -2,13 +2,21 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never touch the network
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Tests compare against float32 references on every CPU: --dtype auto must not pick bfloat16 on CPUs with
 # bf16 units (tests/test_precision.py covers that choice itself).
 os.environ["UNLIMISUM_CPU_BFLOAT16"] = "0"
+# What unlimisum measures once per machine (unlimisum/measurements.py) goes to a folder of this test session,
+# shared with the processes the tests start (the first one measures, the others reuse), never ~/.cache.
+_MEASUREMENTS = tempfile.mkdtemp(prefix="unlimisum-test-cache-")
+os.environ["UNLIMISUM_CACHE_HOME"] = _MEASUREMENTS
+atexit.register(shutil.rmtree, _MEASUREMENTS, ignore_errors=True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

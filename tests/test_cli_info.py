@@ -36,7 +36,7 @@ def test_json_report_with_a_plan_from_a_local_model_config(info, tiny_model_dir)
     result = info("--json", "--tokens", 5000, "-m", tiny_model_dir("bart"))
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert set(report) == {"versions", "devices", "faiss", "models", "plan"}
+    assert set(report) == {"versions", "devices", "faiss", "models", "plan", "measurements"}
     assert report["versions"]["torch"] == torch.__version__
     assert report["devices"]["cuda_available"] == torch.cuda.is_available()
     assert report["models"]["hf_hub_offline"] is True
@@ -168,3 +168,25 @@ def test_available_offline_counts_the_checkpoint_and_the_tokenizer_it_needs(info
     assert available.endswith("yes") if not missing else "summarize will fail" in available
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     assert ("downloaded on first use" in info().stdout) == bool(missing)
+
+
+def test_info_lists_what_was_measured_on_this_machine_and_how_to_measure_again(info, monkeypatch, tmp_path):
+    from unlimisum.models import precision
+
+    monkeypatch.setenv("UNLIMISUM_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("UNLIMISUM_CPU_BFLOAT16")  # --dtype auto measures
+    precision._cpu_speedup.cache_clear()
+    try:
+        first = json.loads(info("--json").stdout)["measurements"]
+        names = [entry["name"] for entry in first["entries"]]
+        assert names == ["cpu bfloat16 speedup"] and first["file"] == str(tmp_path / "measurements.json")
+        when = first["entries"][0]["measured_at"]
+        plain = info().stdout
+        assert "measured on this machine" in plain and "cpu bfloat16 speedup" in plain
+        assert "unlimisum info --remeasure" in plain and str(tmp_path) in plain
+        precision._cpu_speedup.cache_clear()  # a new process: the measurement is read back, not made again
+        assert json.loads(info("--json").stdout)["measurements"]["entries"][0]["measured_at"] == when
+        again = json.loads(info("--json", "--remeasure").stdout)["measurements"]["entries"]
+        assert [entry["name"] for entry in again] == ["cpu bfloat16 speedup"]  # forgotten, then measured anew
+    finally:
+        precision._cpu_speedup.cache_clear()

@@ -269,7 +269,7 @@ def test_fused_gather_equals_the_gathered_rows_bmm(dtype):
     assert empty.shape == (7, 40) and (empty == 0).all()
 
 
-def test_the_calibration_times_on_a_stores_own_rows_where_it_has_enough(monkeypatch):
+def test_the_calibration_times_on_a_stores_own_rows_where_it_has_enough(monkeypatch, tmp_path):
     """No synthetic store beside a real one (its bytes were the calibration's largest temporary): the first
     ``rows`` of the store are read in place, unless too few, of another dtype, or beyond fp16's range where
     the packed race would copy them."""
@@ -289,6 +289,7 @@ def test_the_calibration_times_on_a_stores_own_rows_where_it_has_enough(monkeypa
         huge[5, 3] = 1e6  # beyond fp16: the packed race could not copy these rows
         assert pick(huge).data_ptr() != huge.data_ptr()
     seen = []
+    monkeypatch.setenv("UNLIMISUM_CACHE_HOME", str(tmp_path))  # nothing measured on this machine yet
     monkeypatch.setattr(kernels, "_CALIBRATED", {})
     monkeypatch.setattr(kernels, "calibrate", lambda *args, sample=None, **kwargs: seen.append(sample) or
                         kernels.KernelChoice("native", 512, False, 1e-9, 1e-9))

@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "unlimisum"
 
 # Top-down: each unit may import only those before it (README, "How it works").
 ORDER = [
-    "version", "errors", "config", "files", "document", "events", "coverage", "evidence", "results",
+    "version", "errors", "config", "files", "measurements", "document", "events", "coverage", "evidence", "results",
     "ingest", "models", "tensor_cache", "unlimiformer", "decoder_only", "summarizer", "training",
     "diagnostics", "runs", "cli",
 ]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from tests.test_needle import FIXTURE, GENERATION, make_input
@@ -14,19 +15,64 @@ CPU = torch.device("cpu")
 
 def test_auto_is_bfloat16_only_where_measured_faster(monkeypatch):
     monkeypatch.delenv("UNLIMISUM_CPU_BFLOAT16", raising=False)
-    monkeypatch.setattr(precision, "cpu_bfloat16_speedup", lambda: 2.6)
+    monkeypatch.setattr(precision, "cpu_speedup", lambda dtype: 2.6)
     fast = precision.choose_auto_dtype(CPU)
     assert fast.dtype == torch.bfloat16 and "2.6x faster" in fast.reason
-    monkeypatch.setattr(precision, "cpu_bfloat16_speedup", lambda: 0.4)
+    monkeypatch.setattr(precision, "cpu_speedup", lambda dtype: 0.4)
     slow = precision.choose_auto_dtype(CPU)
-    assert slow.dtype == torch.float32 and "0.4x" in slow.reason
+    assert slow.dtype == torch.float32 and "0.40x" in slow.reason
     monkeypatch.setenv("UNLIMISUM_CPU_BFLOAT16", "1")
     assert precision.choose_auto_dtype(CPU).dtype == torch.bfloat16
 
 
-def test_the_measurement_is_a_positive_ratio():
-    precision.cpu_bfloat16_speedup.cache_clear()
-    assert precision.cpu_bfloat16_speedup() > 0
+def test_the_measurement_is_a_positive_ratio(monkeypatch, tmp_path):
+    monkeypatch.setenv("UNLIMISUM_CACHE_HOME", str(tmp_path))
+    precision._cpu_speedup.cache_clear()
+    try:
+        assert precision.cpu_bfloat16_speedup() > 0
+    finally:
+        precision._cpu_speedup.cache_clear()
+
+
+def fake_timer(seconds: dict[str, float], calls: list[str]):
+    """A timer for measurements.race that says each candidate (told apart by the dtype of what it returns) took
+    ``seconds[dtype]``, and notes each call in ``calls``; the candidate itself runs (it is a small matmul)."""
+    def timer(run):
+        name = str(run().dtype).removeprefix("torch.")
+        calls.append(name)
+        return seconds[name]
+    return timer
+
+
+def test_a_cpu_without_16_bit_units_is_settled_by_the_small_shape_with_one_16_bit_call():
+    calls = []
+    speedup, reason = precision.measure_cpu_speedup(torch.bfloat16, timer=fake_timer(
+        {"float32": 0.001, "bfloat16": 0.05}, calls), shapes=((4, 8, 8), (16, 8, 32)))
+    assert speedup == pytest.approx(0.02) and "[4x8]x[8x8]" in reason and "[16x8]" not in reason
+    assert calls.count("bfloat16") == 1  # the clear loser is called once; the larger shape never runs
+    assert calls.count("float32") >= 2
+
+
+def test_a_cpu_with_16_bit_units_is_measured_at_the_encoders_shape():
+    calls = []
+    speedup, reason = precision.measure_cpu_speedup(torch.bfloat16, timer=fake_timer(
+        {"float32": 0.003, "bfloat16": 0.001}, calls), shapes=((4, 8, 8), (16, 8, 32)))
+    assert speedup == pytest.approx(3.0) and "[16x8]x[8x32]" in reason
+
+
+def test_a_16_bit_dtype_asked_for_where_it_is_much_slower_gets_a_warning(monkeypatch):
+    monkeypatch.setattr(precision, "cpu_speedup", lambda dtype: 0.02)
+    choice = precision.check_asked_dtype(torch.bfloat16, CPU)
+    assert choice is not None and "50x slower than float32" in choice and "--dtype float32" in choice
+    assert precision.check_asked_dtype(torch.float32, CPU) is None
+    monkeypatch.setattr(precision, "cpu_speedup", lambda dtype: 2.0)
+    assert precision.check_asked_dtype(torch.float16, CPU) is None
+
+
+def test_load_model_carries_the_warning(monkeypatch):
+    monkeypatch.setattr(precision, "cpu_speedup", lambda dtype: 0.05)
+    loaded = load_model(ModelConfig(name=str(FIXTURE), device="cpu", dtype="bfloat16"))
+    assert loaded.dtype_warning and "20x slower" in loaded.dtype_warning
 
 
 def test_needle_answers_agree_in_bfloat16_and_float32():

@@ -27,7 +27,29 @@ def collect_report(tokens: int | None = None, model: str | None = None, index: I
         "faiss": collect_faiss(),
         "models": collect_models(model),
         "plan": collect_plan(tokens, model or DEFAULT_MODEL, index) if tokens is not None else None,
+        "measurements": collect_measurements(),  # last: what the sections above measured is listed too
     }
+
+
+def collect_measurements() -> dict:
+    """What unlimisum measured on this machine to choose its speed settings, when, and where it is kept."""
+    from unlimisum import measurements
+
+    store = measurements.default_store()
+    return {
+        "file": str(store.path),
+        "machine_key": store.key,
+        "entries": [{"name": m.name, "measured_at": m.measured_at, "seconds": round(m.seconds, 3), "reason": m.reason}
+                    for m in store.all()],
+        "remeasure": "unlimisum info --remeasure",
+    }
+
+
+def forget_measurements() -> int:
+    """Forget this machine's measurements (each is made again when next needed); how many there were."""
+    from unlimisum import measurements
+
+    return measurements.default_store().forget()
 
 
 def collect_versions() -> dict:

@@ -32,10 +32,20 @@ def info(
     index: Literal["auto", "exact", "ivf", "hnsw"] = typer.Option("auto", "--index", help="Index kind to plan for."),
     index_device: Literal["auto", "cpu", "gpu"] = typer.Option("auto", "--index-device", help="Index device to plan for."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    remeasure: bool = typer.Option(
+        False, "--remeasure", help="Forget what was measured on this machine to choose speed settings (the CPU "
+        "dtype, the retrieval kernel) and measure it again now (the kernel for --tokens N; others on next use).",
+    ),
 ) -> None:
-    """Show versions, devices, the Faiss build, where models are cached, and the index plan for N tokens."""
-    from unlimisum.diagnostics import collect_report
+    """Show versions, devices, the Faiss build, where models are cached, what was measured on this machine,
+    and the index plan for N tokens."""
+    from unlimisum.diagnostics import collect_report, forget_measurements
 
+    if remeasure:
+        forget_measurements()
+        from unlimisum.models import precision
+
+        precision._cpu_speedup.cache_clear()
     try:
         report = collect_report(tokens, model, IndexConfig(kind=index, device=index_device))
     except UnlimisumError as error:  # ConfigError among them
@@ -108,7 +118,20 @@ def render_report(report: dict) -> str:
                 *([("retrieval kernel", plan["retrieval_kernel"])] if plan.get("retrieval_kernel") else []),
             ]),
         ]
+    lines += _measurement_lines(report["measurements"])
     return "\n".join(lines)
+
+
+def _measurement_lines(found: dict) -> list[str]:
+    """``measured on this machine``: per speed choice measured, its name, when and what measuring took, then what
+    was timed and what won."""
+    lines = ["measured on this machine"]
+    for entry in found["entries"]:
+        when = entry["measured_at"].replace("T", " ")[:16]
+        lines += [f"  {entry['name']} ({when} UTC, took {entry['seconds']:.2f} s)", f"      {entry['reason']}"]
+    if not found["entries"]:
+        lines.append("  nothing yet (measured on first use, about a second)")
+    return lines + _rows([("kept in", found["file"]), ("measure again", found["remeasure"])])
 
 
 def _decoder_plan_lines(plan: dict, format_bytes) -> list[str]:

@@ -12,7 +12,7 @@ from unlimisum.models import checkpoint, weights
 from unlimisum.models.hub import Hub, HubUnavailable
 from unlimisum.models.architectures import Architecture, architecture_for
 from unlimisum.models.decoder_architectures import DecoderOnlyArchitecture
-from unlimisum.models.precision import DtypeChoice, choose_auto_dtype
+from unlimisum.models.precision import DtypeChoice, check_asked_dtype, choose_auto_dtype
 from unlimisum.config import ModelConfig
 from unlimisum.errors import ConfigError, ModelError, TokenizerError
 
@@ -31,6 +31,7 @@ class LoadedModel:
     fingerprint: str | None = None  # the revision: hub commit, or sizes and times of a local folder's files
     tokenizer_fingerprint: str | None = None  # a hash of the tokenizer's vocabulary, computed when first needed
     dtype_reason: str = ""  # why the weights are in their dtype ("auto: bfloat16, measured 2.4x faster...")
+    dtype_warning: str | None = None  # a 16-bit dtype asked for that was measured much slower here
 
     @property
     def device(self) -> torch.device:
@@ -88,10 +89,9 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 def _choose_dtype(name: str, device: torch.device) -> DtypeChoice:
     if name == "auto":
         return choose_auto_dtype(device)
-    try:
-        return DtypeChoice(_DTYPES[name], f"{name} as asked")
-    except KeyError:
-        raise ConfigError(f"unknown dtype '{name}'; use auto, float32, float16 or bfloat16") from None
+    if name not in _DTYPES:
+        raise ConfigError(f"unknown dtype '{name}'; use auto, float32, float16 or bfloat16")
+    return DtypeChoice(_DTYPES[name], f"{name} as asked", warning=check_asked_dtype(_DTYPES[name], device))
 
 
 def load_model(config: ModelConfig, progress: ProgressCallback | None = None) -> LoadedModel:
@@ -147,7 +147,8 @@ def load_model(config: ModelConfig, progress: ProgressCallback | None = None) ->
         raise ModelError(f"model '{config.name}' could not be loaded: {_first_line(error)}") from None
     fingerprint = checkpoint.fingerprint(location, None if location.is_local else files.folder.name)
     return LoadedModel(model=model, tokenizer=tokenizer, architecture=architecture, name=config.name,
-                       tokenizer_name=tokenizer_name, fingerprint=fingerprint, dtype_reason=dtype_choice.reason)
+                       tokenizer_name=tokenizer_name, fingerprint=fingerprint, dtype_reason=dtype_choice.reason,
+                       dtype_warning=dtype_choice.warning)
 
 
 def _fetch(hub: Hub, name: str, *, weights: bool) -> Path:

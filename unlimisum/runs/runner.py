@@ -211,6 +211,8 @@ class BatchRunner:
         self.reporter.model_loaded(loaded.name, str(loaded.device),
                                   f"{dtype}; {loaded.dtype_reason}" if loaded.dtype_reason else dtype,
                                   self.clock() - started)
+        if loaded.dtype_warning:
+            self.reporter.note(f"unlimisum: warning: {loaded.dtype_warning}")
         cache = None
         if settings.cache_dir is not None and loaded.is_decoder_only:
             self.reporter.note("unlimisum: note: --cache-dir keeps encoder states; a decoder-only model reads the "

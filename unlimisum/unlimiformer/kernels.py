@@ -28,13 +28,16 @@ Three score kernels, the same result within the documented precision:
 Which one runs, the block size, the layout the top-k is selected in ([nq, N] scores, or
 [N, nq] from ``states @ queries^T``, the faster matmul orientation on some CPUs), and when a
 dense pass beats gathering are measured on the machine that runs (``calibrate``, once per
-process, device, dtype and width, one to three seconds on two CPU cores), never assumed.
+machine, device, dtype and width, about a second on two CPU cores, then kept in the user's cache folder:
+unlimisum/measurements.py), never assumed; a kernel that loses by far (an emulated 16-bit matmul) is
+timed once, not in every race.
 The attention weights are the softmax of the kernel's scores in every path; the weighted sum
 of states runs in the storage dtype with the native kernel, in fp32 with the other two.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import threading
@@ -44,6 +47,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from unlimisum import measurements
 from unlimisum.unlimiformer import packed as packing
 from unlimisum.unlimiformer.packed import PackedStates
 
@@ -116,14 +120,38 @@ def forced_kernel() -> str | None:
 
 
 def kernel_for(device: torch.device, dtype: torch.dtype, dim: int, sample: torch.Tensor | None = None) -> KernelChoice:
-    """The calibrated choice for this device, dtype and width (measured on first use, then reused).
+    """The calibrated choice for this device, dtype and width: measured once per machine and kept in the user's
+    cache folder (unlimisum/measurements.py), then reused by every process.
 
     ``sample``: a store's states [N, dim] the first measurement may time on instead of a synthetic store
     of its own (see ``calibrate``)."""
     key = (str(device), dtype, dim, forced_kernel())
     if key not in _CALIBRATED:
-        _CALIBRATED[key] = calibrate(device, dtype, dim, force=forced_kernel(), sample=sample)
+        _CALIBRATED[key] = _remembered_choice(torch.device(device), dtype, dim, forced_kernel(), sample)
     return _CALIBRATED[key]
+
+
+def _remembered_choice(device: torch.device, dtype: torch.dtype, dim: int, force: str | None,
+                       sample: torch.Tensor | None) -> KernelChoice:
+    """This machine's kept calibration for (device, dtype, width, forced kernel), else ``calibrate`` now."""
+    where = "cpu" if device.type == "cpu" else f"{device.type} {_device_model(device)}"
+    name = f"retrieval kernel {where} {str(dtype).removeprefix('torch.')} d={dim}" + (f" {force} forced" if force else "")
+
+    def measure() -> tuple[dict, str]:
+        choice = calibrate(device, dtype, dim, force=force, sample=sample)
+        return dataclasses.asdict(choice), choice.reason
+
+    found = measurements.remembered(name, measure)
+    try:
+        return KernelChoice(**found.value)
+    except TypeError:  # an entry another release wrote: measured again, for this process
+        return calibrate(device, dtype, dim, force=force, sample=sample)
+
+
+def _device_model(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return str(device)
 
 
 def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str | None = None,
@@ -164,12 +192,19 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
         # on a quarter of the rows (times four): an emulated 16-bit dense pass can take a second at full size;
         # the native one at each block size (its speed depends on it as much as on the kernel: 2x on a Zen 4),
         # the float32 one at the block its scores were fastest with
-        dense_runs = {f"dense/native@{b}": (lambda c=KernelChoice("native", b, False, 0.0, 0.0):
-                                            dense_attention(quarter, queries, c)) for b in BLOCK_CHOICES}
-        dense_runs["dense/float32"] = lambda: dense_attention(quarter, queries, plain["float32"])
+        # the native kernel at one block size first: where it is emulated (no 16-bit units) it loses by far, and
+        # its other block sizes are not timed at all
+        dense_runs = {"dense/native@2048": lambda: dense_attention(quarter, queries, KernelChoice("native", 2_048, False,
+                                                                                             0.0, 0.0)),
+                      "dense/float32": lambda: dense_attention(quarter, queries, plain["float32"])}
         if quarter_packed is not None:
             dense_runs["dense/packed"] = lambda: dense_attention(quarter, queries, plain["packed"], packed=quarter_packed)
-        dense = {name: 4 * seconds for name, seconds in _race(dense_runs, device).items()}
+        dense = _race(dense_runs, device)
+        if dense["dense/native@2048"] <= measurements.GIVE_UP_FACTOR * min(dense.values()):
+            dense.update(_race({f"dense/native@{b}": (lambda c=KernelChoice("native", b, False, 0.0, 0.0):
+                                                      dense_attention(quarter, queries, c))
+                                for b in BLOCK_CHOICES if b != 2_048}, device))
+        dense = {name: 4 * seconds for name, seconds in dense.items()}
         dense["dense/native"] = min(seconds for name, seconds in dense.items() if name.startswith("dense/native@"))
         timings.update(dense)
         cost = {name: timings[score] + dense[f"dense/{name}"]
@@ -191,11 +226,11 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
         timings.update(layouts)
     # the one-pass dense attention's block: larger blocks pay fewer steps (a few small ops each), smaller ones
     # stay in cache; measured for the kernel chosen (for the packed kernel: for the float32 one that serves a
-    # store that is not packed)
+    # store that is not packed), on the quarter of the rows (larger than the caches too)
     blocked = fallback if kernel == "packed" else kernel
     blocks = _race({f"dense/{blocked}/{candidate}":
                     (lambda c=KernelChoice(blocked, block, tokens_major, 0.0, 0.0, dense_block_rows=candidate):
-                     dense_attention(states, queries, c)) for candidate in BLOCK_CHOICES}, device)
+                     dense_attention(quarter, queries, c)) for candidate in BLOCK_CHOICES}, device)
     timings.update(blocks)
     dense_block = min(BLOCK_CHOICES, key=lambda b: blocks[f"dense/{blocked}/{b}"])
     choice = KernelChoice(kernel, block, tokens_major, 0.0, 0.0, dense_block_rows=dense_block, fallback=fallback)
@@ -254,18 +289,10 @@ def choose_scores(cost: dict[str, float]) -> tuple[str, str]:
     return fallback, fallback
 
 
-def _race(runs: dict, device: torch.device, repeats: int = 3, give_up: float = 4.0) -> dict[str, float]:
-    """Best time of each run, measured in turns (a b c a b c ...) so that a busy moment of a shared
-    machine falls on all of them alike; after a second turn (the first one also warms up: buffers grow,
-    libraries load), a run already ``give_up`` times slower than the fastest is not repeated (its time
-    stays the slow one: it is not chosen)."""
-    best = {name: _timed(run, device) for name, run in runs.items()}
-    for turn in range(repeats):
-        leader = min(best.values())
-        for name, run in runs.items():
-            if turn == 0 or best[name] <= give_up * leader:
-                best[name] = min(best[name], _timed(run, device))
-    return best
+def _race(runs: dict, device: torch.device) -> dict[str, float]:
+    """Best time of each run, measured in turns (unlimisum/measurements.py ``race``): a run whose first call
+    already took four times the leader's best is not called again (its slow time stays: it is not chosen)."""
+    return measurements.race(runs, timer=lambda run: _timed(run, device))
 
 
 def _timed(run, device: torch.device) -> float:

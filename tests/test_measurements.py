@@ -1,0 +1,111 @@
+"""Speed choices measured once per machine and kept (unlimisum/measurements.py); races that stop early."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from unlimisum import measurements
+from unlimisum.measurements import Measurement, MeasurementStore, race, remembered
+from unlimisum.unlimiformer import kernels
+
+
+def test_a_race_calls_a_clear_loser_once_and_the_others_in_turns():
+    calls = []
+    seconds = {"fast": 0.01, "close": 0.015, "slow": 1.0}
+    timer = lambda run: calls.append(run()) or seconds[calls[-1]]  # noqa: E731
+    best = race({name: (lambda n=name: n) for name in seconds}, turns=3, timer=timer)
+    assert best == seconds
+    assert calls.count("slow") == 1
+    assert calls.count("fast") == 4 and calls.count("close") == 4
+
+
+def test_a_candidate_slow_only_on_its_first_call_is_timed_again():
+    calls = []
+    first = {"warming": True}
+
+    def timer(run):
+        name = run()
+        calls.append(name)
+        if name == "b" and first["warming"]:
+            first["warming"] = False
+            return 0.03  # 3x the leader on its first call (warming up): within the give-up factor
+        return {"a": 0.01, "b": 0.005}[name]
+
+    best = race({"a": lambda: "a", "b": lambda: "b"}, timer=timer)
+    assert min(best, key=best.get) == "b"
+
+
+def test_a_measurement_is_made_once_and_kept_for_the_next_process(tmp_path):
+    made = []
+    measure = lambda: made.append(1) or (2.5, "measured")  # noqa: E731
+    first = remembered("probe", measure, store=MeasurementStore(tmp_path / "m.json", key="machine-a"))
+    again = remembered("probe", measure, store=MeasurementStore(tmp_path / "m.json", key="machine-a"))
+    assert first.value == again.value == 2.5 and len(made) == 1
+    assert again.measured_at == first.measured_at and again.reason == "measured"
+
+
+def test_another_machine_measures_again(tmp_path):
+    made = []
+    measure = lambda: made.append(1) or (len(made), "measured")  # noqa: E731
+    remembered("probe", measure, store=MeasurementStore(tmp_path / "m.json", key="machine-a"))
+    other = remembered("probe", measure, store=MeasurementStore(tmp_path / "m.json", key="machine-b"))
+    assert other.value == 2 and len(made) == 2
+    data = json.loads((tmp_path / "m.json").read_text())
+    assert set(data) == {"machine-a", "machine-b"}  # the first machine's entry is kept beside the second's
+
+
+def test_the_key_names_the_instruction_settings(monkeypatch):
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    plain = measurements.machine_key()
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    assert measurements.machine_key() != plain
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 97)
+    identity = measurements.machine_identity()
+    assert identity["threads"] == "97" and identity["ATEN_CPU_CAPABILITY"] == "avx2" and identity["cpu"]
+
+
+def test_a_damaged_or_unwritable_file_costs_only_the_measurement(tmp_path):
+    path = tmp_path / "m.json"
+    path.write_text("{not json")
+    made = []
+    found = remembered("probe", lambda: made.append(1) or (1.0, "x"), store=MeasurementStore(path, key="k"))
+    assert found.value == 1.0 and made == [1]
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    store = MeasurementStore(blocked / "m.json", key="k")  # its folder is a file: nothing can be written
+    assert remembered("probe", lambda: (3.0, "x"), store=store).value == 3.0
+    assert remembered("probe", lambda: (4.0, "x"), store=store).value == 3.0  # kept in memory for the process
+
+
+def test_forget_drops_this_machines_measurements_only(tmp_path):
+    path = tmp_path / "m.json"
+    MeasurementStore(path, key="a").put(Measurement("x", 1, "2026-01-01T00:00:00+00:00", 0.1, ""))
+    MeasurementStore(path, key="b").put(Measurement("x", 2, "2026-01-01T00:00:00+00:00", 0.1, ""))
+    assert MeasurementStore(path, key="a").forget() == 1
+    assert MeasurementStore(path, key="a").all() == []
+    assert [m.value for m in MeasurementStore(path, key="b").all()] == [2]
+
+
+def test_the_store_follows_the_cache_home(monkeypatch, tmp_path):
+    monkeypatch.setenv("UNLIMISUM_CACHE_HOME", str(tmp_path / "here"))
+    assert measurements.default_store().path == tmp_path / "here" / "measurements.json"
+    monkeypatch.delenv("UNLIMISUM_CACHE_HOME")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert measurements.cache_home() == tmp_path / "xdg" / "unlimisum"
+
+
+def test_the_kernel_calibration_is_kept_per_machine(monkeypatch, tmp_path):
+    monkeypatch.setenv("UNLIMISUM_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("UNLIMISUM_SCORE_KERNEL", raising=False)
+    calibrated = []
+    real = kernels.calibrate
+    monkeypatch.setattr(kernels, "calibrate", lambda *a, **k: calibrated.append(1) or real(*a, **k, rows=2048))
+    monkeypatch.setattr(kernels, "_CALIBRATED", {})
+    first = kernels.kernel_for(torch.device("cpu"), torch.bfloat16, 32)
+    monkeypatch.setattr(kernels, "_CALIBRATED", {})  # a new process
+    again = kernels.kernel_for(torch.device("cpu"), torch.bfloat16, 32)
+    assert again == first and calibrated == [1]
+    names = [m.name for m in measurements.default_store().all()]
+    assert "retrieval kernel cpu bfloat16 d=32" in names

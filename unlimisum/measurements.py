@@ -1,0 +1,250 @@
+"""Speed choices measured once per machine, kept in the user's cache folder; races that stop early.
+
+unlimisum chooses its speed settings by measuring (the CPU dtype under ``--dtype auto``, the exact
+retrieval kernel and its block sizes), never by the CPU's name. Measuring costs a second at most, and
+only once per machine: what a measurement found is kept in ``measurements.json`` under the user's cache
+folder (``$UNLIMISUM_CACHE_HOME``, else ``$XDG_CACHE_HOME/unlimisum``, else ``~/.cache/unlimisum``), under
+a key naming the machine as the measurement saw it: CPU model and flags, torch release, threads, and the
+settings that change which CPU instructions the libraries use (``ATEN_CPU_CAPABILITY``,
+``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS``...). Another machine, another torch or another thread
+count measures again; ``unlimisum info`` lists what was measured and when, and ``unlimisum info
+--remeasure`` forgets it. A file that cannot be read or written only costs the measurement again: a
+choice of speed never fails a run.
+
+``race`` times candidates in turns and stops timing one as soon as it is clearly the loser, so that a
+candidate tens of times slower than the others (a 16-bit matmul on a CPU without 16-bit units) costs
+one call, not many.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import threading
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Mapping
+
+from unlimisum.files import atomic_write_bytes
+from unlimisum.version import __version__
+
+FILE_NAME = "measurements.json"
+# What an entry's value means changes with the code that measured it: entries of another format are ignored.
+FORMAT_VERSION = 1
+# Settings that change which instructions torch, oneDNN and MKL use: a measurement under one is not another's.
+INSTRUCTION_SETTINGS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
+                        "MKL_CBWR", "OMP_NUM_THREADS")
+# A race stops timing a candidate whose best time is this many times the leader's: it will not be chosen.
+GIVE_UP_FACTOR = 4.0
+
+Clock = Callable[[], float]
+
+
+def cache_home() -> Path:
+    """The user's cache folder for unlimisum: $UNLIMISUM_CACHE_HOME, else $XDG_CACHE_HOME/unlimisum, else
+    ~/.cache/unlimisum."""
+    explicit = os.environ.get("UNLIMISUM_CACHE_HOME", "").strip()
+    if explicit:
+        return Path(explicit).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "").strip()
+    return (Path(xdg).expanduser() if xdg else Path.home() / ".cache") / "unlimisum"
+
+
+def machine_identity() -> dict[str, str]:
+    """What a measurement depends on beside the code: the CPU, the torch build, its threads, the instruction
+    settings in the environment."""
+    import torch
+
+    cpu, flags = _cpu_description()
+    identity = {
+        "cpu": cpu,
+        "cpu_flags": hashlib.sha256(flags.encode()).hexdigest()[:16],
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "threads": str(torch.get_num_threads()),
+        "unlimisum": __version__,
+        "format": str(FORMAT_VERSION),
+    }
+    for name in INSTRUCTION_SETTINGS:
+        value = os.environ.get(name)
+        if value is not None:
+            identity[name] = value
+    return identity
+
+
+def machine_key(identity: Mapping[str, str] | None = None) -> str:
+    """A short digest of ``machine_identity()``: the key this machine's entries are kept under."""
+    fields = json.dumps(dict(identity or machine_identity()), sort_keys=True)
+    return hashlib.sha256(fields.encode()).hexdigest()[:20]
+
+
+def _cpu_description() -> tuple[str, str]:
+    """(CPU model name, its flags) from /proc/cpuinfo where there is one, else what platform says."""
+    name, flags = platform.processor() or platform.machine(), ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as file:
+            for line in file:
+                key, _, value = line.partition(":")
+                key = key.strip().lower()
+                if key in ("model name", "hardware", "cpu model") and name in ("", platform.machine(), platform.processor()):
+                    name = value.strip()
+                elif key in ("flags", "features") and not flags:
+                    flags = " ".join(sorted(value.split()))
+                if name and flags and key == "":
+                    break
+    except OSError:
+        pass
+    return name, flags
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One thing measured on this machine: its value, when, what it cost, and what was found."""
+
+    name: str  # e.g. "cpu-dtype", "kernel cpu bfloat16 768"
+    value: object  # plain JSON data
+    measured_at: str  # ISO 8601, UTC
+    seconds: float  # what measuring took
+    reason: str  # one line: what was timed and what won
+
+
+class MeasurementStore:
+    """``measurements.json`` in the cache folder: per machine key, the measurements made there.
+
+    Reads and writes never raise for a missing, unreadable or damaged file: the measurement is made again
+    (and kept in memory for the process). Writes are atomic and merge with what another process wrote.
+    """
+
+    def __init__(self, path: Path | None = None, key: str | None = None):
+        self.path = path if path is not None else cache_home() / FILE_NAME
+        self._key = self._explicit_key = key
+        self._lock = threading.Lock()
+        self._memory: dict[str, Measurement] = {}  # this process's own, also when the file is not writable
+
+    @property
+    def key(self) -> str:
+        if self._key is None:
+            self._key = machine_key()
+        return self._key
+
+    def get(self, name: str) -> Measurement | None:
+        """This machine's measurement ``name``, or None."""
+        if name in self._memory:
+            return self._memory[name]
+        entry = self._read().get(self.key, {}).get("measurements", {}).get(name)
+        measurement = _parse(name, entry)
+        if measurement is not None:
+            self._memory[name] = measurement
+        return measurement
+
+    def put(self, measurement: Measurement) -> None:
+        """Keep ``measurement`` for this machine (in memory at least)."""
+        with self._lock:
+            self._memory[measurement.name] = measurement
+            data = self._read()
+            entry = data.setdefault(self.key, {})
+            if self._explicit_key is None:  # what the key stands for, for a person reading the file
+                entry["machine"] = machine_identity()
+            entry.setdefault("measurements", {})[measurement.name] = {
+                "value": measurement.value, "measured_at": measurement.measured_at,
+                "seconds": measurement.seconds, "reason": measurement.reason,
+            }
+            self._write(data)
+
+    def all(self) -> list[Measurement]:
+        """This machine's measurements, oldest first."""
+        stored = self._read().get(self.key, {}).get("measurements", {})
+        found = {name: _parse(name, entry) for name, entry in stored.items()}
+        found.update(self._memory)
+        return sorted((m for m in found.values() if m is not None), key=lambda m: m.measured_at)
+
+    def forget(self) -> int:
+        """Drop this machine's measurements (they are made again when next needed); returns how many."""
+        with self._lock:
+            data = self._read()
+            dropped = len(data.pop(self.key, {}).get("measurements", {}))
+            dropped = max(dropped, len(self._memory))
+            self._memory.clear()
+            self._write(data)
+            return dropped
+
+    def _read(self) -> dict:
+        try:
+            data = json.loads(self.path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return {}
+        return data if isinstance(data, dict) else {}
+
+    def _write(self, data: dict) -> None:
+        try:
+            atomic_write_bytes(self.path, (json.dumps(data, indent=1, sort_keys=True) + "\n").encode("utf-8"))
+        except OSError:
+            pass  # kept in memory for this process; measured again by the next one
+
+
+def _parse(name: str, entry) -> Measurement | None:
+    if not isinstance(entry, dict) or "value" not in entry:
+        return None
+    try:
+        return Measurement(name, entry["value"], str(entry.get("measured_at", "")), float(entry.get("seconds", 0.0)),
+                           str(entry.get("reason", "")))
+    except (TypeError, ValueError):
+        return None
+
+
+_DEFAULT_STORE: MeasurementStore | None = None
+
+
+def default_store() -> MeasurementStore:
+    """The store in the user's cache folder (made on first use; follows UNLIMISUM_CACHE_HOME as it was then)."""
+    global _DEFAULT_STORE
+    if _DEFAULT_STORE is None or _DEFAULT_STORE.path != cache_home() / FILE_NAME:
+        _DEFAULT_STORE = MeasurementStore()
+    return _DEFAULT_STORE
+
+
+def remembered(name: str, measure: Callable[[], tuple[object, str]], *, store: MeasurementStore | None = None,
+               clock: Clock = time.perf_counter) -> Measurement:
+    """This machine's measurement ``name``: kept from an earlier run, else made now by ``measure()`` (which
+    returns the value, plain JSON data, and a one-line reason) and kept."""
+    store = store if store is not None else default_store()
+    found = store.get(name)
+    if found is not None:
+        return found
+    started = clock()
+    value, reason = measure()
+    measurement = Measurement(name, value, datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                              clock() - started, reason)
+    store.put(measurement)
+    return measurement
+
+
+def race(candidates: Mapping[str, Callable[[], object]], *, turns: int = 3, give_up: float = GIVE_UP_FACTOR,
+         clock: Clock = time.perf_counter, timer: Callable[[Callable[[], object]], float] | None = None,
+         ) -> dict[str, float]:
+    """The best time of each candidate, timed in turns (a b c a b c ...) so that a busy moment of a shared
+    machine falls on all alike. The first turn also warms up (buffers grow, kernels are picked), so every
+    candidate is called at least twice, except one whose first call already took ``give_up`` times the
+    leader's best: it is clearly the loser and is not called again. After that, a candidate ``give_up`` times
+    slower than the leader is not timed again. ``timer(run)``: seconds of one call (default: ``clock`` around
+    it); a candidate not timed again keeps its best (slow) time, so it is not chosen."""
+    timed = timer if timer is not None else (lambda run: _time_with(clock, run))
+    best: dict[str, float] = {}
+    for name, run in candidates.items():
+        best[name] = timed(run)
+    for turn in range(turns):
+        leader = min(best.values())
+        for name, run in candidates.items():
+            if best[name] <= give_up * leader:
+                best[name] = min(best[name], timed(run))
+    return best
+
+
+def _time_with(clock: Clock, run: Callable[[], object]) -> float:
+    started = clock()
+    run()
+    return clock() - started
