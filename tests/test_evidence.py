@@ -154,10 +154,10 @@ def test_with_beams_coverage_and_evidence_belong_to_the_returned_sequence(loaded
     summary = summarizer.summarize(document)
     family = summarizer.family
     encoded = family.encode(document)
-    reread = family.reread([encoded.store], torch.tensor([summary.token_ids]))
+    reading = family.read_summary(encoded.store, summary.token_ids)
     from unlimisum.coverage import spans
 
-    expected = spans(reread.coverage[0], [(c.title, c.start, c.end) for c in encoded.chapters])
+    expected = spans(reading.coverage, [(c.title, c.start, c.end) for c in encoded.chapters])
     assert [span.share for span in summary.coverage] == pytest.approx([span.share for span in expected], abs=1e-5)
     every_step = Summarizer(loaded, generation=beams, index=INDEX,
                             retrieval=RetrievalConfig(evidence=False)).summarize(document)
@@ -219,7 +219,9 @@ def test_cli_json_markdown_and_no_evidence(loader, tiny_model_dir, tmp_path):
             assert 1 <= len(sentence["sources"]) <= 2
             assert abs(sum(source["share"] for source in sentence["sources"]) - 1) < 1e-6
             for source in sentence["sources"]:
-                assert set(source) == {"chapter_index", "chapter", "start_char", "end_char", "share", "quote"}
+                assert set(source) == {"chapter_index", "chapter", "start_char", "end_char", "share", "quote",
+                                       "start_token", "end_token"}
+                assert 0 <= source["start_token"] < source["end_token"] <= record["stats"]["input_tokens"]
                 chapter = chapters[source["chapter_index"]]
                 assert chapter["title"] == source["chapter"]
                 assert chapter["text"][source["start_char"]:source["end_char"]].strip() == source["quote"]
@@ -260,28 +262,83 @@ def test_in_a_terminal_evidence_shows_each_sentence_with_its_passages(tiny_model
     assert "[^1]" in text  # the Markdown on stdout has its footnotes too
 
 
-def test_a_search_for_many_queries_rescores_in_bounded_blocks(monkeypatch):
-    """The evidence pass searches for every summary token at once: the exact rescoring gathers the top-k
-    states in blocks of queries, with the same result as all at once."""
+def _spy_gathers(monkeypatch, states):
+    """Record the row counts of every 2-D gather of rows out of ``states`` (``states[ids]`` with ids [nq, k] or
+    ids [n])."""
+    gathered = []
+    original = torch.Tensor.__getitem__
+
+    def spy(tensor, index):
+        if tensor.data_ptr() == states.data_ptr() and isinstance(index, torch.Tensor):
+            gathered.append(index.numel())
+        return original(tensor, index)
+
+    monkeypatch.setattr(torch.Tensor, "__getitem__", spy)
+    return gathered
+
+
+@pytest.mark.parametrize("kernel", ["float32", "packed"])
+def test_a_search_by_a_widening_kernel_returns_its_own_fp32_scores_without_gathering(monkeypatch, kernel):
+    """The float32 and packed kernels score in fp32 already: the evidence pass's many queries gather nothing."""
+    from unlimisum.unlimiformer import packed
+    from unlimisum.unlimiformer.datastore import TorchExactDatastore
+
+    if kernel == "packed" and not packed.available():
+        pytest.skip("this torch build has no fbgemm fp16 GEMM")
+    monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", kernel)
+    torch.manual_seed(0)
+    states = torch.randn(300, 16).to(torch.bfloat16)
+    store = TorchExactDatastore(states, "exact", "cpu", states.numel() * 2)
+    store.prepare()
+    queries = torch.randn(50, 16)
+    gathered = _spy_gathers(monkeypatch, states)
+    scores, ids = store.search(queries, 8)
+    monkeypatch.undo()
+    assert gathered == []
+    exact = torch.einsum("qkd,qd->qk", states[ids].float(), queries)
+    torch.testing.assert_close(scores, exact, rtol=1e-4, atol=1e-4)
+    assert (scores[:, :-1] >= scores[:, 1:]).all()
+
+
+def test_the_native_kernels_winners_are_rescored_reading_each_once_in_bounded_blocks(monkeypatch):
+    """The native kernel's scores are rounded to 16 bits: the winners are scored again in fp32, each distinct
+    state read once (blocks within RESCORE_BYTES), never queries x k x d at once."""
     from unlimisum.unlimiformer import datastore
     from unlimisum.unlimiformer.datastore import TorchExactDatastore
 
+    monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", "native")
     torch.manual_seed(0)
     states = torch.randn(300, 16).to(torch.bfloat16)
     store = TorchExactDatastore(states, "exact", "cpu", states.numel() * 2)
     queries = torch.randn(50, 16)
     whole = store.search(queries, 8)
-    gathered = []
-    original = torch.Tensor.__getitem__
-
-    def spy(tensor, index):
-        if tensor is states or (isinstance(index, torch.Tensor) and index.dim() == 2):
-            gathered.append(index.shape[0] if isinstance(index, torch.Tensor) else 0)
-        return original(tensor, index)
-
-    monkeypatch.setattr(datastore, "RESCORE_BYTES", 4 * 8 * 16 * 7)  # 7 queries' states at a time
-    monkeypatch.setattr(torch.Tensor, "__getitem__", spy)
+    monkeypatch.setattr(datastore, "RESCORE_BYTES", 4 * (50 + 16) * 20)  # 20 distinct states at a time
+    gathered = _spy_gathers(monkeypatch, states)
     blocked = store.search(queries, 8)
     monkeypatch.undo()
     assert torch.equal(whole[1], blocked[1]) and torch.allclose(whole[0], blocked[0])
-    assert gathered and max(gathered) <= 7
+    assert gathered and max(gathered) <= 20 and sum(gathered) == len(torch.unique(whole[1]))
+    exact = torch.einsum("qkd,qd->qk", states[whole[1]].float(), queries)
+    torch.testing.assert_close(whole[0], exact, rtol=1e-5, atol=1e-5)
+
+
+def test_an_approximate_search_for_many_queries_gathers_in_bounded_blocks(monkeypatch):
+    """HNSW and IVF score their candidates in fp32 by gathering them: in blocks of queries, so the evidence pass's
+    hundreds of queries do not hold queries x k x d fp32 numbers at once (#34: 3x the memory of exact)."""
+    from unlimisum.unlimiformer import datastore
+    from unlimisum.unlimiformer.datastore import DatastoreBuilder, plan_index
+
+    torch.manual_seed(0)
+    states = torch.randn(300, 16)
+    config = IndexConfig(kind="hnsw", device="cpu", storage_dtype="bfloat16")
+    builder = DatastoreBuilder(300, 16, plan_index(300, 16, config), config)
+    builder.add(states)
+    store = builder.finish()
+    queries = torch.randn(50, 16)
+    whole = store.search(queries, 8)
+    monkeypatch.setattr(datastore, "RESCORE_BYTES", 4 * 8 * 16 * 7)  # 7 queries' candidates at a time
+    gathered = _spy_gathers(monkeypatch, store.states())
+    blocked = store.search(queries, 8)
+    monkeypatch.undo()
+    assert torch.equal(whole[1], blocked[1]) and torch.allclose(whole[0], blocked[0])
+    assert gathered and max(gathered) <= 7 * 8

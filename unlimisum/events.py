@@ -12,8 +12,8 @@ from typing import Callable
 
 @dataclass(frozen=True)
 class ProgressEvent:
-    """One progress report: ``stage`` is download, cache, tokenize, encode, index, prefill, prepare, generate
-    or chapter.
+    """One progress report: ``stage`` is download, cache, tokenize, encode, index, prefill, prepare, generate,
+    evidence or chapter.
 
     ``download`` (loading a model whose files are not in the Hugging Face cache yet): ``completed`` of
     ``total`` bytes of the files being fetched, from 0 to ``total``; ``document`` is the repository,
@@ -29,6 +29,9 @@ class ProgressEvent:
     took; with one datastore, ``info["bytes"]`` is the store's own size.
     ``generate``: ``completed`` summary tokens written of at most ``total``; the last event's count is the
     summary's (for a batch, the longest one's).
+    ``evidence`` (after ``generate``, unless the evidence pass is off): 0 of ``total`` summaries of the batch,
+    then one more as each summary has been read again (its evidence) and its sentences read without their
+    passages (their support).
     ``chapter`` (``summarize(per_chapter=True)``, after the whole-document summary): before each
     batch of chapters, ``completed`` chapters of ``total`` are summarized and ``document`` is the
     title of the next one (``info["titles"]``: the titles of the batch, generated together from

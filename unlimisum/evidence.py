@@ -49,6 +49,8 @@ class Source:
     end_char: int
     share: float  # of the sentence's attention mass over its listed passages; a sentence's shares sum to 1
     quote: str  # the passage, at most MAX_QUOTE_CHARS (an ellipsis where cut)
+    start_token: int = 0  # the passage's input tokens [start_token, end_token) (of the whole document; for a
+    end_token: int = 0  # decoder-only model, of the document's text in the prompt): what the ablation hides
 
 
 @dataclass(frozen=True)
@@ -113,30 +115,47 @@ def token_ends_in_text(ids: Sequence[int], decode: Callable[[Sequence[int]], str
     return ends
 
 
+def sentence_rows(text: str, ids: Sequence[int], decode: Callable[[Sequence[int]], str], special_ids: set[int],
+                  n_rows: int) -> tuple[list[tuple[int, int]], list[list[int]]]:
+    """The sentences of ``text`` (character ranges) and, per sentence, the indices j into ``ids`` (the returned
+    sequence, ``text`` its decoding) of the summary tokens that wrote it: special tokens and rows from ``n_rows``
+    on belong to none."""
+    spans = sentences(text)
+    if not spans:
+        return [], []
+    ends = token_ends_in_text(ids, decode, text)
+    sentence_ends = [end for _, end in spans]
+    members: list[list[int]] = [[] for _ in spans]
+    for j, token in enumerate(ids):
+        if token in special_ids or j >= n_rows:
+            continue
+        members[min(len(spans) - 1, bisect_left(sentence_ends, ends[j]))].append(j)
+    return spans, members
+
+
+Support = Callable[[list[int], tuple["Source", ...]], "float | None"]
+
+
 def build(text: str, ids: Sequence[int], decode: Callable[[Sequence[int]], str], special_ids: set[int],
           token_mass: TokenMass, document: Document, token_ends: list[int] | None, n_tokens: int,
-          passages: int = DEFAULT_PASSAGES) -> tuple[SentenceEvidence, ...]:
+          passages: int = DEFAULT_PASSAGES, support: Support | None = None) -> tuple[SentenceEvidence, ...]:
     """The evidence of one summary.
 
     ``ids``: the returned sequence (``token_mass`` row j belongs to ids[j]); ``decode``: ids -> text
     without special tokens; ``token_ends``: each input token's end character in ``document.text`` (None: a
     slow tokenizer, positions mapped in proportion); ``n_tokens``: the document's input tokens.
+    ``support(rows, sources)``: the sentence's support (SentenceEvidence.support) given its summary tokens
+    (indices into ``ids``) and its passages; None: not measured.
     """
-    spans = sentences(text)
+    spans, members = sentence_rows(text, ids, decode, special_ids, token_mass.positions.shape[0])
     if not spans:
         return ()
-    ends = token_ends_in_text(ids, decode, text)
-    sentence_ends = [end for _, end in spans]
-    members: list[list[int]] = [[] for _ in spans]
-    for j, token in enumerate(ids):
-        if token in special_ids or j >= token_mass.positions.shape[0]:
-            continue
-        members[min(len(spans) - 1, bisect_left(sentence_ends, ends[j]))].append(j)
     mapper = _Mapper(document, token_ends, n_tokens)
     records = []
     for (start, end), rows in zip(spans, members):
         sources = mapper.passages(token_mass, rows, passages) if rows else ()
-        records.append(SentenceEvidence(text[start:end], start, end, sources))
+        measured = support(rows, sources) if support is not None and sources else None
+        records.append(SentenceEvidence(text[start:end], start, end, sources, measured))
     return tuple(records)
 
 
@@ -179,6 +198,15 @@ class _Mapper:
     def chapter_of(self, char: int) -> _Chapter:
         return self.chapters[max(0, bisect_right(self.chapter_starts, char) - 1)]
 
+    def token_range(self, chapter: _Chapter) -> tuple[int, int]:
+        """The input tokens [start, end) that ``chapter_of`` places in ``chapter`` (those whose last character
+        is in it): a passage never takes tokens of another chapter."""
+        number = self.chapters.index(chapter)
+        start = 0 if number == 0 else bisect_right(range(self.n_tokens), chapter.start, key=self.char_end)
+        if number + 1 == len(self.chapters):
+            return start, self.n_tokens
+        return start, bisect_right(range(self.n_tokens), self.chapters[number + 1].start, key=self.char_end)
+
     def passages(self, token_mass: TokenMass, rows: list[int], count: int) -> tuple[Source, ...]:
         """The ``count`` strongest passages the summary tokens ``rows`` attended to."""
         positions = token_mass.positions[rows].reshape(-1)
@@ -197,24 +225,25 @@ class _Mapper:
             peak = unique_list[peak_index]
             if any(a <= peak < b for a, b in taken):
                 continue
-            a, b = max(0, peak - PASSAGE_RADIUS), peak + PASSAGE_RADIUS + 1
+            chapter = self.chapter_of(max(0, self.char_end(peak) - 1))
+            first, last = self.token_range(chapter)  # the passage stays in its peak's chapter
+            a, b = max(first, peak - PASSAGE_RADIUS), min(last, peak + PASSAGE_RADIUS + 1)
             for t_start, t_end in taken:  # passages never overlap: the earlier, stronger one keeps its tokens
                 if t_end <= peak:
                     a = max(a, t_end)
                 elif t_start > peak:
                     b = min(b, t_start)
-            chapter = self.chapter_of(max(0, self.char_end(peak) - 1))
             start_char, end_char = self._chars(a, b, chapter)
             lo, hi = bisect_left(unique_list, a), bisect_left(unique_list, b)
             weight = sum(summed_list[lo:hi])
             taken.append((a, b))
             if end_char > start_char:
-                found.append((weight, chapter, start_char, end_char))
+                found.append((weight, chapter, start_char, end_char, a, b))
         found.sort(key=lambda item: -item[0])
         kept = found[:count]
         total = sum(weight for weight, *_ in kept)
-        return tuple(self._source(chapter, start, end, weight / total if total > 0 else 1 / len(kept))
-                     for weight, chapter, start, end in kept)
+        return tuple(self._source(chapter, start, end, weight / total if total > 0 else 1 / len(kept), a, b)
+                     for weight, chapter, start, end, a, b in kept)
 
     def _chars(self, a: int, b: int, chapter: _Chapter) -> tuple[int, int]:
         """Tokens [a, b) as characters of ``chapter``'s text, on whole words, whitespace trimmed."""
@@ -233,9 +262,10 @@ class _Mapper:
             end -= 1
         return start - chapter.start, end - chapter.start
 
-    def _source(self, chapter: _Chapter, start: int, end: int, share: float) -> Source:
+    def _source(self, chapter: _Chapter, start: int, end: int, share: float, first_token: int,
+                end_token: int) -> Source:
         passage = self.document.chapters[chapter.index].text[start:end]
-        return Source(chapter.index, chapter.title, start, end, share, quote(passage))
+        return Source(chapter.index, chapter.title, start, end, share, quote(passage), first_token, end_token)
 
 
 def quote(passage: str) -> str:

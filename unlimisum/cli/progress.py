@@ -418,6 +418,14 @@ class ProgressDisplay(DrawnOnLiveArea):
         packed = f": packed copies of the store made, {format_bytes(self._packed_bytes)}" if self._packed_bytes else ""
         self.log(f"retrieval prepared in {format_seconds(event.info.get('seconds', 0.0))}{packed}")
 
+    def _on_evidence(self, event: ProgressEvent) -> None:
+        """The evidence pass: each summary read again, then each sentence with its passages hidden."""
+        if event.completed == 0:
+            self._stage("finding evidence (reading the summary again, each sentence without its passages)",
+                        total=event.total if (event.total or 0) > 1 else None)
+            return
+        self._advance(event.completed, rate_count=event.completed)
+
     def _on_generate(self, event: ProgressEvent) -> None:
         if event.completed == 0 and self._book.active:
             self._progress.update(self._book_task, description=self._book.generating())

@@ -66,6 +66,19 @@ def cache_from_kwargs(kwargs: dict):
     return kwargs.get("cache", kwargs.get("past_key_values"))
 
 
+def self_attention_prefix(cache, length: int):
+    """A new EncoderDecoderCache holding the first ``length`` positions of ``cache``'s self-attention keys and
+    values (an EncoderDecoderCache of DynamicCache layers, as a forward with ``use_cache=True`` returns it) and
+    an empty cross-attention part; ``cache`` is left as it is. (Not ``crop``: its argument changed meaning within
+    5.x, and it changes the cache in place.)"""
+    from transformers.cache_utils import DynamicCache, EncoderDecoderCache
+
+    prefix = DynamicCache()
+    for index, layer in enumerate(cache.self_attention_cache.layers):
+        prefix.update(layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone(), index)
+    return EncoderDecoderCache(prefix, DynamicCache())
+
+
 def cache_argument(model) -> str:
     """The keyword under which this release's ``forward``/``generate`` take a Cache."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"

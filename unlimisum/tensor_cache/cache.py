@@ -155,6 +155,20 @@ class TensorCache(Cache):
         """This cache for the self-attention, an empty DynamicCache for the cross-attention."""
         return EncoderDecoderCache(self, DynamicCache())
 
+    def snapshot(self) -> list:
+        """The state of every layer now, to ``restore`` later: a layer's ``extend`` makes a new state and never
+        changes the one before, so a snapshot is the states themselves (no copy)."""
+        return [(layer.state, getattr(layer, "device", None)) for layer in self.layers]
+
+    def restore(self, snapshot: list) -> None:
+        """Every layer back to the state of ``snapshot`` (from this cache or another of the same parameters)."""
+        for layer, (state, device) in zip(self.layers, snapshot):
+            if state is None:
+                layer.reset()
+                continue
+            layer.state, layer.device, layer.is_initialized = state, device, True
+            layer._sync()
+
     def nbytes(self) -> int:
         """Bytes of retained self-attention state, all layers."""
         return sum(layer.nbytes() for layer in self.layers)

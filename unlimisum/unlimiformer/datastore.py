@@ -51,7 +51,9 @@ HNSW_EF_PER_K = 2
 _SCALAR_QUANTIZER = {torch.float16: faiss.ScalarQuantizer.QT_fp16, torch.bfloat16: faiss.ScalarQuantizer.QT_bf16}
 
 
-RESCORE_BYTES = 256 * 2**20  # fp32 states gathered at once to rescore a search's top-k exactly
+# fp32 states gathered at once to score a search's top-k exactly (an approximate index's candidates, the native
+# kernel's winners)
+RESCORE_BYTES = 256 * 2**20
 
 
 class Datastore:
@@ -109,6 +111,25 @@ class Datastore:
         if coverage is not None:
             coverage.index_add_(0, ids.reshape(-1).to(coverage.device), weights.reshape(-1).to(coverage.device))
         return self.weighted_sum(ids, weights)
+
+    def retrieve(self, queries: torch.Tensor, k: int, exclude: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``attend`` that also says what each query attended to: (ids [nq, k'], weights [nq, k'] float32,
+        attended [nq, d] float32), all on the queries' device, k' = min(k, N); weight 0 for padding.
+
+        For the evidence pass (every position of a summary at once). ``exclude`` [N] bool (on any device): states
+        hidden from every query, as if they were not stored (the ablation pass hides a sentence's passages).
+        """
+        hidden = exclude.to(self._states.device) if exclude is not None else None
+        wanted = min(k, self.n_tokens)
+        extra = int(hidden.sum()) if hidden is not None else 0  # found, then dropped: fetch as many more
+        scores, ids = self.search(queries, min(self.n_tokens, wanted + extra))
+        if hidden is not None:
+            scores = scores.masked_fill(hidden[ids.to(hidden.device)].to(scores.device), float("-inf"))
+            scores, order = scores.sort(dim=1, descending=True)
+            scores, ids = scores[:, :wanted], ids.gather(1, order)[:, :wanted]
+        weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+        return ids, weights, self.weighted_sum(ids, weights)
 
     def view(self, start: int, end: int) -> "Datastore":
         """The tokens [start, end) as a datastore of their own (ids 0..end-start), sharing this one's memory."""
@@ -174,6 +195,12 @@ class TorchExactDatastore(Datastore):
                              self.packed())
         return out.to(queries.device)
 
+    def retrieve(self, queries, k, exclude=None):
+        """By the kernel that generation ran (``kernels.retrieve``): the same scores, so the same weights."""
+        hidden = exclude.to(self._states.device) if exclude is not None else None
+        ids, weights, out = kernels.retrieve(self._states, queries.detach(), k, self.kernel(), self.packed(), hidden)
+        return ids.to(queries.device), weights.to(queries.device), out.to(queries.device)
+
     def view(self, start, end):
         self._check_range(start, end)
         states = self._states[start:end]  # zero-copy
@@ -184,16 +211,34 @@ class TorchExactDatastore(Datastore):
         return view
 
     def _search(self, queries, k):
-        """Top-k by the kernel's scores; the scores returned are recomputed in fp32 for the ids found."""
+        """Top-k by the kernel's scores; scores returned in fp32: the float32 and packed kernels' own, the native
+        kernel's (rounded to the storage dtype) recomputed in fp32 for the ids found (``_rescored``)."""
         queries = queries.to(self._states.device)  # [nq, d] fp32
-        _, ids = kernels.select(self._states, queries, k, self.kernel(), self.packed())  # [nq, k]
-        # rescored in blocks of queries: the gathered states [block, k, d] stay within RESCORE_BYTES (the
-        # evidence pass searches for every summary token at once)
-        block = max(1, RESCORE_BYTES // (4 * ids.shape[1] * self.dim))
-        exact = torch.cat([torch.einsum("qkd,qd->qk", self._states[ids[i:i + block]].float(), queries[i:i + block])
-                           for i in range(0, ids.shape[0], block)]) if ids.shape[0] else ids.float()  # [nq, k]
-        exact, order = exact.sort(dim=1, descending=True)
-        return exact, ids.gather(1, order)
+        choice = self.kernel()
+        packed = self.packed()
+        scores, ids = kernels.select(self._states, queries, k, choice, packed)  # [nq, k]
+        ran = choice if packed is not None and choice.scores == "packed" else choice.unpacked()
+        if ran.scores == "native" and self.storage_dtype != torch.float32:
+            scores = _rescored(self._states, queries, ids)
+        scores, order = scores.float().sort(dim=1, descending=True)
+        return scores, ids.gather(1, order)
+
+
+def _rescored(states: torch.Tensor, queries: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[nq, k] fp32 scores of ``queries`` [nq, d] against the states ``ids`` [nq, k] chose, reading each state
+    chosen once: the distinct ids widened to fp32 in blocks (at most RESCORE_BYTES), scored against every query
+    by one matmul, the pairs wanted picked out. Nothing is ever [nq, k, d]."""
+    nq, k = ids.shape
+    distinct, position = torch.unique(ids, return_inverse=True)  # [U], [nq, k] index into distinct
+    out = torch.empty(nq, k, dtype=torch.float32, device=states.device)
+    rows = max(1, RESCORE_BYTES // (4 * (nq + states.shape[1])))  # [u, d] widened + [nq, u] scores
+    for first in range(0, distinct.shape[0], rows):
+        block = states[distinct[first:first + rows]].float()  # [u, d] fp32
+        scored = queries @ block.T  # [nq, u]
+        inside = (position >= first) & (position < first + block.shape[0])  # [nq, k]
+        picked = scored.gather(1, (position - first).clamp_(0, block.shape[0] - 1))
+        out = torch.where(inside, picked, out)
+    return out
 
 
 class FaissDatastore(Datastore):
@@ -217,14 +262,22 @@ class FaissDatastore(Datastore):
         return view
 
     def _search(self, queries, k):
+        """faiss finds the candidates, scored here in fp32 (faiss may round the query to bf16 on CPUs with
+        AVX512-BF16: scores, and attention weights, do not depend on the CPU), in blocks of queries whose gathered
+        states stay within RESCORE_BYTES (the evidence pass searches for every summary position at once)."""
+        block = max(1, RESCORE_BYTES // (4 * k * self.dim))
+        found = [self._search_block(queries[i:i + block], k) for i in range(0, queries.shape[0], block)]
+        if not found:
+            return queries.new_empty(0, k), torch.empty(0, k, dtype=torch.long)
+        return torch.cat([scores for scores, _ in found]), torch.cat([ids for _, ids in found])
+
+    def _search_block(self, queries, k):
         x = np.ascontiguousarray(queries.cpu().numpy())  # [nq, d] fp32
         _, ids = self._index.search(x, k, params=self._search_params(k))  # [nq, k], id -1: not found
         ids = torch.from_numpy(ids)
         missing = ids < 0
         ids = ids.masked_fill(missing, 0)
-        # faiss may round the query to bf16 on CPUs with AVX512-BF16: score the ids found in fp32 here,
-        # so that scores (and attention weights) do not depend on the CPU
-        scores = torch.einsum("qkd,qd->qk", self._states[ids].float(), queries)  # [nq, k]
+        scores = torch.einsum("qkd,qd->qk", self._states[ids].float(), queries)  # [nq, k], within RESCORE_BYTES
         scores = scores.masked_fill(missing, float("-inf"))
         scores, order = scores.sort(dim=1, descending=True)
         return scores, ids.gather(1, order)

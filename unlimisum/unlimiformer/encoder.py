@@ -152,7 +152,7 @@ class DocumentEncoder:
         windows = tuple(tuple(w) for w in cached.meta["windows"])
         ends = cached.token_ends.tolist() if cached.token_ends is not None else None
         chapters = chapter_token_ranges(document, ends, n_tokens)
-        return EncodedDocument(name, cached.token_ids, store, windows, chapters, {}, cached=True)
+        return EncodedDocument(name, cached.token_ids, store, windows, chapters, {}, cached=True, token_ends=ends)
 
 
 def model_identity(loaded: LoadedModel) -> str:

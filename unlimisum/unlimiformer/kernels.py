@@ -556,11 +556,12 @@ def attend(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelCh
 
 
 def select(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelChoice,
-           packed: PackedStates | None = None):
+           packed: PackedStates | None = None, exclude: torch.Tensor | None = None):
     """(scores, ids) [nq, k] of each query's top-k by the kernel's scores, in no particular order.
 
     One pass over the store; beyond MAX_SCORE_BYTES of scores it goes in slices with a running top-k
-    (with ``packed`` and the packed kernel: in the packed copy's slices, merged likewise).
+    (with ``packed`` and the packed kernel: in the packed copy's slices, merged likewise). ``exclude`` [N] bool:
+    states no query may select (their score is -inf; with fewer than k others, some of the k have -inf).
     """
     n = states.shape[0]
     queries = queries.to(states.device, torch.float32)
@@ -576,13 +577,16 @@ def select(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelCh
     best_scores = best_ids = None
     for start, part in parts:
         if part is not None:
+            part = _excluded(part, exclude, start)
             top, ids = top_k(part, min(k, part.shape[1]), ordered=False)
         elif tokens_major:
             block = states[start:start + step]
-            top, ids = top_k_tokens_major(native_scores_tokens_major(block, queries), min(k, block.shape[0]),
-                                          ordered=False)
+            logits = native_scores_tokens_major(block, queries)  # [b, nq]
+            if exclude is not None:
+                logits = logits.masked_fill(exclude[start:start + block.shape[0], None], float("-inf"))
+            top, ids = top_k_tokens_major(logits, min(k, block.shape[0]), ordered=False)
         else:
-            part = scores(states[start:start + step], queries, choice)  # [nq, <=step]
+            part = _excluded(scores(states[start:start + step], queries, choice), exclude, start)  # [nq, <=step]
             top, ids = top_k(part, min(k, part.shape[1]), ordered=False)
         ids += start
         if best_scores is not None:
@@ -591,3 +595,44 @@ def select(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelCh
             ids = ids.gather(1, order)
         best_scores, best_ids = top, ids
     return best_scores, best_ids
+
+
+def _excluded(logits: torch.Tensor, exclude: torch.Tensor | None, start: int) -> torch.Tensor:
+    """``logits`` [nq, b] (columns start..start+b of the store) with the excluded columns at -inf."""
+    if exclude is None:
+        return logits
+    return logits.masked_fill(exclude[start:start + logits.shape[1]], float("-inf"))
+
+
+def retrieve(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelChoice,
+             packed: PackedStates | None = None, exclude: torch.Tensor | None = None):
+    """``attend`` that also returns what it attended to: (ids [nq, k'], weights [nq, k'] fp32, out [nq, d] fp32),
+    k' = min(k, N); the weights are the softmax of the kernel's own scores (as in ``attend``: no rescoring).
+
+    For the evidence pass, whose queries are every position of a summary at once (hundreds, not a decoder step's
+    dozen): the scores are one matmul per block of the store (compute-bound, not bandwidth-bound), and the
+    weighted sum gathers the winners or, where that costs more, runs one dense pass. ``exclude`` [N] bool: states
+    hidden from every query (the ablation pass hides a sentence's passages).
+    """
+    n = states.shape[0]
+    k = min(k, n)
+    queries = queries.to(states.device, torch.float32)
+    if packed is None or choice.scores != "packed":
+        choice, packed = choice.unpacked(), None
+    logits, ids = select(states, queries, k, choice, packed, exclude)  # [nq, k]
+    weights = torch.softmax(logits.float(), dim=1).nan_to_num_(0.0)  # all -inf (all hidden): attend to nothing
+    if queries.shape[0] * n * 4 <= MAX_SCORE_BYTES and _dense_values_cheaper(choice, queries.shape[0], k, n,
+                                                                              states.shape[1]):
+        dense = torch.zeros(queries.shape[0], n, dtype=torch.float32, device=states.device).scatter_(1, ids, weights)
+        out = dense_values(states, dense, choice) if packed is None else packed.values(dense)
+    else:
+        out = gathered_attention(states, ids, weights, choice.widens, choice.fused_gather)
+    return ids, weights, out
+
+
+def _dense_values_cheaper(choice: KernelChoice, n_queries: int, k: int, n_tokens: int, dim: int) -> bool:
+    """A dense values pass over all N states costs less than gathering nq*k: for a step's dozen queries the
+    calibrated costs say (a bandwidth-bound pass); for hundreds of queries the dense pass is a matmul of
+    nq x N x d multiply-adds, which grows with nq while the calibration timed CALIBRATION_QUERIES."""
+    scale = max(1.0, n_queries / CALIBRATION_QUERIES)
+    return n_queries * k * choice.gather_row_cost > n_tokens * choice.dense_row_cost * scale

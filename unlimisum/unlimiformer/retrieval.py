@@ -42,6 +42,9 @@ class RetrievalSession:
     coverage: Sequence | None = None
     # the evidence pass (teacher-forced over returned summaries): per-token attention mass kept here
     evidence: "EvidenceCollector | None" = None
+    # per document, [N] bool or None: input tokens hidden from retrieval (the ablation pass hides the passages a
+    # sentence drew on); None: nothing hidden
+    hidden: Sequence | None = None
 
 
 # input positions kept per summary token by the evidence pass (the rest of its mass counts in coverage only)
@@ -64,21 +67,24 @@ class EvidenceCollector:
         self.positions: list[torch.Tensor | None] = [None] * len(self.valid)
         self.mass: list[torch.Tensor | None] = [None] * len(self.valid)
         self.coverage: list[torch.Tensor | None] = [None] * len(self.valid)
+        self.first_row = 0  # the decoder position of the first row of the next ``add`` (positions read in chunks)
 
     def add(self, doc: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        """One layer's retrieval of document ``doc``: ids and weights [T, heads * k]."""
+        """One layer's retrieval of document ``doc``: ids and weights [n, heads * k] for the decoder positions
+        ``first_row`` .. ``first_row + n`` (all of them, unless the positions are read in chunks)."""
         weights = weights.float()
         device = ids.device
-        if self.positions[doc] is None:
+        if self.positions[doc] is None:  # unused slots: position 0 with no mass
             rows = len(self.valid[doc])
             self.valid[doc] = self.valid[doc].to(device)
-            self.positions[doc] = torch.zeros(rows, 0, dtype=torch.long, device=device)
-            self.mass[doc] = torch.zeros(rows, 0, device=device)
+            self.positions[doc] = torch.zeros(rows, self.top, dtype=torch.long, device=device)
+            self.mass[doc] = torch.zeros(rows, self.top, device=device)
             self.coverage[doc] = torch.zeros(self.sizes[doc], dtype=torch.float64, device=device)
-        valid = self.valid[doc]
+        part = slice(self.first_row, self.first_row + ids.shape[0])
+        valid = self.valid[doc][part]
         self.coverage[doc].index_add_(0, ids[valid].reshape(-1), weights[valid].reshape(-1).double())
-        ids = torch.cat([self.positions[doc], ids], dim=1)
-        weights = torch.cat([self.mass[doc], weights], dim=1)
+        ids = torch.cat([self.positions[doc][part], ids], dim=1)
+        weights = torch.cat([self.mass[doc][part], weights], dim=1)
         ids, order = ids.sort(dim=1)
         weights = weights.gather(1, order).double()
         # the mass of each run of equal ids, kept at the run's last column
@@ -89,9 +95,8 @@ class EvidenceCollector:
         before = torch.cummax(at_ends, dim=1).values  # the running sum at the previous run's end
         before = torch.cat([torch.zeros_like(before[:, :1]), before[:, :-1]], dim=1)
         sums = torch.where(ends, running - before, torch.zeros_like(running))
-        top = min(self.top, ids.shape[1])
-        self.mass[doc], columns = sums.float().topk(top, dim=1)
-        self.positions[doc] = ids.gather(1, columns)
+        mass, columns = sums.float().topk(self.top, dim=1)
+        self.positions[doc][part], self.mass[doc][part] = ids.gather(1, columns), mass
 
     def results(self, doc: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(positions [T, M], mass [T, M], coverage [N] float32) of document ``doc``, on the CPU."""
@@ -129,11 +134,12 @@ class RetrievalCrossAttention(wrapping.CrossAttentionWrapper):
             queries = q_hidden[block].reshape(-1, d_model) * self.scaling  # [rows_per_doc * T * H, d]
             started = time.perf_counter()
             # one call per layer and document: every head, beam and step of it in one pass over the store
-            if session.evidence is not None:  # the weights themselves are kept: search, softmax, sum
-                scores, ids = store.search(queries, session.retrieval_k)  # [T * H, k]
-                weights = torch.softmax(scores, dim=-1).nan_to_num(0.0)
-                session.evidence.add(doc, ids.view(rows_per_doc * steps, -1), weights.view(rows_per_doc * steps, -1))
-                attended = store.weighted_sum(ids, weights)
+            hidden = session.hidden[doc] if session.hidden is not None else None
+            if session.evidence is not None or hidden is not None:  # what each query attended to is wanted
+                ids, weights, attended = store.retrieve(queries, session.retrieval_k, exclude=hidden)  # [T * H, k]
+                if session.evidence is not None:
+                    session.evidence.add(doc, ids.view(rows_per_doc * steps, -1),
+                                         weights.view(rows_per_doc * steps, -1))
             else:
                 coverage = session.coverage[doc] if session.coverage is not None else None
                 attended = store.attend(queries, session.retrieval_k, coverage)

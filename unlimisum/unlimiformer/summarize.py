@@ -27,7 +27,11 @@ from unlimisum.unlimiformer.datastore import Datastore
 from unlimisum.unlimiformer.encoded import EncodedDocument
 from unlimisum.unlimiformer.encoder import DocumentEncoder, EncodePlan
 from unlimisum.unlimiformer.placement import storage_dtype
-from unlimisum.unlimiformer.retrieval import EvidenceCollector, RetrievalSession, retrieval
+from unlimisum.unlimiformer.reread import Reading, SummaryReader, end_tokens, returned_length, support_of
+from unlimisum.unlimiformer.retrieval import RetrievalSession, retrieval
+
+# Summary.warnings when the evidence pass failed: the summary is kept, without evidence or coverage.
+EVIDENCE_FAILED = "no evidence: the pass that finds it failed after the summary was written"
 
 # Chapters generated together with --per-chapter: batching speeds generation up; every chapter
 # of a batch reads a view of the one encoded document, so batching costs no memory.
@@ -48,12 +52,13 @@ class Generated:
 
 
 @dataclass(frozen=True)
-class Reread:
-    """What the evidence pass (the returned summaries read once more, teacher-forced) found and cost."""
+class _PartEvidence:
+    """What the evidence pass found for one part (or, without it, the coverage counted while generating)."""
 
-    coverage: tuple[torch.Tensor, ...]  # per store, [N] mass per input token over the returned sequence only
-    token_mass: tuple[evidence.TokenMass, ...]  # per store: row j is the mass behind output token j
-    seconds: float
+    mass: torch.Tensor | None  # [N] float32 CPU attention mass per input token; None: the pass failed
+    evidence: tuple  # SentenceEvidence per sentence of the summary
+    seconds: dict  # "evidence" (the reading) and "support" (the sentences read again): seconds each
+    warnings: tuple[str, ...] = ()  # why there is no evidence (the summary itself is kept)
 
 
 @dataclass(frozen=True)
@@ -204,37 +209,13 @@ class EncoderDecoderSummarizer:
         return Generated(output, total, time.perf_counter() - started, session.stats.search_seconds,
                          prepare_seconds, retained, mass)
 
-    def reread(self, stores: Sequence[Datastore], output: torch.Tensor) -> Reread:
-        """The evidence pass: the decoder reads the returned ids ``output`` [B, T] at once, every
-        cross-attention retrieving as in generation (same k, same stores), keeping per summary token its
-        top input positions; coverage counts the positions that produced the returned sequence only."""
-        model = self.loaded.model
-        started = time.perf_counter()
-        batch, steps = output.shape
-        eos = model.generation_config.eos_token_id
-        eos = set(eos if isinstance(eos, (list, tuple)) else [eos if eos is not None else
-                                                              self.loaded.tokenizer.eos_token_id]) - {None}
-        valid = []
-        for row in output.cpu().tolist():
-            # the sequence ends with its first end token after the start; padding after it predicts nothing
-            length = next((t + 1 for t in range(1, steps) if row[t] in eos), steps)
-            valid.append(torch.arange(steps) < length - 1)  # position t predicts token t + 1
-        collector = EvidenceCollector(valid, [store.n_tokens for store in stores])
-        session = RetrievalSession(stores=list(stores), retrieval_k=self.retrieval_k(), evidence=collector)
-        stand_in = torch.zeros(batch, 1, model.config.d_model, dtype=self.loaded.dtype, device=self.loaded.device)
-        attention_mask = torch.ones(batch, 1, dtype=torch.long, device=self.loaded.device)
-        with retrieval(model, self.loaded.architecture, session), torch.inference_mode():
-            model(encoder_outputs=compat.encoder_outputs(stand_in), attention_mask=attention_mask,
-                  decoder_input_ids=output, use_cache=False)
-        masses, covered = [], []
-        for doc in range(batch):
-            positions, mass, mass_per_token = collector.results(doc)
-            mass = mass * valid[doc][:, None]
-            # row j: the mass of the position that wrote token j (token 0, the start, has none)
-            masses.append(evidence.TokenMass(torch.cat([torch.zeros_like(positions[:1]), positions[:-1]]),
-                                             torch.cat([torch.zeros_like(mass[:1]), mass[:-1]])))
-            covered.append(mass_per_token)
-        return Reread(tuple(covered), tuple(masses), time.perf_counter() - started)
+    def read_summary(self, store: Datastore, ids: Sequence[int]) -> Reading:
+        """The evidence pass over one returned sequence ``ids`` (unlimisum/unlimiformer/reread.py): the decoder
+        reads it at once with the retrieval (and Tensor Cache) of generation: per token its input positions and
+        log-probability, and the coverage of the returned sequence alone."""
+        ids = list(ids)[:returned_length(list(ids), end_tokens(self.loaded))]
+        with SummaryReader(self.loaded, self.retrieval_k(), self.tensor_cache) as reader:
+            return reader.read(store, ids)
 
     # -- stages ---------------------------------------------------------------------------
 
@@ -255,24 +236,20 @@ class EncoderDecoderSummarizer:
         with_evidence = self.retrieval.evidence
         run = self.generate(stores, name=name, coverage=not with_evidence)
         output = run.token_ids
-        reread = self.reread(stores, output) if with_evidence else None
         tokenizer = self.loaded.tokenizer
         texts = [text.strip() for text in tokenizer.batch_decode(output, skip_special_tokens=True)]
         special = torch.tensor(sorted(set(tokenizer.all_special_ids)), device=output.device)
         counts = (~torch.isin(output, special)).sum(dim=1).tolist()
         self.progress(ProgressEvent("generate", max(counts), run.total, name))  # the count ends at the summary's
         peak_gpu = torch.cuda.max_memory_allocated(self.loaded.device) if on_cuda else None
+        rows = output.tolist()
+        found = (self._evidence(parts, stores, rows, texts, name) if with_evidence
+                 else [_PartEvidence(mass.cpu(), (), {}) for mass in run.coverage])
         summaries = []
-        special_ids = set(tokenizer.all_special_ids)
-        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        masses = reread.coverage if reread is not None else run.coverage
-        for number, (part, store, mass, text, n_generated, ids) in enumerate(zip(parts, stores, masses, texts, counts,
-                                                                                 output.tolist())):
+        for part, store, text, n_generated, ids, seen in zip(parts, stores, texts, counts, rows, found):
             windows = part.windows()
             timings = dict(part.encoded.seconds, prepare=run.prepare_seconds, generate=run.seconds,
-                           search=run.search_seconds)
-            if reread is not None:
-                timings["evidence"] = reread.seconds
+                           search=run.search_seconds, **seen.seconds)
             stats = SummaryStats(
                 model=self.loaded.name, input_tokens=store.n_tokens, windows=len(windows),
                 window=self._window(), index_kind=store.kind, index_device=store.device,
@@ -282,21 +259,52 @@ class EncoderDecoderSummarizer:
                 peak_gpu_bytes=peak_gpu, tensor_cache_bytes=run.tensor_cache_bytes, cached=part.encoded.cached,
                 model_dtype=str(self.loaded.dtype).removeprefix("torch."),
             )
-            mass = mass.cpu()
-            found = ()
-            if reread is not None and part.document is not None and text:
-                token_mass = reread.token_mass[number]
-                if part.start:  # a chapter's view numbers its tokens from its own start
-                    token_mass = evidence.TokenMass(token_mass.positions + part.start, token_mass.mass)
-                found = evidence.build(text, ids, decode, special_ids, token_mass, part.document,
-                                       part.encoded.token_ends, part.encoded.n_tokens,
-                                       self.retrieval.evidence_passages)
             summaries.append(Summary(
                 text=text, title=part.title, source=part.source, stats=stats, token_ids=tuple(ids),
-                coverage=coverage.spans(mass, part.sections()), window_coverage=coverage.spans(mass, windows),
-                warnings=() if text else (EMPTY_SUMMARY,), evidence=found,
+                coverage=coverage.spans(seen.mass, part.sections()) if seen.mass is not None else (),
+                window_coverage=coverage.spans(seen.mass, windows) if seen.mass is not None else (),
+                warnings=(() if text else (EMPTY_SUMMARY,)) + seen.warnings, evidence=seen.evidence,
             ))
         return summaries
+
+    def _evidence(self, parts: Sequence[_Part], stores: Sequence[Datastore], rows: list[list[int]],
+                  texts: list[str], name: str) -> list["_PartEvidence"]:
+        """The evidence pass over each returned summary (unlimisum/unlimiformer/reread.py): coverage of the
+        returned sequence, each sentence's passages, and each one's support (its passages hidden)."""
+        tokenizer = self.loaded.tokenizer
+        special_ids = set(tokenizer.all_special_ids)
+        decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        eos = end_tokens(self.loaded)
+        found = []
+        self.progress(ProgressEvent("evidence", 0, len(parts), name))
+        with SummaryReader(self.loaded, self.retrieval_k(), self.tensor_cache) as reader:
+            for number, (part, store, row, text) in enumerate(zip(parts, stores, rows, texts)):
+                try:
+                    found.append(self._part_evidence(reader, part, store, row, text, eos, decode, special_ids))
+                except (RuntimeError, ValueError, IndexError, MemoryError) as error:  # the summary is kept
+                    found.append(_PartEvidence(None, (), {}, (f"{EVIDENCE_FAILED}: {type(error).__name__}: "
+                                                              f"{str(error).splitlines()[0] if str(error) else ''}",)))
+                self.progress(ProgressEvent("evidence", number + 1, len(parts), name))
+        return found
+
+    def _part_evidence(self, reader: SummaryReader, part: "_Part", store: Datastore, row: list[int], text: str,
+                       eos: set[int], decode, special_ids: set[int]) -> "_PartEvidence":
+        started = time.perf_counter()
+        ids = row[:returned_length(row, eos)]
+        _, members = evidence.sentence_rows(text, ids, decode, special_ids, len(ids))
+        reading = reader.read(store, ids, starts=[min(rows) - 1 for rows in members if rows])
+        read = time.perf_counter()
+        records: tuple = ()
+        if part.document is not None and text:
+            token_mass = reading.token_mass
+            if part.start:  # a chapter's view numbers its tokens from its own start
+                token_mass = evidence.TokenMass(token_mass.positions + part.start, token_mass.mass)
+            support = lambda rows, sources: support_of(reader, reading, store, rows, sources, part.start)  # noqa: E731
+            records = evidence.build(text, ids, decode, special_ids, token_mass, part.document,
+                                     part.encoded.token_ends, part.encoded.n_tokens,
+                                     self.retrieval.evidence_passages, support=support)
+        return _PartEvidence(reading.coverage, records,
+                             {"evidence": read - started, "support": time.perf_counter() - read})
 
     def _window(self) -> int:
         return self.encoding.window or self.loaded.max_source_length

@@ -1,0 +1,204 @@
+"""The evidence pass: a returned summary read once more, teacher-forced, by the decoder that wrote it.
+
+After generate(), each summary (the returned sequence up to its end token) is fed to the decoder at once,
+every cross-attention retrieving from the same store with the same k and the same kernel as in generation
+(and under the same Tensor Cache, when one bounded the decoder's self-attention). That gives, per summary
+token, the input positions its attention went to (``EvidenceCollector``: the evidence of each sentence and
+the coverage of the returned sequence alone) and its log-probability.
+
+Then **support**: each sentence that has passages is read again with them hidden from retrieval, the summary
+before it as written (the decoder's self-attention state after the tokens before the sentence, kept from the
+first reading), and the drop in its log-probability per token is its support in nats. Attention says where
+the model looked; support says how much the sentence depended on it (ContextCite measures a source by what
+removing it does; AT2 found raw attention unreliable as attribution on its own). One forward per sentence,
+whose queries are the sentence's own positions: about one more evidence pass for the whole summary.
+
+The last returned token is never fed: it predicts nothing (and a summary that used every decoder position
+would need one more).
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Sequence
+
+import torch
+
+from unlimisum import evidence
+from unlimisum.models import LoadedModel, compat
+from unlimisum.unlimiformer.datastore import Datastore
+from unlimisum.unlimiformer.retrieval import EvidenceCollector, RetrievalSession, retrieval
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What reading one returned summary gave."""
+
+    ids: tuple[int, ...]  # the returned sequence through its end token (the start token first)
+    token_mass: evidence.TokenMass  # row j: the input positions behind token j (row 0, the start, has none)
+    coverage: torch.Tensor  # [N] float32, CPU: attention mass per input token over the returned sequence
+    log_probs: torch.Tensor  # [T] float32, CPU: log p(token j | tokens before it); 0 for j = 0
+    prefixes: object  # the self-attention state after each prefix length the ablations start at (``_Prefixes``)
+
+
+def returned_length(row: Sequence[int], eos: set[int]) -> int:
+    """Tokens of a returned row through its first end token after the start (padding after it is not part)."""
+    return next((t + 1 for t in range(1, len(row)) if row[t] in eos), len(row))
+
+
+def end_tokens(loaded: LoadedModel) -> set[int]:
+    """The ids that end a summary: the generation config's end tokens, else the tokenizer's."""
+    eos = loaded.model.generation_config.eos_token_id
+    eos = eos if isinstance(eos, (list, tuple)) else [eos if eos is not None else loaded.tokenizer.eos_token_id]
+    return set(eos) - {None}
+
+
+class SummaryReader:
+    """Reads returned summaries with retrieval (and the Tensor Cache, when given): ``read`` then ``log_probs``
+    with passages hidden. Use as a context manager: the wrappers stay installed for all the reads inside."""
+
+    def __init__(self, loaded: LoadedModel, retrieval_k: int, tensor_cache=None):
+        """``tensor_cache``: the TensorCacheSettings generation ran under, or None."""
+        self.loaded, self.retrieval_k, self.tensor_cache = loaded, retrieval_k, tensor_cache
+        self._stack: ExitStack | None = None
+        self._memory = None  # the TensorCacheSession, inside the context
+        self.session = RetrievalSession(stores=[], retrieval_k=retrieval_k)
+
+    def __enter__(self) -> "SummaryReader":
+        model, architecture = self.loaded.model, self.loaded.architecture
+        self._stack = ExitStack()
+        self._stack.enter_context(retrieval(model, architecture, self.session))
+        if self.tensor_cache is not None:
+            from unlimisum.tensor_cache import tensor_cache
+
+            self._memory = self._stack.enter_context(tensor_cache(model, architecture, self.tensor_cache))
+        self._stack.enter_context(torch.inference_mode())
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stack.close()
+        self._stack = self._memory = None
+
+    def read(self, store: Datastore, ids: Sequence[int], starts: Sequence[int] = ()) -> Reading:
+        """Read the returned sequence ``ids`` (through its end token) against ``store``. ``starts``: the prefix
+        lengths (decoder positions) later ``log_probs`` calls start at; with a Tensor Cache the reading stops at
+        each to keep the state there (its memory cannot be cut back), otherwise it is one forward."""
+        ids = tuple(int(i) for i in ids)
+        inputs = torch.tensor(ids[:-1], dtype=torch.long, device=self.loaded.device)  # position t predicts t + 1
+        steps = inputs.shape[0]
+        collector = EvidenceCollector([torch.ones(steps, dtype=torch.bool)], [store.n_tokens])
+        self._use(store, collector, hidden=None)
+        cache = self._new_cache()
+        bounds = sorted({0, steps, *(s for s in starts if 0 < s < steps)}) if self._memory is not None else [0, steps]
+        logits, snapshots = [], {}
+        for first, last in zip(bounds, bounds[1:]):
+            if self._memory is not None:
+                snapshots[first] = _tensor_cache_of(cache).snapshot()
+            collector.first_row = first
+            output = self._forward(inputs[first:last], cache)
+            cache = output.past_key_values if self._memory is None else cache
+            logits.append(_token_log_probs(output.logits[0], inputs.new_tensor(ids[first + 1:last + 1])))
+        positions, mass, coverage = collector.results(0)
+        token_mass = evidence.TokenMass(torch.cat([torch.zeros_like(positions[:1]), positions]),
+                                        torch.cat([torch.zeros_like(mass[:1]), mass]))
+        log_probs = torch.cat([torch.zeros(1), *[part.cpu() for part in logits]])  # [T]
+        prefixes = _Prefixes(self, cache if self._memory is None else None, snapshots)
+        return Reading(ids, token_mass, coverage, log_probs, prefixes)
+
+    def log_probs(self, reading: Reading, store: Datastore, first: int, last: int, hidden: torch.Tensor) -> torch.Tensor:
+        """log p(token j) for j in [first, last) of ``reading.ids`` with the input tokens ``hidden`` ([N] bool)
+        out of retrieval: positions first-1 .. last-2 read again after the summary's first first-1 positions as
+        they were read. [last - first] float32, CPU."""
+        start = first - 1
+        self._use(store, None, hidden=hidden)
+        cache = reading.prefixes.at(start)
+        inputs = torch.tensor(reading.ids[start:last - 1], dtype=torch.long, device=self.loaded.device)
+        output = self._forward(inputs, cache)
+        return _token_log_probs(output.logits[0], inputs.new_tensor(reading.ids[first:last])).cpu()
+
+    # -- the forward --------------------------------------------------------------------------
+
+    def _use(self, store: Datastore, collector: EvidenceCollector | None, hidden: torch.Tensor | None) -> None:
+        self.session.stores = [store]
+        self.session.evidence = collector
+        self.session.hidden = [hidden.to(store.states().device)] if hidden is not None else None
+
+    def _new_cache(self):
+        return self._memory.new_cache() if self._memory is not None else None
+
+    def _forward(self, inputs: torch.Tensor, cache):
+        model = self.loaded.model
+        stand_in = torch.zeros(1, 1, model.config.d_model, dtype=self.loaded.dtype, device=self.loaded.device)
+        attention_mask = torch.ones(1, 1, dtype=torch.long, device=self.loaded.device)
+        return model(encoder_outputs=compat.encoder_outputs(stand_in), attention_mask=attention_mask,
+                     decoder_input_ids=inputs.unsqueeze(0), use_cache=True,
+                     **{compat.cache_argument(model): cache})
+
+
+class _Prefixes:
+    """The decoder's self-attention state after the summary's first P positions, as the first reading left it:
+    the leading P keys and values of its cache, or (Tensor Cache) the layers' states kept at P."""
+
+    def __init__(self, reader: SummaryReader, cache, snapshots: dict):
+        self.reader, self.cache, self.snapshots = reader, cache, snapshots
+
+    def at(self, length: int):
+        if self.cache is not None:
+            return compat.self_attention_prefix(self.cache, length)
+        if length == 0:
+            return self.reader._new_cache()
+        if length not in self.snapshots:
+            raise ValueError(f"the reading kept no Tensor Cache state at position {length}")
+        fresh = self.reader._new_cache()
+        _tensor_cache_of(fresh).restore(self.snapshots[length])
+        return fresh
+
+
+def _tensor_cache_of(cache):
+    from unlimisum.tensor_cache.cache import find_tensor_cache
+
+    return find_tensor_cache(cache)
+
+
+def _token_log_probs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """logits [n, V], targets [n] -> log p(target) [n] float32."""
+    logits = logits.float()
+    return logits.gather(1, targets.unsqueeze(1)).squeeze(1) - torch.logsumexp(logits, dim=1)
+
+
+def hidden_tokens(sources: Sequence[evidence.Source], n_tokens: int, offset: int = 0,
+                  device: torch.device | str = "cpu") -> torch.Tensor:
+    """[n_tokens] bool: the tokens of ``sources`` (document positions, less ``offset`` for a chapter's view)."""
+    hidden = torch.zeros(n_tokens, dtype=torch.bool, device=device)
+    for source in sources:
+        a, b = max(0, source.start_token - offset), min(n_tokens, source.end_token - offset)
+        if b > a:
+            hidden[a:b] = True
+    return hidden
+
+
+def support_of(reader: SummaryReader, reading: Reading, store: Datastore, rows: list[int],
+               sources: Sequence[evidence.Source], offset: int = 0) -> float | None:
+    """A sentence's support: the mean drop, in nats, of log p(token) over its summary tokens ``rows`` (indices
+    into ``reading.ids``) when its passages ``sources`` are hidden; None when it has none (no passages, or a
+    sentence of the start token alone)."""
+    rows = [j for j in rows if j >= 1]
+    if not rows or not sources:
+        return None
+    first, last = min(rows), max(rows) + 1
+    masked = reader.log_probs(reading, store, first, last, hidden_tokens(sources, store.n_tokens, offset))
+    chosen = torch.tensor(rows) - first
+    drop = reading.log_probs[rows] - masked[chosen]
+    return float(drop.mean())
+
+
+@contextmanager
+def timed() -> Iterator[list[float]]:
+    """``with timed() as clock:`` -> clock[0] is the seconds the block took (set on leaving it)."""
+    started, clock = time.perf_counter(), [0.0]
+    try:
+        yield clock
+    finally:
+        clock[0] = time.perf_counter() - started
