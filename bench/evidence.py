@@ -19,6 +19,13 @@ shape (random weights; ``--decoder-layers`` of its 24), greedy summaries forced 
 prompt of ``--decoder-tokens`` tokens, read with a 1,024-token window and k=1,024 (bfloat16 weights):
 recorded while generating (greedy search and sampling) and by the reread pass (beam search; forced here).
 
+With ``--real``, instead: what the evidence pass and its support (each sentence read again with its passages
+hidden) cost at real sizes, against generate() on the same store: bart-base and bart-large shapes (random
+weights), exact stores of ``--tokens`` synthetic states, summaries forced to ``--new-tokens`` (default 64), greedy
+and 4 beams. The summary is cut into sentences of 16 tokens, each with three 33-token passages, as the pass finds
+them. The store is built directly (encoding costs the same with any weights: bench/time_to_summary.py has it).
+Writes bench/results/evidence_real.json.
+
 Writes bench/results/evidence.json.
 """
 
@@ -131,6 +138,60 @@ def decoder_only_cost(n_tokens: int, layers: int, trials: int = 2) -> list[dict]
     return rows
 
 
+def real_cost(sizes: list[str], n_values: list[int], new_tokens: int, beams: list[int], seed: int = 0) -> list[dict]:
+    """generate(), the evidence pass and its support, in seconds, per model size, store size and beam count."""
+    from bench.common import random_model
+    from bench.index_choice import synthetic_store
+    from unlimisum.evidence import Source
+    from unlimisum.unlimiformer.reread import SummaryReader, end_tokens, returned_length, support_of
+
+    rows = []
+    rng = random.Random(seed)
+    for size in sizes:
+        loaded = random_model(size)
+        d = loaded.model.config.d_model
+        for n in n_values:
+            store = synthetic_store(n, d, IndexConfig(kind="exact", device="cpu"))
+            for num_beams in beams:
+                generation = GenerationOptions(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                                               num_beams=num_beams, do_sample=False)
+                family = Summarizer(loaded, generation=generation).family
+                run = family.generate([store], coverage=False)
+                row_ids = run.token_ids[0].tolist()
+                ids = row_ids[:returned_length(row_ids, end_tokens(loaded))]
+                sentences = [list(range(start, min(start + 16, len(ids)))) for start in range(1, len(ids), 16)]
+                started = time.perf_counter()
+                with SummaryReader(loaded, family.retrieval_k()) as reader:
+                    reading = reader.read(store, ids, starts=[rows_[0] - 1 for rows_ in sentences])
+                    read = time.perf_counter()
+                    for rows_ in sentences:
+                        peaks = [rng.randrange(16, n - 17) for _ in range(3)]
+                        sources = [Source(0, "", 0, 1, 1 / 3, "", peak - 16, peak + 17) for peak in peaks]
+                        support_of(reader, reading, store, rows_, sources)
+                finished = time.perf_counter()
+                row = dict(size=size, n_tokens=n, num_beams=num_beams, new_tokens=len(ids) - 1,
+                           generate_seconds=run.seconds, evidence_seconds=read - started,
+                           support_seconds=finished - read, sentences=len(sentences))
+                row["evidence_share"] = row["evidence_seconds"] / row["generate_seconds"]
+                row["with_support_share"] = (row["evidence_seconds"] + row["support_seconds"]) / row["generate_seconds"]
+                print(f"  {size} N={n:,} beams={num_beams}: generate {run.seconds:.1f}s, evidence "
+                      f"{row['evidence_seconds']:.2f}s ({row['evidence_share']:.1%}), support "
+                      f"{row['support_seconds']:.2f}s (with it {row['with_support_share']:.1%})", flush=True)
+                rows.append(row)
+            del store
+    return rows
+
+
+def report_real(result: dict) -> None:
+    print(f"the evidence pass and its support against generate() at real sizes ({result['new_tokens']} summary tokens, "
+          f"exact store, {result['threads']} threads):")
+    print_table(["model", "tokens", "beams", "generate s", "evidence s", "evidence / generate", "support s",
+                 "both / generate"],
+                [[row["size"], f"{row['n_tokens']:,}", row["num_beams"], f"{row['generate_seconds']:.1f}",
+                  f"{row['evidence_seconds']:.2f}", f"{row['evidence_share']:.1%}", f"{row['support_seconds']:.2f}",
+                  f"{row['with_support_share']:.1%}"] for row in result["rows"]])
+
+
 def report(result: dict) -> None:
     print(f"top-1 source is the needle, by needle position (rows) x input length in windows of {result['window']} "
           f"tokens (columns); k={result['top_k']}, {result['trials']} trials per cell; in brackets: copied exactly")
@@ -175,7 +236,24 @@ def main(argv=None) -> None:
                         help="instead: evidence's cost for a decoder-only model (writes evidence_decoder_only.json)")
     parser.add_argument("--decoder-tokens", type=int, default=4096, help="prompt tokens of the decoder-only table")
     parser.add_argument("--decoder-layers", type=int, default=24, help="layers of the decoder-only model")
+    parser.add_argument("--real", action="store_true",
+                        help="instead: the pass's cost at real sizes (writes evidence_real.json)")
+    parser.add_argument("--sizes", default="bart-base,bart-large", help="model shapes of --real")
+    parser.add_argument("--tokens", default="4096,16384,300000", help="store sizes of --real")
+    parser.add_argument("--beams", default="1,4", help="beam counts of --real")
+    parser.add_argument("--new-tokens", type=int, default=64, help="summary tokens of --real")
     args = parser.parse_args(argv)
+    if args.real:
+        threads = args.threads if "--threads" in (argv or __import__("sys").argv) else torch.get_num_threads()
+        torch.set_num_threads(threads)
+        started = time.perf_counter()
+        result = dict(rows=real_cost(args.sizes.split(","), [int(n) for n in args.tokens.split(",")], args.new_tokens,
+                                     [int(b) for b in args.beams.split(",")]),
+                      new_tokens=args.new_tokens, threads=threads)
+        result["seconds"] = time.perf_counter() - started
+        report_real(result)
+        print(f"wrote {write_result('evidence_real', result)}")
+        return
     torch.set_num_threads(args.threads)
     trials = args.trials or (3 if args.quick else 10)
     lengths = [int(n) for n in (args.lengths or ("1,50,200" if args.quick else "1,50,100,200")).split(",")]

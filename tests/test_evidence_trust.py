@@ -270,12 +270,12 @@ def test_support_is_in_the_json_and_not_measured_without_passages(tiny_model_dir
 
 def test_a_failed_evidence_pass_keeps_the_summary(tiny_model_dir, tmp_path, monkeypatch):
     """Work already done is never thrown away by a later step: the summary is printed, the failure a warning."""
-    from unlimisum.unlimiformer import reread
+    from unlimisum.unlimiformer import summarize
 
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory in the evidence pass")
 
-    monkeypatch.setattr(reread.SummaryReader, "read", broken)
+    monkeypatch.setattr(summarize, "support_of", broken)
     book = tmp_path / "book.txt"
     book.write_text(SAMPLE_TEXT, encoding="utf-8")
     result = CliRunner().invoke(app, ["summarize", "--device", "cpu", "--json", "-m", str(tiny_model_dir("bart")),
@@ -284,3 +284,38 @@ def test_a_failed_evidence_pass_keeps_the_summary(tiny_model_dir, tmp_path, monk
     record = json.loads(result.stdout.splitlines()[0])
     assert record["summary"] and record["evidence"] == []
     assert any("no evidence" in warning and "out of memory" in warning for warning in record["warnings"])
+
+
+@pytest.mark.parametrize("chapters", [False, True], ids=["one-summary", "a-batch-of-chapters"])
+def test_the_reading_recorded_while_generating_is_the_reading_again(loaded, filler, chapters):  # noqa: F811
+    """Greedy search writes one row per document: its steps are the teacher-forced reading, recorded instead of
+    read again. Both give the same positions, mass, coverage and log-probabilities (a batch of chapters too,
+    where rows that end early are padded)."""
+    from tests.test_evidence import needle_book
+    from unlimisum.unlimiformer.reread import SummaryReader, end_tokens, returned_length
+
+    document = needle_book(filler, lengths=(4, 6), windows=5, seed=5)
+    summarizer = Summarizer(loaded, generation=GENERATION, retrieval=RetrievalConfig(retrieval_k=16), index=INDEX)
+    family = summarizer.family
+    encoded = family.encode(document)
+    stores = [encoded.store.view(c.start, c.end) for c in encoded.chapters] if chapters else [encoded.store]
+    run = family.generate(stores, coverage=False, record=True)
+    assert run.recorder is not None
+    with SummaryReader(loaded, 16) as reader:
+        for number, store in enumerate(stores):
+            row = run.token_ids[number].tolist()
+            ids = row[:returned_length(row, end_tokens(loaded))]
+            recorded, again = run.recorder.reading(number, reader, ids), reader.read(store, ids)
+            torch.testing.assert_close(recorded.coverage, again.coverage, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(recorded.log_probs, again.log_probs, rtol=1e-4, atol=1e-4)
+            for j in range(1, len(ids)):
+                a = dict(zip(recorded.token_mass.positions[j].tolist(), recorded.token_mass.mass[j].tolist()))
+                b = dict(zip(again.token_mass.positions[j].tolist(), again.token_mass.mass[j].tolist()))
+                strong = {p for p, m in b.items() if m > 1e-3}
+                assert strong <= set(a) and all(abs(a[p] - b[p]) < 1e-4 for p in strong)
+            rows = list(range(2, len(ids)))
+            hidden = torch.zeros(store.n_tokens, dtype=torch.bool)
+            hidden[: store.n_tokens // 3] = True
+            first, last = min(rows), max(rows) + 1
+            torch.testing.assert_close(reader.log_probs(recorded, store, first, last, hidden),
+                                       reader.log_probs(again, store, first, last, hidden), rtol=1e-4, atol=1e-4)

@@ -619,6 +619,11 @@ def retrieve(states: torch.Tensor, queries: torch.Tensor, k: int, choice: Kernel
     queries = queries.to(states.device, torch.float32)
     if packed is None or choice.scores != "packed":
         choice, packed = choice.unpacked(), None
+    if k == n and queries.shape[0] * n * 4 <= MAX_SCORE_BYTES:  # every state: no selection, one softmax
+        logits = scores(states, queries, choice) if packed is None else packed.scores(queries)  # [nq, N]
+        weights = torch.softmax(_excluded(logits.float(), exclude, 0), dim=1).nan_to_num_(0.0)
+        out = dense_values(states, weights, choice) if packed is None else packed.values(weights)
+        return torch.arange(n, device=states.device).expand(queries.shape[0], n), weights, out
     logits, ids = select(states, queries, k, choice, packed, exclude)  # [nq, k]
     weights = torch.softmax(logits.float(), dim=1).nan_to_num_(0.0)  # all -inf (all hidden): attend to nothing
     if queries.shape[0] * n * 4 <= MAX_SCORE_BYTES and _dense_values_cheaper(choice, queries.shape[0], k, n,

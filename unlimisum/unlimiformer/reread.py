@@ -137,16 +137,72 @@ class SummaryReader:
                      **{compat.cache_argument(model): cache})
 
 
+class GenerationRecorder:
+    """The evidence pass's reading, recorded while generate() writes one row per document (greedy search,
+    sampling): every step's retrieval is the teacher-forced reading of the returned sequence, so nothing needs
+    reading again. Installed as the session's ``recorder`` (the retrieval wrapper hands it each layer's ids and
+    weights), as a stopping criterion that never stops (it sees each token chosen, and which rows have ended),
+    and as a hook on the output embeddings (the raw logits, for each chosen token's log-probability)."""
+
+    def __init__(self, sizes: Sequence[int], max_positions: int, layers: int, eos: set[int]):
+        self.collector = EvidenceCollector([torch.ones(max_positions, dtype=torch.bool) for _ in sizes], sizes)
+        self.layers, self.eos = layers, eos
+        self.positions = [0] * len(sizes)  # decoder positions recorded per document
+        self.finished = [False] * len(sizes)  # the row has written its end token: what follows is padding
+        self.log_probs: list[list[float]] = [[] for _ in sizes]
+        self._logits: torch.Tensor | None = None  # [rows, V] the last step's raw logits
+        self.cache = None  # generate()'s self-attention cache at the end (set by the summarizer)
+
+    def add(self, doc: int, layer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """Layer ``layer``'s retrieval for document ``doc``'s newest positions: ids, weights [n, heads * k]."""
+        if self.finished[doc]:
+            return
+        self.collector.first_row = self.positions[doc]
+        self.collector.add(doc, ids, weights)
+        if layer == self.layers - 1:
+            self.positions[doc] += ids.shape[0]
+
+    def on_logits(self, module, inputs, output) -> None:
+        """Forward hook of the output embeddings: keep the newest position's raw logits."""
+        logits = output[0] if isinstance(output, tuple) else output
+        self._logits = logits[:, -1].float()
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        newest = input_ids[:, -1]  # [rows]
+        if self._logits is not None:
+            chosen = self._logits.gather(1, newest.unsqueeze(1)).squeeze(1) - torch.logsumexp(self._logits, dim=1)
+            for doc, value in enumerate(chosen.tolist()):
+                if not self.finished[doc]:
+                    self.log_probs[doc].append(value)
+            self._logits = None
+        for doc, token in enumerate(newest.tolist()):
+            if token in self.eos:
+                self.finished[doc] = True
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def reading(self, doc: int, reader: SummaryReader, ids: Sequence[int]) -> Reading:
+        """Document ``doc``'s Reading of its returned sequence ``ids`` (through its end token), as recorded."""
+        ids = tuple(int(i) for i in ids)
+        steps = len(ids) - 1
+        positions, mass, coverage = self.collector.results(doc)
+        positions, mass = positions[:steps], mass[:steps]
+        token_mass = evidence.TokenMass(torch.cat([torch.zeros_like(positions[:1]), positions]),
+                                        torch.cat([torch.zeros_like(mass[:1]), mass]))
+        log_probs = torch.tensor([0.0, *self.log_probs[doc][:steps]])
+        return Reading(ids, token_mass, coverage, log_probs, _Prefixes(reader, self.cache, {}, row=doc))
+
+
 class _Prefixes:
     """The decoder's self-attention state after the summary's first P positions, as the first reading left it:
-    the leading P keys and values of its cache, or (Tensor Cache) the layers' states kept at P."""
+    the leading P keys and values of its cache (``row``: of that batch row), or (Tensor Cache) the layers'
+    states kept at P."""
 
-    def __init__(self, reader: SummaryReader, cache, snapshots: dict):
-        self.reader, self.cache, self.snapshots = reader, cache, snapshots
+    def __init__(self, reader: SummaryReader, cache, snapshots: dict, row: int | None = None):
+        self.reader, self.cache, self.snapshots, self.row = reader, cache, snapshots, row
 
     def at(self, length: int):
         if self.cache is not None:
-            return compat.self_attention_prefix(self.cache, length)
+            return compat.self_attention_prefix(self.cache, length, self.row)
         if length == 0:
             return self.reader._new_cache()
         if length not in self.snapshots:

@@ -45,6 +45,9 @@ class RetrievalSession:
     # per document, [N] bool or None: input tokens hidden from retrieval (the ablation pass hides the passages a
     # sentence drew on); None: nothing hidden
     hidden: Sequence | None = None
+    # generation that records the evidence pass's reading as it goes (reread.GenerationRecorder): one row per
+    # document, each layer's ids and weights handed to ``recorder.add(doc, layer, ids, weights)``
+    recorder: object | None = None
 
 
 # input positions kept per summary token by the evidence pass (the rest of its mass counts in coverage only)
@@ -135,11 +138,14 @@ class RetrievalCrossAttention(wrapping.CrossAttentionWrapper):
             started = time.perf_counter()
             # one call per layer and document: every head, beam and step of it in one pass over the store
             hidden = session.hidden[doc] if session.hidden is not None else None
-            if session.evidence is not None or hidden is not None:  # what each query attended to is wanted
+            if session.evidence is not None or hidden is not None or session.recorder is not None:
+                # what each query attended to is wanted
                 ids, weights, attended = store.retrieve(queries, session.retrieval_k, exclude=hidden)  # [T * H, k]
+                per_position = (ids.reshape(rows_per_doc * steps, -1), weights.reshape(rows_per_doc * steps, -1))
                 if session.evidence is not None:
-                    session.evidence.add(doc, ids.view(rows_per_doc * steps, -1),
-                                         weights.view(rows_per_doc * steps, -1))
+                    session.evidence.add(doc, *per_position)
+                if session.recorder is not None:
+                    session.recorder.add(doc, self.layer_index, *per_position)
             else:
                 coverage = session.coverage[doc] if session.coverage is not None else None
                 attended = store.attend(queries, session.retrieval_k, coverage)

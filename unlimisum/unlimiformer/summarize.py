@@ -27,7 +27,8 @@ from unlimisum.unlimiformer.datastore import Datastore
 from unlimisum.unlimiformer.encoded import EncodedDocument
 from unlimisum.unlimiformer.encoder import DocumentEncoder, EncodePlan
 from unlimisum.unlimiformer.placement import storage_dtype
-from unlimisum.unlimiformer.reread import Reading, SummaryReader, end_tokens, returned_length, support_of
+from unlimisum.unlimiformer.reread import (GenerationRecorder, Reading, SummaryReader, end_tokens, returned_length,
+                                           support_of)
 from unlimisum.unlimiformer.retrieval import RetrievalSession, retrieval
 
 # Summary.warnings when the evidence pass failed: the summary is kept, without evidence or coverage.
@@ -49,6 +50,7 @@ class Generated:
     prepare_seconds: float  # before `seconds`: the stores made ready for retrieval (Datastore.prepare)
     tensor_cache_bytes: int | None  # self-attention state retained at the end, with a Tensor Cache
     coverage: tuple[torch.Tensor, ...] = ()  # per store, [N] attention mass per input token (every step)
+    recorder: "GenerationRecorder | None" = None  # the evidence pass's reading, recorded while generating
 
 
 @dataclass(frozen=True)
@@ -163,9 +165,13 @@ class EncoderDecoderSummarizer:
             raise ConfigError(f"retrieval k must be at least 1, got {k}")
         return k
 
-    def generate(self, stores: Sequence[Datastore], name: str = "", coverage: bool = True) -> Generated:
+    def generate(self, stores: Sequence[Datastore], name: str = "", coverage: bool = True,
+                 record: bool = False) -> Generated:
         """Generate from encoded inputs, one datastore per document (in batch order); ``coverage``: add up
-        the attention mass of every step (else ``Generated.coverage`` stays zero)."""
+        the attention mass of every step (else ``Generated.coverage`` stays zero); ``record``: keep the evidence
+        pass's reading as generation goes (``Generated.recorder``), where it writes one row per document (no
+        beams) with the model's own self-attention (no Tensor Cache: the reading would start from its states
+        at each sentence, which generation does not keep); otherwise the pass reads the summary again."""
         model = self.loaded.model
         options = self.generation
         kwargs = options.to_generate_kwargs()
@@ -181,6 +187,11 @@ class EncoderDecoderSummarizer:
         mass = tuple(torch.zeros(store.n_tokens, device=store.states().device) for store in stores)
         session = RetrievalSession(stores=list(stores), retrieval_k=self.retrieval_k(),
                                    coverage=mass if coverage else None)
+        recorder = None
+        if record and self.tensor_cache is None and self._rows_per_document(kwargs) == 1:
+            layers = len(self.loaded.architecture.decoder_layers(model))
+            recorder = session.recorder = GenerationRecorder([store.n_tokens for store in stores], total, layers,
+                                                             end_tokens(self.loaded))
         preparing = time.perf_counter()
         self.progress(ProgressEvent("prepare", 0, batch, name))
         for store in stores:  # kernels measured and stores packed here, not silently inside the first step
@@ -201,13 +212,26 @@ class EncoderDecoderSummarizer:
                 memory = stack.enter_context(tensor_cache(model, self.loaded.architecture, self.tensor_cache))
                 kwargs.update(memory.generate_kwargs())
             stack.enter_context(torch.inference_mode())
+            criteria = [progress]
+            if recorder is not None:
+                hook = model.get_output_embeddings().register_forward_hook(recorder.on_logits)
+                stack.callback(hook.remove)
+                criteria.append(recorder)
+                kwargs["return_dict_in_generate"] = True
             output = model.generate(
                 encoder_outputs=compat.encoder_outputs(stand_in), attention_mask=attention_mask,
-                stopping_criteria=[progress], **kwargs,
+                stopping_criteria=criteria, **kwargs,
             )
+            if recorder is not None:
+                recorder.cache, output = output.past_key_values, output.sequences
             retained = memory.retained_bytes() if self.tensor_cache is not None else None
         return Generated(output, total, time.perf_counter() - started, session.stats.search_seconds,
-                         prepare_seconds, retained, mass)
+                         prepare_seconds, retained, mass, recorder)
+
+    def _rows_per_document(self, kwargs: dict) -> int:
+        """Rows generate() decodes per document: its beams (the options', else the model's own)."""
+        beams = kwargs.get("num_beams", getattr(self.loaded.model.generation_config, "num_beams", 1)) or 1
+        return beams * (kwargs.get("num_return_sequences", 1) or 1)
 
     def read_summary(self, store: Datastore, ids: Sequence[int]) -> Reading:
         """The evidence pass over one returned sequence ``ids`` (unlimisum/unlimiformer/reread.py): the decoder
@@ -234,7 +258,7 @@ class EncoderDecoderSummarizer:
         stores = [part.store() for part in parts]
         name = (parts[0].title or parts[0].source) if len(parts) == 1 else f"{len(parts)} documents"
         with_evidence = self.retrieval.evidence
-        run = self.generate(stores, name=name, coverage=not with_evidence)
+        run = self.generate(stores, name=name, coverage=not with_evidence, record=with_evidence)
         output = run.token_ids
         tokenizer = self.loaded.tokenizer
         texts = [text.strip() for text in tokenizer.batch_decode(output, skip_special_tokens=True)]
@@ -243,7 +267,7 @@ class EncoderDecoderSummarizer:
         self.progress(ProgressEvent("generate", max(counts), run.total, name))  # the count ends at the summary's
         peak_gpu = torch.cuda.max_memory_allocated(self.loaded.device) if on_cuda else None
         rows = output.tolist()
-        found = (self._evidence(parts, stores, rows, texts, name) if with_evidence
+        found = (self._evidence(parts, stores, rows, texts, name, run.recorder) if with_evidence
                  else [_PartEvidence(mass.cpu(), (), {}) for mass in run.coverage])
         summaries = []
         for part, store, text, n_generated, ids, seen in zip(parts, stores, texts, counts, rows, found):
@@ -268,9 +292,10 @@ class EncoderDecoderSummarizer:
         return summaries
 
     def _evidence(self, parts: Sequence[_Part], stores: Sequence[Datastore], rows: list[list[int]],
-                  texts: list[str], name: str) -> list["_PartEvidence"]:
+                  texts: list[str], name: str, recorder: GenerationRecorder | None = None) -> list["_PartEvidence"]:
         """The evidence pass over each returned summary (unlimisum/unlimiformer/reread.py): coverage of the
-        returned sequence, each sentence's passages, and each one's support (its passages hidden)."""
+        returned sequence, each sentence's passages, and each one's support (its passages hidden); the reading
+        of each summary is the one ``recorder`` kept while generating, when there is one."""
         tokenizer = self.loaded.tokenizer
         special_ids = set(tokenizer.all_special_ids)
         decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
@@ -280,7 +305,8 @@ class EncoderDecoderSummarizer:
         with SummaryReader(self.loaded, self.retrieval_k(), self.tensor_cache) as reader:
             for number, (part, store, row, text) in enumerate(zip(parts, stores, rows, texts)):
                 try:
-                    found.append(self._part_evidence(reader, part, store, row, text, eos, decode, special_ids))
+                    found.append(self._part_evidence(reader, part, store, row, text, eos, decode, special_ids,
+                                                     recorder, number))
                 except (RuntimeError, ValueError, IndexError, MemoryError) as error:  # the summary is kept
                     found.append(_PartEvidence(None, (), {}, (f"{EVIDENCE_FAILED}: {type(error).__name__}: "
                                                               f"{str(error).splitlines()[0] if str(error) else ''}",)))
@@ -288,11 +314,15 @@ class EncoderDecoderSummarizer:
         return found
 
     def _part_evidence(self, reader: SummaryReader, part: "_Part", store: Datastore, row: list[int], text: str,
-                       eos: set[int], decode, special_ids: set[int]) -> "_PartEvidence":
+                       eos: set[int], decode, special_ids: set[int], recorder: GenerationRecorder | None,
+                       number: int) -> "_PartEvidence":
         started = time.perf_counter()
         ids = row[:returned_length(row, eos)]
         _, members = evidence.sentence_rows(text, ids, decode, special_ids, len(ids))
-        reading = reader.read(store, ids, starts=[min(rows) - 1 for rows in members if rows])
+        if recorder is not None:
+            reading = recorder.reading(number, reader, ids)
+        else:
+            reading = reader.read(store, ids, starts=[min(rows) - 1 for rows in members if rows])
         read = time.perf_counter()
         records: tuple = ()
         if part.document is not None and text:
