@@ -213,10 +213,13 @@ def head_attend(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tensor,
     nq, dim = queries.shape[1], states.shape[1]
     rows = heads * nq
     queries = queries.to(keys.device, torch.float32)
-    shared = shared.unpacked()  # the states are summed unpacked: the scores come from the keys
+    # the states are summed unpacked (the scores come from the keys); the measured cost of a dense values pass is
+    # the packed copy's when the packed kernel was chosen, far below the unpacked pass that would run here
+    dense_measured = shared.scores != "packed"
+    shared = shared.unpacked()
     if k >= n:
         return head_dense_attention(keys, states, queries, choice, shared, coverage)
-    if rows * n * 4 <= kernels.MAX_SCORE_BYTES and shared.dense_is_cheaper(rows, k, n):
+    if dense_measured and rows * n * 4 <= kernels.MAX_SCORE_BYTES and shared.dense_is_cheaper(rows, k, n):
         logits = head_scores(keys, queries, choice).view(rows, n)
         top, ids = kernels.top_k(logits, k, ordered=False)
         kept = torch.softmax(top, dim=1, dtype=torch.float32)  # [rows, k]
