@@ -404,3 +404,13 @@ def test_info_says_which_key_store_and_its_bytes(tiny_model_dir):
     plan = json.loads(auto.stdout)["plan"]
     assert plan["key_store"] == "shared" and plan["key_store_bytes"] == 0
     assert f"{KEY_STORE_MIN_TOKENS:,}" in plan["key_store_reason"]
+
+
+def test_a_search_beyond_the_scores_budget_goes_in_slices_with_the_same_top_k(monkeypatch):
+    generator = torch.Generator().manual_seed(4)
+    keys, queries = torch.randn(2, 5000, 8, generator=generator), torch.randn(2, 3, 8, generator=generator)
+    monkeypatch.setattr(kernels, "MAX_SCORE_BYTES", 2 * 3 * 4 * 700)  # slices of 700 keys
+    scores, ids = head_kernels.head_search(keys, queries, 20, head_kernels.HeadKernelChoice("float32", 256))
+    expected = torch.einsum("hqd,hnd->hqn", queries, keys).topk(20, dim=2)
+    assert torch.equal(ids, expected.indices)
+    torch.testing.assert_close(scores, expected.values)

@@ -62,18 +62,6 @@ def kernel_for(device: torch.device | str, dtype: torch.dtype, dim: int, heads: 
     return _MEASURED[key]
 
 
-def _time_run(device: torch.device) -> Callable[[str, Callable], float]:
-    def time_one(name: str, run: Callable) -> float:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        started = time.perf_counter()
-        run()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return time.perf_counter() - started
-    return time_one
-
-
 def measure(candidates: dict[str, Callable], time_one: Callable[[str, Callable], float],
             repeats: int = MEASURE_REPEATS) -> dict[str, float]:
     """Best seconds of each candidate, timed in turns (a b c a b c ...) so that a busy moment of a shared machine
@@ -96,7 +84,7 @@ def calibrate_heads(device: torch.device | str, dtype: torch.dtype, dim: int, he
     ``time_one(name, run)`` -> seconds (default: the wall clock around one run); UNLIMISUM_SCORE_KERNEL=native
     forces the native head kernel, float32 or packed the float32 one (there is no packed head kernel)."""
     device = torch.device(device)
-    time_one = time_one or _time_run(device)
+    time_one = time_one or (lambda name, run: kernels._timed(run, device))  # the wall clock around one run
     generator = torch.Generator(device="cpu").manual_seed(0)
     states = torch.randn(rows, dim, generator=generator).to(device, dtype)  # [rows, d]
     keys = torch.randn(heads, rows, head_dim, generator=generator).to(device, dtype)  # [H, rows, dh]
@@ -164,17 +152,17 @@ def head_select(keys: torch.Tensor, queries: torch.Tensor, k: int,
     nq = queries.shape[1]
     queries = queries.to(keys.device, torch.float32)
     step = max(k, kernels.MAX_SCORE_BYTES // (heads * nq * 4))
-    best_scores = best_ids = None
+    tops, columns = [], []  # each slice's top-k, merged at the end
     for start in range(0, n, step):
         part = head_scores(keys[:, start:start + step], queries, choice).view(heads * nq, -1)  # [H * nq, <=step]
         top, ids = kernels.top_k(part, min(k, part.shape[1]), ordered=False)
-        ids += start
-        if best_scores is not None:
-            top, ids = torch.cat([best_scores, top], 1), torch.cat([best_ids, ids], 1)
-            top, order = top.topk(min(k, top.shape[1]), dim=1, sorted=False)
-            ids = ids.gather(1, order)
-        best_scores, best_ids = top, ids
-    return best_scores.view(heads, nq, -1), best_ids.view(heads, nq, -1)
+        tops.append(top)
+        columns.append(ids + start)
+    top, ids = torch.cat(tops, 1), torch.cat(columns, 1)  # [H * nq, slices * k]
+    if len(tops) > 1:
+        top, order = top.topk(min(k, top.shape[1]), dim=1, sorted=False)
+        ids = ids.gather(1, order)
+    return top.view(heads, nq, -1), ids.view(heads, nq, -1)
 
 
 def head_rescore(keys: torch.Tensor, queries: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
