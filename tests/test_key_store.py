@@ -414,3 +414,22 @@ def test_a_search_beyond_the_scores_budget_goes_in_slices_with_the_same_top_k(mo
     expected = torch.einsum("hqd,hnd->hqn", queries, keys).topk(20, dim=2)
     assert torch.equal(ids, expected.indices)
     torch.testing.assert_close(scores, expected.values)
+
+
+def test_retrieve_says_what_each_head_attended_to_and_hides_excluded_tokens():
+    generator = torch.Generator().manual_seed(5)
+    keys, states = torch.randn(2, 300, 8, generator=generator), torch.randn(300, 16, generator=generator)
+    queries = torch.randn(2, 3, 8, generator=generator)
+    choice = head_kernels.HeadKernelChoice("float32", 64)
+    shared = kernels.KernelChoice("float32", 128, False, 1e-9, 1e-9)
+    reference = torch.einsum("hqd,hnd->hqn", queries, keys)
+    ids, weights, attended = head_kernels.head_retrieve(keys, states, queries, 6, choice, shared)
+    assert torch.equal(ids, reference.topk(6, dim=2).indices)
+    torch.testing.assert_close(attended, head_kernels.head_attend(keys, states, queries, 6, choice, shared))
+    hidden = torch.zeros(300, dtype=torch.bool)
+    hidden[ids[0, 0, :3]] = True  # the three best of one query: hidden from every query
+    ids, weights, attended = head_kernels.head_retrieve(keys, states, queries, 6, choice, shared, exclude=hidden)
+    expected = reference.masked_fill(hidden, float("-inf")).topk(6, dim=2)
+    assert torch.equal(ids, expected.indices) and not hidden[ids].any()
+    torch.testing.assert_close(weights, torch.softmax(expected.values, dim=2))
+    torch.testing.assert_close(attended, torch.einsum("hqk,hqkd->hqd", weights, states[ids]))

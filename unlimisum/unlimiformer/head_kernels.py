@@ -190,6 +190,30 @@ def head_search(keys: torch.Tensor, queries: torch.Tensor, k: int,
     return scores, ids.gather(2, order)
 
 
+def head_retrieve(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tensor, k: int, choice: HeadKernelChoice,
+                  shared: kernels.KernelChoice, exclude: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``head_attend`` that also says what each query attended to: (ids [H, nq, k'], weights [H, nq, k'] fp32,
+    attended [H, nq, d] fp32), k' = min(k, N), the weights the softmax of the kernel's own scores (as generation
+    weighs them). ``exclude`` [N] bool: tokens hidden from every query, as if they were not stored (weight 0 where
+    fewer than k' are left)."""
+    heads, n, _ = keys.shape
+    nq = queries.shape[1]
+    wanted = min(k, n)
+    hidden = exclude.to(keys.device) if exclude is not None else None
+    extra = int(hidden.sum()) if hidden is not None else 0  # found, then dropped: fetch as many more
+    scores, ids = head_select(keys, queries, min(n, wanted + extra), choice)  # [H, nq, k + extra]
+    if hidden is not None:
+        scores = scores.masked_fill(hidden[ids], float("-inf"))
+    scores, order = scores.sort(dim=2, descending=True)
+    scores, ids = scores[:, :, :wanted], ids.gather(2, order)[:, :, :wanted]
+    weights = torch.softmax(scores, dim=2, dtype=torch.float32).nan_to_num(0.0)  # [H, nq, k']
+    shared = shared.unpacked()
+    attended = kernels.gathered_attention(states, ids.reshape(heads * nq, -1), weights.reshape(heads * nq, -1),
+                                          shared.widens, shared.fused_gather)
+    return ids, weights, attended.view(heads, nq, -1)
+
+
 def head_attend(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tensor, k: int, choice: HeadKernelChoice,
                 shared: kernels.KernelChoice, coverage: torch.Tensor | None = None) -> torch.Tensor:
     """Exact top-k retrieval attention per head: queries [H, nq, dh] (scaling folded in) -> [H, nq, d] fp32, the

@@ -155,7 +155,6 @@ class RetrievalCrossAttention(wrapping.CrossAttentionWrapper):
             values = values + value_proj.bias.view(heads, head_dim)
         return output_proj(values.reshape(rows, steps, heads * head_dim))
 
-
     def _attend_keys(self, store, q: torch.Tensor, session: RetrievalSession, doc: int) -> torch.Tensor:
         """Retrieval attention of one document's queries q [r, T, H, dh] through its store's keys of this layer:
         [r, T, H, d] float32 weighted sums of the shared states (key bias left out: it cancels in the softmax)."""
@@ -164,13 +163,14 @@ class RetrievalCrossAttention(wrapping.CrossAttentionWrapper):
         queries = (q.float() * self.scaling).permute(2, 0, 1, 3).reshape(heads, rows * steps, -1)  # [H, r * T, dh]
         choice = store.keys.choice(store.dim, queries_per_head=rows, k=session.retrieval_k)
         k = min(session.retrieval_k, store.n_tokens)
-        if session.evidence is not None:  # the weights themselves are kept: search, softmax, sum
-            scores, ids = head_kernels.head_search(keys, queries, k, choice)  # [H, r * T, k]
-            weights = torch.softmax(scores, dim=-1)
-            ids, weights = ids.permute(1, 0, 2), weights.permute(1, 0, 2)  # [r * T, H, k]
-            session.evidence.add(doc, ids.reshape(rows * steps, -1), weights.reshape(rows * steps, -1))
-            attended = store.weighted_sum(ids.reshape(rows * steps * heads, -1), weights.reshape(rows * steps * heads, -1))
-            return attended.view(rows, steps, heads, -1)
+        hidden = session.hidden[doc] if getattr(session, "hidden", None) is not None else None
+        if session.evidence is not None or hidden is not None:  # what each query attended to is wanted
+            ids, weights, attended = head_kernels.head_retrieve(keys, store.states(), queries, k, choice,
+                                                                store.kernel(), exclude=hidden)  # [H, r * T, k]
+            if session.evidence is not None:
+                ids, weights = ids.permute(1, 0, 2), weights.permute(1, 0, 2)  # [r * T, H, k]
+                session.evidence.add(doc, ids.reshape(rows * steps, -1), weights.reshape(rows * steps, -1))
+            return attended.view(heads, rows, steps, -1).permute(1, 2, 0, 3)  # [r, T, H, d]
         coverage = session.coverage[doc] if session.coverage is not None else None
         attended = head_kernels.head_attend(keys, store.states(), queries, k, choice, store.kernel(), coverage)
         return attended.view(heads, rows, steps, -1).permute(1, 2, 0, 3)  # [r, T, H, d]
