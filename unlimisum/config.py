@@ -55,6 +55,14 @@ class IndexConfig:
     # (nprobe ~ factor * k / list length, capped by the list count). Measured attention mass kept at
     # 100k / 200k / 500k tokens: factor 16: 0.84 / 0.85 / -, 32: 0.94 / 0.92 / 0.91, 64: 0.99 / 0.97 / 0.95.
     ivf_scan_factor: float = 64.0
+    # Where an exact search finds each head's top-k: "auto" | "shared" | "per-layer". "shared" is the paper's one
+    # store of states for every layer (each head's query projected to d_model dimensions: 12 multiply-adds per
+    # number read, compute-bound on CPUs); "per-layer" adds keys h_e W_k per decoder layer (L x the store's
+    # memory), where each head scores its own d_head-dim query: the same bytes read per layer, H times fewer
+    # multiply-adds. auto: per-layer when the index is exact, the input has at least KEY_STORE_MIN_TOKENS tokens,
+    # the store and the keys fit the memory budget and the keys are measured faster on this machine
+    # (unlimisum/unlimiformer/placement.py, plan_key_store).
+    key_store: str = "auto"
 
 
 @dataclass(frozen=True)

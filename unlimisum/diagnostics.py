@@ -16,6 +16,8 @@ from unlimisum.errors import ConfigError, UnlimisumError
 from unlimisum.version import __version__
 
 ASSUMED_D_MODEL = 768  # hidden size of the base models (BART-base, LED-base, T5-base) when no config is at hand
+ASSUMED_DECODER_LAYERS = 6  # BART-base's decoder, likewise
+ASSUMED_HEADS = 12  # BART-base's cross-attention heads, likewise
 
 
 def collect_report(tokens: int | None = None, model: str | None = None, index: IndexConfig = IndexConfig()) -> dict:
@@ -147,12 +149,14 @@ def collect_plan(tokens: int, model: str, index: IndexConfig) -> dict:
     decoder-only plan (``collect_decoder_plan``) when the model's config says it is one."""
     from unlimisum.models.decoder_architectures import BY_MODEL_TYPE
     from unlimisum.unlimiformer.datastore import plan_index
+    from unlimisum.unlimiformer.placement import plan_key_store
 
     config = model_config(model)
     if config is not None and getattr(config, "model_type", None) in BY_MODEL_TYPE:
         return collect_decoder_plan(tokens, model, config, index)
     d_model, d_model_source = model_hidden_size(model)
     plan = plan_index(tokens, d_model, index)
+    layers, heads, head_dim, _ = model_decoder_shape(model, d_model)
     kernel = None
     if plan.kind == "exact":  # what an exact step runs here, measured now (~0.3 s)
         import torch
@@ -168,6 +172,16 @@ def collect_plan(tokens: int, model: str, index: IndexConfig) -> dict:
                       f"({packed.packed_bytes(tokens, d_model) / 2**30:.1f} GiB) would exceed "
                       f"{packed.PACKED_MEMORY_FRACTION:.1%} of the memory left beside this process; "
                       f"for smaller inputs {kernel}")
+    keys = plan_key_store(tokens, d_model, layers, heads, head_dim, index, plan)
+    key_kernel = None
+    if keys.kind == "per-layer":  # what its heads run here (measured with the choice under auto)
+        import torch
+
+        from unlimisum.unlimiformer import head_kernels
+        from unlimisum.unlimiformer.placement import storage_dtype
+
+        key_kernel = head_kernels.kernel_for(torch.device(plan.device), storage_dtype(index), d_model, heads,
+                                             head_dim).reason
     return {
         "model_kind": "seq2seq",
         "tokens": tokens,
@@ -180,6 +194,13 @@ def collect_plan(tokens: int, model: str, index: IndexConfig) -> dict:
         "device": plan.device,
         "reason": plan.reason,
         "retrieval_kernel": kernel,
+        "decoder_layers": layers,
+        "heads": heads,
+        "head_dim": head_dim,
+        "key_store": keys.kind,
+        "key_store_bytes": keys.nbytes,
+        "key_store_reason": keys.reason,
+        "key_kernel": key_kernel,
     }
 
 
@@ -261,6 +282,21 @@ def model_hidden_size(model: str) -> tuple[int, str]:
         if isinstance(size, int) and size > 0:
             return size, "model config"
     return ASSUMED_D_MODEL, f"assumed ({model} is not available offline)"
+
+
+def model_decoder_shape(model: str, d_model: int) -> tuple[int, int, int, str]:
+    """``(decoder layers, cross-attention heads, head dim, where they came from)``: the model's config when it is
+    local or cached, else bart-base's 6 layers of 12 heads (the head dim from ``d_model``)."""
+    config = model_config(model)
+    if config is not None:
+        layers = next((getattr(config, name) for name in ("decoder_layers", "num_decoder_layers", "num_layers")
+                       if isinstance(getattr(config, name, None), int)), None)
+        heads = next((getattr(config, name) for name in ("decoder_attention_heads", "num_heads", "num_attention_heads")
+                      if isinstance(getattr(config, name, None), int)), None)
+        head_dim = getattr(config, "d_kv", None) if isinstance(getattr(config, "d_kv", None), int) else None
+        if layers and heads:
+            return layers, heads, head_dim or d_model // heads, "model config"
+    return ASSUMED_DECODER_LAYERS, ASSUMED_HEADS, d_model // ASSUMED_HEADS, f"assumed ({model} is not available offline)"
 
 
 # -- rendering ------------------------------------------------------------------------------

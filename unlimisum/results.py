@@ -38,6 +38,8 @@ class SummaryStats:
     model_dtype: str = ""  # the weights' dtype ("--dtype auto" chooses bfloat16 where measured faster)
     positions: str | None = None  # decoder-only: "true", or "fixed distance W" when prompt + summary exceed them
     packed_bytes: int = 0  # beside the store: the packed retrieval kernel's copies of it, when that kernel ran
+    key_store: str = "shared"  # where the heads scored: "shared" (the store of states) or "per-layer" (keys per layer)
+    key_store_bytes: int = 0  # beside the store: the per-layer keys (L x H x N x d_head 16-bit numbers), when used
 
 
 @dataclass(frozen=True)

@@ -31,6 +31,8 @@ def info(
     ),
     index: Literal["auto", "exact", "ivf", "hnsw"] = typer.Option("auto", "--index", help="Index kind to plan for."),
     index_device: Literal["auto", "cpu", "gpu"] = typer.Option("auto", "--index-device", help="Index device to plan for."),
+    key_store: Literal["auto", "shared", "per-layer"] = typer.Option("auto", "--key-store",
+                                                                    help="Key store to plan for."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     remeasure: bool = typer.Option(
         False, "--remeasure", help="Forget what was measured on this machine to choose speed settings (the CPU "
@@ -47,7 +49,7 @@ def info(
 
         precision._cpu_speedup.cache_clear()
     try:
-        report = collect_report(tokens, model, IndexConfig(kind=index, device=index_device))
+        report = collect_report(tokens, model, IndexConfig(kind=index, device=index_device, key_store=key_store))
     except UnlimisumError as error:  # ConfigError among them
         raise fail(error, EXIT_USAGE)
     if as_json:
@@ -116,6 +118,9 @@ def render_report(report: dict) -> str:
                 ("index", f"{plan['kind']} on {plan['device']}"),
                 ("reason", plan["reason"]),
                 *([("retrieval kernel", plan["retrieval_kernel"])] if plan.get("retrieval_kernel") else []),
+                *([("key store", f"{plan['key_store']} ({format_bytes(plan['key_store_bytes'])}): "
+                                 f"{plan['key_store_reason']}")] if plan.get("key_store") else []),
+                *([("key kernel", plan["key_kernel"])] if plan.get("key_kernel") else []),
             ]),
         ]
     lines += _measurement_lines(report["measurements"])

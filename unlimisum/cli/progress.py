@@ -53,11 +53,15 @@ def format_bytes(count: int | None) -> str:
     raise AssertionError("unreachable")
 
 
-def store_figure(store_bytes: int, packed_bytes: int = 0) -> str:
-    """``1.3 MiB``, or ``1.3 MiB + 3.5 MiB packed copies``: the encoded input's store, and beside it the packed
-    retrieval kernel's copies of it when that kernel made them."""
+def store_figure(store_bytes: int, packed_bytes: int = 0, key_store_bytes: int = 0) -> str:
+    """``1.3 MiB``, or ``1.3 MiB + 3.5 MiB packed copies``, or ``1.3 MiB + 7.9 MiB per-layer keys``: the encoded
+    input's store, and beside it the packed retrieval kernel's copies of it or the key store per decoder layer."""
     figure = format_bytes(store_bytes)
-    return f"{figure} + {format_bytes(packed_bytes)} packed copies" if packed_bytes else figure
+    if packed_bytes:
+        figure += f" + {format_bytes(packed_bytes)} packed copies"
+    if key_store_bytes:
+        figure += f" + {format_bytes(key_store_bytes)} per-layer keys"
+    return figure
 
 
 def format_seconds(seconds: float) -> str:
@@ -375,6 +379,7 @@ class ProgressDisplay(DrawnOnLiveArea):
             self.log(
                 f"encoding {self._tokens:,} tokens in {event.total:,} windows; "
                 f"index: {event.info.get('index')} on {event.info.get('index_device')}"
+                + (f"; key store: {event.info['key_store_reason']}" if event.info.get("key_store_reason") else "")
             )
             return
         fraction = event.completed / event.total if event.total else 0.0
@@ -396,7 +401,7 @@ class ProgressDisplay(DrawnOnLiveArea):
             self._stage(f"building the index ({event.info.get('index')} on {event.info.get('index_device')})")
         else:
             self._datastore_bytes = event.info.get("bytes")
-            self.log(f"index built: {format_bytes(self._datastore_bytes)}")
+            self.log(f"index built: {store_figure(self._datastore_bytes, 0, event.info.get('key_store_bytes') or 0)}")
 
     def _on_chapter(self, event: ProgressEvent) -> None:
         """Per-chapter summaries: a batch of chapters starts (``completed`` done so far), or all are done."""
@@ -450,7 +455,7 @@ class ProgressDisplay(DrawnOnLiveArea):
         parts = [
             f"{stats.input_tokens:,} tokens in {stats.windows:,} window{'s' if stats.windows != 1 else ''}"
             + (" (encoded book from the cache)" if stats.cached else ""),
-            f"{stats.index_kind} index on {stats.index_device} ({store_figure(stats.datastore_bytes, stats.packed_bytes)})"
+            f"{stats.index_kind} index on {stats.index_device} ({store_figure(stats.datastore_bytes, stats.packed_bytes, stats.key_store_bytes)})"
             f", k={stats.retrieval_k}",
             f"{stats.generated_tokens:,} summary tokens{rate}",
         ]

@@ -143,6 +143,13 @@ def summarize(
         "mantissa bits but overflows beyond 65504; float32 doubles memory).",
         rich_help_panel=INDEX_PANEL,
     ),
+    key_store: Literal["auto", "shared", "per-layer"] = typer.Option(
+        "auto", "--key-store",
+        help="Where an exact search scores: per-layer keys (L x the store's memory, H times fewer multiply-adds) or "
+        "the shared store of states (auto: per-layer from 4,096 tokens when they fit half the free memory and "
+        "are measured faster here).",
+        rich_help_panel=INDEX_PANEL,
+    ),
     retrieval_k: Optional[int] = typer.Option(
         None, "--retrieval-k", min=1, metavar="K",
         help="Input tokens each cross-attention head retrieves per step (default: the model's window, at most 1,024); "
@@ -407,7 +414,7 @@ def summarize(
     settings = SummarizeSettings(
         model=ModelConfig(name=model, tokenizer=tokenizer, device=device, dtype=dtype, trust_remote_code=trust_remote_code),
         encoding=EncodingConfig(overlap=overlap, batch_size=encode_batch, window=window),
-        index=IndexConfig(kind=index, device=index_device, storage_dtype=storage_dtype),
+        index=IndexConfig(kind=index, device=index_device, storage_dtype=storage_dtype, key_store=key_store),
         retrieval=RetrievalConfig(retrieval_k=retrieval_k if retrieval_k is not None else retrieval_k_alias,
                                   evidence=evidence is not False, evidence_passages=evidence_passages),
         generation=GenerationOptions(

@@ -33,6 +33,8 @@ JSON schema (one object per document; JSON Lines on stdout, one file per input w
         "index_kind": "exact", "index_device": "cpu", "retrieval_k": 0,
         "datastore_bytes": 0,             # the encoded input's store (16-bit states; an approximate index's own)
         "packed_bytes": 0,                # beside it: the packed retrieval kernel's copies, when that kernel ran
+        "key_store": "shared",            # where the heads scored: "shared" (the states) or "per-layer" (keys)
+        "key_store_bytes": 0,             # beside the store: the per-layer keys, when used (--key-store)
         "generated_tokens": 0,            # summary tokens: generated tokens other than special tokens
                                           # (the "N summary tokens" of the done line)
         "timings": {"read": 0.0, "tokenize": 0.0, "encode": 0.0, "index": 0.0, "prepare": 0.0,

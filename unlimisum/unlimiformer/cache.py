@@ -8,6 +8,10 @@ store format), in a folder of its own under the cache directory::
     <cache>/<key>/ids.bin      [N] token ids, raw little-endian int64
     <cache>/<key>/ends.bin     [N] each token's end character in the text, int64 (when the tokenizer
                                gives offsets: the chapters are mapped through them on loading)
+    <cache>/<key>/keys.bin     [L, H, N, d_head] the per-layer key store (unlimisum/unlimiformer/keys.py),
+                               in the states' dtype, when the run that encoded the book built it and the
+                               entry with it stays within the cache's size cap and half the free disk
+                               (``keys_fit``); a hit without it rebuilds the keys from the states
 
 Raw arrays plus JSON: nothing is unpickled. Entries are written in a temporary folder
 (``.tmp-<pid>-<host>-<id>``) and renamed into place; on loading, every field of the metadata must
@@ -37,7 +41,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-STORE_FORMAT_VERSION = 2  # 2: token end offsets, chapters mapped on loading. Bump when what an entry holds, or how states are computed, changes
+# 2: token end offsets, chapters mapped on loading; 4: the per-layer key store (keys.bin, meta "keys").
+# Bump when what an entry holds, or how states are computed, changes
+STORE_FORMAT_VERSION = 4
 _NUMPY_DTYPES = {torch.bfloat16: np.uint16, torch.float16: np.float16, torch.float32: np.float32}
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _CHECKSUM_CHUNK = 64 * 2**20
@@ -82,6 +88,7 @@ class CachedEncoding:
     token_ids: torch.Tensor  # [N] int64
     meta: dict
     token_ends: torch.Tensor | None = None  # [N] int64 end characters, when the entry has them
+    keys: torch.Tensor | None = None  # [L, H, N, dh] per-layer keys, memory-mapped, when the entry has them
 
 
 @dataclass(frozen=True)
@@ -140,15 +147,37 @@ class EncodedCache:
             pass
         return entry
 
+    def keys_fit(self, entry_bytes: int, keys_bytes: int) -> bool:
+        """Whether an entry of ``entry_bytes`` may hold ``keys_bytes`` of per-layer keys too: within the size cap
+        (when there is one) and half the free disk space."""
+        if self.max_bytes is not None and entry_bytes + keys_bytes > self.max_bytes:
+            return False
+        try:
+            free = shutil.disk_usage(self.directory if self.directory.exists() else self.directory.parent).free
+        except OSError:
+            return False
+        return keys_bytes <= free / 2
+
     def store(self, key: CacheKey, states: torch.Tensor, token_ids: torch.Tensor, meta: dict,
-              token_ends: torch.Tensor | None = None) -> Path | None:
+              token_ends: torch.Tensor | None = None, keys: torch.Tensor | None = None) -> Path | None:
         """Write an entry (atomically: a temporary folder renamed into place); its folder, or None when the
-        cache cannot be written (said in one warning line: the summary goes on)."""
+        cache cannot be written (said in one warning line: the summary goes on). ``keys`` [L, H, N, dh], the
+        per-layer key store, is written with it where ``keys_fit``."""
         final = self.directory / key.digest
         temporary = self.directory / f"{_TEMPORARY}{os.getpid()}-{_HOST}-{uuid.uuid4().hex}"
+        entry_bytes = states.numel() * states.element_size() + token_ids.numel() * 8 * (2 if token_ends is not None else 1)
+        if keys is not None and not self.keys_fit(entry_bytes, keys.numel() * keys.element_size()):
+            keys = None
+        keys_record = None
+        if keys is not None:
+            if keys.dim() != 4 or keys.shape[2] != states.shape[0] or keys.dtype != states.dtype:
+                raise ValueError(f"keys must be [L, H, {states.shape[0]}, dh] {states.dtype}, got "
+                                 f"{keys.dtype} {list(keys.shape)}")
+            keys_record = {"layers": int(keys.shape[0]), "heads": int(keys.shape[1]), "head_dim": int(keys.shape[3]),
+                           "crc32": 0}
         record = dict(meta, key=key.__dict__, n_tokens=int(states.shape[0]), dim=int(states.shape[1]),
                       dtype=_DTYPE_NAMES[states.dtype], states_crc32=0, ids_crc32=0,
-                      ends_crc32=0 if token_ends is not None else None, created=time.time())
+                      ends_crc32=0 if token_ends is not None else None, keys=keys_record, created=time.time())
         check_meta(record)  # ValueError: what the caller gives must make an entry that can be read back
         self.remove_leftovers()
         try:
@@ -159,6 +188,8 @@ class EncodedCache:
             ends_crc = None
             if token_ends is not None:
                 ends_crc = _write_array(temporary / "ends.bin", token_ends.cpu().to(torch.int64).numpy())
+            if keys is not None:
+                keys_record["crc32"] = _write_array(temporary / "keys.bin", _as_numpy(keys))
             record.update(states_crc32=states_crc, ids_crc32=ids_crc, ends_crc32=ends_crc)
             (temporary / "meta.json").write_text(json.dumps(record, ensure_ascii=False, indent=1), encoding="utf-8")
             os.rename(temporary, final)
@@ -290,10 +321,18 @@ def _read_entry(folder: Path, key: CacheKey) -> CachedEncoding:
     ends = None
     if meta["ends_crc32"] is not None:
         ends = torch.from_numpy(np.array(_map_array(folder / "ends.bin", np.int64, (n,), meta["ends_crc32"])))
-    states = torch.from_numpy(states_np)
-    if dtype == torch.bfloat16:
-        states = states.view(torch.bfloat16)
-    return CachedEncoding(states=states, token_ids=torch.from_numpy(np.array(ids_np)), meta=meta, token_ends=ends)
+    keys = None
+    if meta["keys"] is not None:
+        shape = (meta["keys"]["layers"], meta["keys"]["heads"], n, meta["keys"]["head_dim"])
+        keys = _as_tensor(_map_array(folder / "keys.bin", _NUMPY_DTYPES[dtype], shape, meta["keys"]["crc32"]), dtype)
+    return CachedEncoding(states=_as_tensor(states_np, dtype), token_ids=torch.from_numpy(np.array(ids_np)), meta=meta,
+                          token_ends=ends, keys=keys)
+
+
+def _as_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """The torch tensor over a mapped array of ``dtype`` numbers (bfloat16 is stored as uint16); no copy."""
+    tensor = torch.from_numpy(array)
+    return tensor.view(torch.bfloat16) if dtype == torch.bfloat16 else tensor
 
 
 def check_meta(meta) -> None:
@@ -313,6 +352,10 @@ def check_meta(meta) -> None:
         "states_crc32": (integer, "an integer"),
         "ids_crc32": (integer, "an integer"),
         "ends_crc32": (lambda value: value is None or integer(value), "an integer or null"),
+        "keys": (lambda value: value is None or isinstance(value, dict) and set(value) == {"layers", "heads",
+                 "head_dim", "crc32"} and all(integer(value[name]) and (value[name] >= 1 or name == "crc32")
+                                              for name in value),
+                 "null or an object of positive integers layers, heads, head_dim and an integer crc32"),
         "title": (lambda value: value is None or isinstance(value, str), "text or null"),
         "source": (lambda value: value is None or isinstance(value, str), "text or null"),
         "windows": (lambda value: isinstance(value, list), "a list"),

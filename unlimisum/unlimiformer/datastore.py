@@ -59,6 +59,10 @@ RESCORE_BYTES = 256 * 2**20
 class Datastore:
     """The encoded input, ready for search and value lookup. Build it with ``DatastoreBuilder``."""
 
+    # the exact store's per-layer keys (unlimisum/unlimiformer/keys.py), which its heads score instead of the
+    # states when present (the states then serve the weighted sums); set by the encoder, shared by views
+    keys = None
+
     def __init__(self, states: torch.Tensor, kind: str, device: str, nbytes: int):
         self._states = states  # [N, d] 16-bit (or fp32), the one copy of the encoded input
         self.n_tokens, self.dim = states.shape
@@ -170,6 +174,10 @@ class TorchExactDatastore(Datastore):
         return kernels.kernel_for(self._states.device, self.storage_dtype, self.dim, sample=self._states)
 
     def prepare(self) -> None:
+        if self.keys is not None:  # the heads score the keys: the states serve sums only, never packed
+            self.kernel()
+            self.keys.choice(self.dim)
+            return
         self.packed()  # calibrates the kernels first (once per process), then packs when that kernel was chosen
 
     def packed(self) -> "kernels.PackedStates | None":
@@ -208,6 +216,7 @@ class TorchExactDatastore(Datastore):
         view._owner = self  # keeps the memory the view points into alive
         root, offset = self._source if self._source is not None else (self, 0)
         view._source = (root, offset + start)
+        view.keys = self.keys.view(start, end) if self.keys is not None else None
         return view
 
     def _search(self, queries, k):

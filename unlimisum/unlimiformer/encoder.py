@@ -24,6 +24,8 @@ from unlimisum.events import ProgressEvent
 from unlimisum.unlimiformer.encoded import EncodedDocument
 from unlimisum.unlimiformer.cache import CacheKey, EncodedCache, text_sha256
 from unlimisum.unlimiformer.encoding import auto_batch_size, encode_windows, plan_windows
+from unlimisum.unlimiformer.keys import KeyStore, KeyStoreBuilder, build_key_store, key_weights, matches
+from unlimisum.unlimiformer.placement import KeyStorePlan, plan_key_store
 from unlimisum.errors import ConfigError, EmptyDocumentError
 from unlimisum.models import LoadedModel
 
@@ -67,7 +69,8 @@ class DocumentEncoder:
         if key is not None:
             meta = {"title": document.title, "source": document.source, "windows": [list(w) for w in encoded.windows]}
             ends = torch.tensor(encoded.token_ends, dtype=torch.long) if encoded.token_ends is not None else None
-            self.cache.store(key, encoded.store.states(), encoded.token_ids, meta, token_ends=ends)
+            keys = encoded.store.keys.keys if encoded.store.keys is not None else None
+            self.cache.store(key, encoded.store.states(), encoded.token_ids, meta, token_ends=ends, keys=keys)
         return encoded
 
     # -- fresh encoding -----------------------------------------------------------------------------
@@ -101,27 +104,57 @@ class DocumentEncoder:
         windows = plan_windows(n_tokens, self.plan.window, self.encoding.overlap)
         builder = DatastoreBuilder(n_tokens, self.loaded.model.config.d_model, self._index_plan(n_tokens),
                                    self.plan.index)
+        keys_plan = self._key_store_plan(n_tokens, builder.plan)
+        keys = None
+        if keys_plan.kind == "per-layer":  # each window's kept states projected once per layer, as they come
+            keys = KeyStoreBuilder(n_tokens, key_weights(self.loaded.model, self.loaded.architecture),
+                                   builder.dtype, builder.plan.device)
         batch_size = self.encoding.batch_size or auto_batch_size(windows.window, windows.n_windows, self.loaded.device)
         if batch_size < 1:
             raise ConfigError(f"encode batch size must be at least 1, got {batch_size}")
-        info = {"tokens": n_tokens, "index": builder.plan.kind, "index_device": builder.plan.device}
+        info = {"tokens": n_tokens, "index": builder.plan.kind, "index_device": builder.plan.device,
+                "key_store": keys_plan.kind, "key_store_reason": keys_plan.reason}
+        sink = builder.add if keys is None else lambda states: (builder.add(states), keys.add(states))
         self.progress(ProgressEvent("encode", 0, windows.n_windows, name, info))
         encoder = self.loaded.model.get_encoder()
         with self.loaded.architecture.encoding(encoder):
             encode_windows(
-                encoder, input_ids, windows, builder.add, batch_size=batch_size,
+                encoder, input_ids, windows, sink, batch_size=batch_size,
                 encoder_inputs=self.loaded.architecture.encoder_inputs,
                 on_batch=lambda done: self.progress(ProgressEvent("encode", done, windows.n_windows, name, info)),
             )
         encoded_at = time.perf_counter()
         self.progress(ProgressEvent("index", 0, 1, name, info))
         store = builder.finish()
+        store.keys = keys.finish() if keys is not None else None
         finished = time.perf_counter()
-        self.progress(ProgressEvent("index", 1, 1, name, dict(info, bytes=store.nbytes)))
+        self.progress(ProgressEvent("index", 1, 1, name, dict(info, bytes=store.nbytes,
+                                                              key_store_bytes=_key_bytes(store))))
         seconds = {"tokenize": tokenized - started, "encode": encoded_at - tokenized, "index": finished - encoded_at}
         kept = tuple(windows.kept(i) for i in range(windows.n_windows))
         chapters = chapter_token_ranges(document, ends, n_tokens)
         return EncodedDocument(name, input_ids, store, kept, chapters, seconds, token_ends=ends)
+
+    def _key_store_plan(self, n_tokens: int, index: IndexPlan) -> KeyStorePlan:
+        """The shared store or per-layer keys for this model (placement.plan_key_store)."""
+        weights = key_weights(self.loaded.model, self.loaded.architecture)
+        if not weights:
+            return KeyStorePlan("shared", 0, "shared store: the decoder has no cross-attention layers")
+        heads, head_dim, dim = weights[0].shape
+        return plan_key_store(n_tokens, dim, len(weights), heads, head_dim, self.plan.index, index,
+                              queries_per_head=max(1, self.plan.queries_per_step // heads),
+                              retrieval_k=self.plan.retrieval_k)
+
+    def _cached_keys(self, cached, store, plan: IndexPlan):
+        """The per-layer keys of a cached book when the plan wants them: the entry's own (memory-mapped) when it
+        has them for this model's shape, else rebuilt from its states; None for the shared store."""
+        if store.kind != "exact" or self._key_store_plan(store.n_tokens, plan).kind != "per-layer":
+            return None
+        weights = key_weights(self.loaded.model, self.loaded.architecture)
+        stored = cached.keys
+        if stored is not None and matches(stored, weights, store.n_tokens, store.storage_dtype):
+            return KeyStore(stored.to(store.states().device))  # no copy on the CPU
+        return build_key_store(store.states(), weights)
 
     def _index_plan(self, n_tokens: int) -> IndexPlan:
         return plan_index(n_tokens, self.loaded.model.config.d_model, self.plan.index, retrieval_k=self.plan.retrieval_k,
@@ -149,6 +182,7 @@ class DocumentEncoder:
             for start in range(0, n_tokens, 65_536):
                 builder.add(states[start:start + 65_536])
             store = builder.finish()
+        store.keys = self._cached_keys(cached, store, plan)
         windows = tuple(tuple(w) for w in cached.meta["windows"])
         ends = cached.token_ends.tolist() if cached.token_ends is not None else None
         chapters = chapter_token_ranges(document, ends, n_tokens)
@@ -186,3 +220,8 @@ def tokenizer_identity(loaded: LoadedModel) -> str:
         vocabulary = json.dumps(loaded.tokenizer.get_vocab(), sort_keys=True, ensure_ascii=False)
         loaded.tokenizer_fingerprint = hashlib.sha256(vocabulary.encode()).hexdigest()[:16]
     return f"{loaded.tokenizer_name or loaded.name}#{loaded.tokenizer_fingerprint}"
+
+
+def _key_bytes(store) -> int:
+    """Bytes of a store's per-layer keys (0: it has none)."""
+    return store.keys.nbytes if store.keys is not None else 0

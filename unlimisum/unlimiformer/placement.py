@@ -9,11 +9,29 @@ The policy in one paragraph (the numbers come from bench/index_choice.py):
 - On the CPU the store is exact up to ``exact_max_tokens`` and approximate above
   (``approximate_kind``, IVF by measurement: HNSW with inner product recalls far less
   attention mass and is slower to build and to search).
+
+Where an exact search scores: ``plan_key_store`` -> ``KeyStorePlan``. The shared store serves every
+decoder layer (the paper's memory saving); a key store per layer (unlimisum/unlimiformer/keys.py) takes
+L times the store's bytes and lets each head score its own d_head-dim query, H times fewer multiply-adds
+for the same bytes read. ``key_store="auto"`` uses it when all of these hold:
+
+- the index is exact (an approximate index searches the states; the keys are searched exactly);
+- the input has at least ``KEY_STORE_MIN_TOKENS`` tokens: below that a step's retrieval is a small share
+  of the model's own step either way, not worth L times the memory and the projections;
+- the store and the keys together fit ``KEY_STORE_MEMORY_FRACTION`` of the memory left beside this
+  process (which holds the model by then), or on a GPU ``gpu_memory_fraction`` of its free memory: the
+  other half stays for the decoder, the evidence pass and everything else on the machine;
+- the key store's scores and top-k are measured at least ``KEY_STORE_MIN_SPEEDUP`` times faster than the
+  shared store's on this machine (unlimisum/unlimiformer/head_kernels.py, ``kernel_for``).
+
+``key_store="per-layer"`` uses it whenever the index is exact (``kind="auto"`` then plans exact);
+``"shared"`` never.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -21,6 +39,13 @@ from unlimisum.config import IndexConfig
 from unlimisum.errors import ConfigError
 
 KINDS = ("exact", "ivf", "hnsw")
+KEY_STORES = ("auto", "shared", "per-layer")
+# auto's key store: inputs from this many tokens (a 4k-token bart-base step retrieves in ~1 ms per layer either way)
+KEY_STORE_MIN_TOKENS = 4_096
+# auto's key store: the store and the keys may take this share of the memory left beside the process
+KEY_STORE_MEMORY_FRACTION = 0.5
+# auto's key store: measured at least this many times faster than the shared store (it costs L x the memory)
+KEY_STORE_MIN_SPEEDUP = 1.2
 APPROXIMATE_KINDS = ("ivf", "hnsw")
 STORAGE_DTYPES = {
     "float16": torch.float16,
@@ -69,6 +94,11 @@ def validate_index_config(config: IndexConfig) -> None:
         raise ConfigError(f"index exact_max_tokens must be >= 0, not {config.exact_max_tokens}")
     if config.ivf_scan_factor <= 0:
         raise ConfigError(f"index ivf_scan_factor must be > 0, not {config.ivf_scan_factor}")
+    if config.key_store not in KEY_STORES:
+        raise ConfigError(f"index key_store must be one of auto, shared, per-layer, not {config.key_store!r}")
+    if config.key_store == "per-layer" and config.kind in APPROXIMATE_KINDS:
+        raise ConfigError(f"the per-layer key store is searched exactly; it cannot serve index kind "
+                          f"{config.kind!r} (use index kind exact or auto, or key store shared)")
     storage_dtype(config)
 
 
@@ -112,6 +142,9 @@ def plan_index(n_tokens: int, dim: int, config: IndexConfig, *, retrieval_k: int
     else:
         too_big = None
 
+    if config.kind == "auto" and config.key_store == "per-layer":
+        why = "the per-layer key store was requested, which is searched exactly"
+        return IndexPlan("exact", "cpu", f"exact on CPU: {why}, {size}{'' if too_big is None else f'; {too_big}'}")
     if config.kind != "auto":
         why = "as requested" if too_big is None else f"as requested; {too_big}"
         return IndexPlan(config.kind, "cpu", f"{config.kind} on CPU {why}, {size}")
@@ -132,3 +165,67 @@ def _cuda_device(model_device: torch.device | None) -> str:
     if model_device is not None and model_device.type == "cuda" and model_device.index is not None:
         return f"cuda:{model_device.index}"
     return f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cuda:0"
+
+
+@dataclass(frozen=True)
+class KeyStorePlan:
+    """Where an exact search scores: the answer of ``plan_key_store``."""
+
+    kind: str  # "shared" | "per-layer"
+    nbytes: int  # the per-layer keys' bytes (0 for the shared store)
+    reason: str  # one line for `unlimisum info` and the logs
+
+
+def plan_key_store(n_tokens: int, dim: int, layers: int, heads: int, head_dim: int, config: IndexConfig,
+                   index: IndexPlan, *, queries_per_head: int = 1, retrieval_k: int = 1024,
+                   free_bytes: int | None = None, speedup: Callable[[], float] | None = None) -> KeyStorePlan:
+    """The shared store or a key store per decoder layer (``layers`` x ``heads`` x ``head_dim`` numbers per token)
+    for ``n_tokens`` states of width ``dim`` in the index ``index`` (the policy: this module's docstring).
+
+    ``free_bytes``: the memory left for the store and the keys (None: measured now, beside this process or on the
+    index's GPU); ``speedup()``: the key store's measured speed over the shared store's (None: measured through
+    head_kernels.kernel_for with ``queries_per_head``, the beams, and ``retrieval_k``), asked only when everything
+    else allows the key store."""
+    validate_index_config(config)
+    dtype = storage_dtype(config)
+    store_bytes = n_tokens * dim * dtype.itemsize
+    key_bytes = n_tokens * layers * heads * head_dim * dtype.itemsize
+    size = f"{layers} layers x {heads} heads x {head_dim} x {n_tokens:,} tokens ({key_bytes / 2**20:,.0f} MiB)"
+    if config.key_store == "shared":
+        return KeyStorePlan("shared", 0, "shared store as requested")
+    if index.kind != "exact":
+        return KeyStorePlan("shared", 0, f"shared store: the {index.kind} index searches the states")
+    if config.key_store == "per-layer":
+        return KeyStorePlan("per-layer", key_bytes, f"per-layer keys as requested, {size}")
+    if n_tokens < KEY_STORE_MIN_TOKENS:
+        return KeyStorePlan("shared", 0, f"shared store: {n_tokens:,} tokens < {KEY_STORE_MIN_TOKENS:,}")
+    on_gpu = torch.device(index.device).type == "cuda"
+    fraction = config.gpu_memory_fraction if on_gpu else KEY_STORE_MEMORY_FRACTION
+    if free_bytes is None:
+        free_bytes = _free_bytes(index.device)
+    budget = fraction * free_bytes
+    if store_bytes + key_bytes > budget:
+        return KeyStorePlan("shared", 0, f"shared store: per-layer keys, {size}, and the store "
+                                         f"({store_bytes / 2**20:,.0f} MiB) exceed {budget / 2**20:,.0f} MiB "
+                                         f"({fraction:.0%} of the memory left)")
+    if speedup is None:
+        from unlimisum.unlimiformer import head_kernels
+
+        speedup = lambda: head_kernels.kernel_for(index.device, dtype, dim, heads, head_dim,  # noqa: E731
+                                                  queries_per_head=queries_per_head, k=retrieval_k).speedup
+    measured = speedup()
+    if measured < KEY_STORE_MIN_SPEEDUP:
+        return KeyStorePlan("shared", 0, f"shared store: per-layer keys measured {measured:.2f}x its speed here, "
+                                         f"under the {KEY_STORE_MIN_SPEEDUP}x their memory needs")
+    return KeyStorePlan("per-layer", key_bytes, f"per-layer keys, {size}: measured {measured:.2f}x the shared "
+                                                f"store's speed, and with the store within {budget / 2**20:,.0f} MiB")
+
+
+def _free_bytes(device: str) -> int:
+    """Memory left for a store on ``device``: a GPU's free memory, else the usable memory beside this process."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    from unlimisum.unlimiformer import packed
+
+    usable = packed.usable_memory()
+    return 0 if usable is None else max(0, usable - packed.resident_memory())

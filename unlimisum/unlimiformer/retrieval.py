@@ -21,6 +21,7 @@ from torch import nn
 
 from unlimisum.models import wrapping
 from unlimisum.models.architectures import Architecture
+from unlimisum.unlimiformer import head_kernels
 
 
 @dataclass
@@ -125,15 +126,23 @@ class RetrievalCrossAttention(wrapping.CrossAttentionWrapper):
 
         q = query_proj(hidden_states).view(rows, steps, heads, head_dim)  # [R, T, H, dh]
         w_k = key_proj.weight.view(heads, head_dim, d_model)  # [H, dh, d]
-        q_hidden = torch.einsum("rthe,hed->rthd", q, w_k).float()  # [R, T, H, d]
+        q_hidden = None  # [R, T, H, d], for the stores without per-layer keys
 
         n_docs = len(session.stores)
         if rows % n_docs:
             raise RuntimeError(f"{rows} decoder rows cannot be split over {n_docs} documents")
         rows_per_doc = rows // n_docs  # generate() repeats each document's row for beams and samples
-        mixed = torch.empty_like(q_hidden)  # [R, T, H, d]: softmax-weighted sums of retrieved states
+        # [R, T, H, d]: softmax-weighted sums of retrieved states
+        mixed = torch.empty(rows, steps, heads, d_model, dtype=torch.float32, device=hidden_states.device)
         for doc, store in enumerate(session.stores):
             block = slice(doc * rows_per_doc, (doc + 1) * rows_per_doc)
+            if store.keys is not None:  # each head scores its own keys of this layer
+                started = time.perf_counter()
+                mixed[block] = self._attend_keys(store, q[block], session, doc)
+                session.stats.search_seconds += time.perf_counter() - started
+                continue
+            if q_hidden is None:
+                q_hidden = torch.einsum("rthe,hed->rthd", q, w_k).float()  # [R, T, H, d]
             queries = q_hidden[block].reshape(-1, d_model) * self.scaling  # [rows_per_doc * T * H, d]
             started = time.perf_counter()
             # one call per layer and document: every head, beam and step of it in one pass over the store
@@ -157,6 +166,26 @@ class RetrievalCrossAttention(wrapping.CrossAttentionWrapper):
         if value_proj.bias is not None:
             values = values + value_proj.bias.view(heads, head_dim)
         return output_proj(values.reshape(rows, steps, heads * head_dim))
+
+    def _attend_keys(self, store, q: torch.Tensor, session: RetrievalSession, doc: int) -> torch.Tensor:
+        """Retrieval attention of one document's queries q [r, T, H, dh] through its store's keys of this layer:
+        [r, T, H, d] float32 weighted sums of the shared states (key bias left out: it cancels in the softmax)."""
+        rows, steps, heads, _ = q.shape
+        keys = store.keys.layer(self.layer_index)  # [H, N, dh]
+        queries = (q.float() * self.scaling).permute(2, 0, 1, 3).reshape(heads, rows * steps, -1)  # [H, r * T, dh]
+        choice = store.keys.choice(store.dim, queries_per_head=rows, k=session.retrieval_k)
+        k = min(session.retrieval_k, store.n_tokens)
+        hidden = session.hidden[doc] if getattr(session, "hidden", None) is not None else None
+        if session.evidence is not None or hidden is not None:  # what each query attended to is wanted
+            ids, weights, attended = head_kernels.head_retrieve(keys, store.states(), queries, k, choice,
+                                                                store.kernel(), exclude=hidden)  # [H, r * T, k]
+            if session.evidence is not None:
+                ids, weights = ids.permute(1, 0, 2), weights.permute(1, 0, 2)  # [r * T, H, k]
+                session.evidence.add(doc, ids.reshape(rows * steps, -1), weights.reshape(rows * steps, -1))
+            return attended.view(heads, rows, steps, -1).permute(1, 2, 0, 3)  # [r, T, H, d]
+        coverage = session.coverage[doc] if session.coverage is not None else None
+        attended = head_kernels.head_attend(keys, store.states(), queries, k, choice, store.kernel(), coverage)
+        return attended.view(heads, rows, steps, -1).permute(1, 2, 0, 3)  # [r, T, H, d]
 
 
 def _wrap(architecture: Architecture):

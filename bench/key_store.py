@@ -1,0 +1,206 @@
+"""The shared store against a key store per decoder layer: seconds per token and per layer against N, beside the
+memory-bandwidth floor measured in the same run.
+
+    python -m bench.key_store [--quick] [--tokens 16384,100000,300000,1000000] [--size bart-base] [--beams 1,4]
+
+A model of ``--size``'s shape with random weights (weights do not change cost) generates from synthetic encoder
+states of N tokens (bench/index_choice.py), exact index, k=1,024 and k=N, once with the shared store (the
+paper's one store of states: each head's query projected to d_model numbers) and once with per-layer keys
+(unlimisum/unlimiformer/keys.py: each head scores its own d_head numbers), on the same states in the same run.
+The keys are the model's own projections of the states up to ``--synthetic-keys-from`` tokens and random numbers
+of the same shape beyond (their cost to score is the same; projecting a million states would take minutes).
+
+In the same process:
+
+- the streaming bandwidth: the best of 3 float32 sums over ``--bandwidth-mib`` (1 GiB by default);
+- the truncated baseline: the model's own generate() over the first 1,024 states (its own step);
+- the floor of an exact step: L layers x the bytes one layer reads (the store, or that layer's keys: the same
+  count of 16-bit numbers when H x d_head = d) over the bandwidth, plus the model's own step;
+- one layer's retrieval alone (scores, top-k and the weighted sum), both stores in turns on the same queries;
+- memory: the store's and the keys' bytes, and the process's peak resident set after each N.
+
+Per-layer rows are skipped (and say so) when the keys and the store do not fit the policy's memory budget
+(unlimisum/unlimiformer/placement.py). Prints a table and writes bench/results/key_store.json (``--json PATH``
+elsewhere). ``--quick``: N = 16,384, 4 tokens, a 256 MiB bandwidth sum, greedy only: a smoke test in under a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import RESULTS, machine, print_table, random_model
+from bench.decode_speed import truncated_seconds_per_token
+from bench.index_choice import synthetic_store
+from unlimisum.config import GenerationOptions, IndexConfig, RetrievalConfig
+from unlimisum.results import peak_rss_bytes
+from unlimisum.summarizer import Summarizer
+from unlimisum.unlimiformer import head_kernels
+from unlimisum.unlimiformer.keys import KeyStore, build_key_store, key_store_bytes, key_weights
+from unlimisum.unlimiformer.placement import KEY_STORE_MEMORY_FRACTION, _free_bytes
+
+TURNS = 3  # one layer's retrieval: the best of this many turns of each store
+
+
+def streaming_bandwidth(mebibytes: int = 1024) -> float:
+    """Bytes per second of the best of 3 float32 sums over ``mebibytes`` MiB (the machine's streaming read)."""
+    data = torch.ones(mebibytes * 2**20 // 4)
+    data.sum()
+    best = float("inf")
+    for _ in range(3):
+        started = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - started)
+    return data.numel() * 4 / best
+
+
+def synthetic_keys(layers: int, heads: int, n: int, head_dim: int, dtype: torch.dtype, chunk: int = 65_536) -> KeyStore:
+    """Random keys [L, H, N, dh] in ``dtype``, filled ``chunk`` tokens at a time (no float32 copy of all of them)."""
+    keys = torch.empty(layers, heads, n, head_dim, dtype=dtype)
+    generator = torch.Generator().manual_seed(7)
+    for start in range(0, n, chunk):
+        part = keys[:, :, start:start + chunk]
+        part.copy_(torch.randn(part.shape, generator=generator))
+    return KeyStore(keys)
+
+
+def seconds_per_token(loaded, store, k: int, new_tokens: int, beams: int) -> tuple[float, float]:
+    """(seconds per token, share of them in retrieval) of generate() with retrieval over ``store``."""
+    def summarizer(tokens: int) -> Summarizer:
+        generation = GenerationOptions(max_new_tokens=tokens, min_new_tokens=tokens, num_beams=beams, do_sample=False)
+        return Summarizer(loaded, generation=generation, retrieval=RetrievalConfig(retrieval_k=k))
+
+    summarizer(2).generate([store])  # warm up (and calibrate)
+    run = summarizer(new_tokens).generate([store])
+    return run.seconds / new_tokens, run.search_seconds / run.seconds
+
+
+def one_layer_seconds(loaded, store, keys: KeyStore, k: int, beams: int) -> dict[str, float]:
+    """One decoder layer's retrieval alone, both stores in turns on the same random decoder states: best seconds."""
+    layer = loaded.architecture.decoder_layers(loaded.model)[0]
+    attention = getattr(*loaded.architecture.cross_attention.locate(layer))
+    weights = key_weights(loaded.model, loaded.architecture)[0]  # [H, dh, d]
+    heads, head_dim, dim = weights.shape
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(beams, heads, head_dim, generator=generator) * attention.scaling  # [beams, H, dh]
+    shared_queries = torch.einsum("bhe,hed->bhd", q, weights.float()).reshape(-1, dim)  # [beams * H, d]
+    head_queries = q.permute(1, 0, 2).contiguous()  # [H, beams, dh]
+    choice = keys.choice(dim, queries_per_head=beams, k=k)
+    runs = {"shared": lambda: store.attend(shared_queries, k),
+            "per-layer": lambda: head_kernels.head_attend(keys.layer(0), store.states(), head_queries,
+                                                          min(k, store.n_tokens), choice, store.kernel())}
+    best = {name: float("inf") for name in runs}
+    for _ in range(TURNS + 1):
+        for name, run in runs.items():
+            started = time.perf_counter()
+            run()
+            best[name] = min(best[name], time.perf_counter() - started)
+    return best
+
+
+def run(n_values: list[int], size: str, new_tokens: int, beams_values: list[int], bandwidth_mib: int,
+        synthetic_from: int) -> dict:
+    bandwidth = streaming_bandwidth(bandwidth_mib)
+    print(f"streaming bandwidth {bandwidth / 1e9:.1f} GB/s (float32 sum over {bandwidth_mib:,} MiB)", flush=True)
+    loaded = random_model(size)
+    config = loaded.model.config
+    layers, dim = config.decoder_layers, config.d_model
+    weights = key_weights(loaded.model, loaded.architecture)
+    heads, head_dim, _ = weights[0].shape
+    index = IndexConfig(kind="exact", device="cpu")
+    rows, baseline = [], {}
+    for n in n_values:
+        store = synthetic_store(n, dim, index)
+        store.kernel()  # calibrated before anything is timed
+        key_bytes = key_store_bytes(n, layers, heads, head_dim, store.storage_dtype)
+        budget = KEY_STORE_MEMORY_FRACTION * (_free_bytes("cpu") + store.nbytes)  # the store is already resident
+        keys = build_seconds = None
+        if store.nbytes + key_bytes <= budget:
+            started = time.perf_counter()
+            keys = (build_key_store(store.states(), weights) if n <= synthetic_from
+                    else synthetic_keys(layers, heads, n, head_dim, store.storage_dtype))
+            build_seconds = time.perf_counter() - started if n <= synthetic_from else None
+        for beams in beams_values:
+            if beams not in baseline:
+                window = store.states()[:1024].float()
+                baseline[beams] = truncated_seconds_per_token(loaded, window, new_tokens, beams=beams)
+            layer_bytes = n * max(dim, heads * head_dim) * store.storage_dtype.itemsize
+            floor = layers * layer_bytes / bandwidth + baseline[beams]
+            for k in sorted({min(1024, n), n}):
+                for kind in ("shared", "per-layer"):
+                    row = dict(n_tokens=n, k=k, beams=beams, store=kind, store_bytes=store.nbytes,
+                               key_store_bytes=key_bytes if kind == "per-layer" else 0, floor_seconds=floor,
+                               floor_layer_seconds=layer_bytes / bandwidth, baseline_seconds_per_token=baseline[beams])
+                    if kind == "per-layer" and keys is None:
+                        rows.append(dict(row, skipped=f"store + keys {(store.nbytes + key_bytes) / 2**30:.1f} GiB "
+                                                      f"exceed the budget {budget / 2**30:.1f} GiB"))
+                        continue
+                    store.keys = keys if kind == "per-layer" else None
+                    seconds, share = seconds_per_token(loaded, store, k, new_tokens, beams)
+                    row.update(seconds_per_token=seconds, retrieval_share=share, vs_floor=seconds / floor,
+                               vs_baseline_rate=baseline[beams] / seconds, key_build_seconds=build_seconds)
+                    rows.append(row)
+                    print(f"  N={n:,} k={k:,} beams={beams} {kind}: {seconds:.4f} s/token, floor {floor:.4f} "
+                          f"({seconds / floor:.2f}x)", flush=True)
+                store.keys = None
+                if keys is not None:
+                    layer = one_layer_seconds(loaded, store, keys, k, beams)
+                    for row in rows[-2:]:
+                        row["layer_seconds"] = layer[row["store"]]
+        for row in rows:
+            if row["n_tokens"] == n:
+                row["peak_rss_bytes"] = peak_rss_bytes()
+        del store, keys
+    choice = head_kernels._MEASURED and next(iter(head_kernels._MEASURED.values()))
+    return dict(size=size, new_tokens=new_tokens, bandwidth_bytes_per_second=bandwidth, layers=layers, heads=heads,
+                head_dim=head_dim, d_model=dim, head_kernel=choice.reason if choice else None, runs=rows)
+
+
+def print_result(result: dict) -> None:
+    table = []
+    for row in result["runs"]:
+        if "skipped" in row:
+            table.append([f"{row['n_tokens']:,}", f"{row['k']:,}", row["beams"], row["store"], "skipped", "", "", "",
+                          "", row["skipped"]])
+            continue
+        layer = row.get("layer_seconds")
+        table.append([f"{row['n_tokens']:,}", f"{row['k']:,}", row["beams"], row["store"],
+                      f"{row['seconds_per_token']:.4f}", f"{row['floor_seconds']:.4f}", f"{row['vs_floor']:.2f}x",
+                      f"{layer * 1e3:.1f}" if layer is not None else "-", f"{row['floor_layer_seconds'] * 1e3:.1f}",
+                      f"{(row['store_bytes'] + row['key_store_bytes']) / 2**20:,.0f} MiB"])
+    print_table(["N", "k", "beams", "store", "s/token", "floor", "vs floor", "layer ms", "floor layer ms", "memory"],
+                table)
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="N = 16,384, 4 tokens, greedy: a smoke test")
+    parser.add_argument("--tokens", help="comma-separated N (default 16384,100000,300000,1000000)")
+    parser.add_argument("--size", default="bart-base", help="bench/common.py SIZES (default bart-base)")
+    parser.add_argument("--beams", help="comma-separated beam counts (default 1,4; --quick 1)")
+    parser.add_argument("--new-tokens", type=int, help="tokens generated per run (default 8; --quick 4)")
+    parser.add_argument("--bandwidth-mib", type=int, help="MiB summed to measure the bandwidth (default 1024)")
+    parser.add_argument("--synthetic-keys-from", type=int, default=300_000,
+                        help="above this N the keys are random numbers of their shape (default 300,000)")
+    parser.add_argument("--json", type=Path, help="where to write the result (default bench/results/key_store.json)")
+    args = parser.parse_args(argv)
+    n_values = [int(n) for n in args.tokens.split(",")] if args.tokens else (
+        [16_384] if args.quick else [16_384, 100_000, 300_000, 1_000_000])
+    beams = [int(b) for b in args.beams.split(",")] if args.beams else ([1] if args.quick else [1, 4])
+    result = run(n_values, args.size, args.new_tokens or (4 if args.quick else 8), beams,
+                 args.bandwidth_mib or (256 if args.quick else 1024), args.synthetic_keys_from)
+    result["quick"] = args.quick
+    print_result(result)
+    path = args.json or RESULTS / "key_store.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(dict(result, machine=machine()), indent=2))
+    print(f"wrote {path}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

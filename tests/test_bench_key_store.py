@@ -1,0 +1,25 @@
+"""bench/key_store.py at the tiny size: both stores' rows, the floor beside them, the JSON written."""
+
+from __future__ import annotations
+
+import json
+
+from bench import key_store
+
+
+def test_quick_tiny_run_prints_the_table_and_writes_both_stores_beside_the_floor(tmp_path, capsys):
+    path = tmp_path / "key_store.json"
+    result = key_store.main(["--quick", "--size", "bart-tiny", "--tokens", "3000", "--new-tokens", "2",
+                             "--bandwidth-mib", "16", "--json", str(path)])
+    written = json.loads(path.read_text())
+    assert written["runs"] == json.loads(json.dumps(result["runs"])) and written["quick"] is True
+    assert {(row["k"], row["store"]) for row in written["runs"]} == {(1024, "shared"), (1024, "per-layer"),
+                                                                      (3000, "shared"), (3000, "per-layer")}
+    for row in written["runs"]:
+        assert row["seconds_per_token"] > 0 and row["floor_seconds"] > row["baseline_seconds_per_token"] > 0
+        assert row["vs_floor"] == row["seconds_per_token"] / row["floor_seconds"]
+        assert row["layer_seconds"] > 0 and row["peak_rss_bytes"] > 0
+        assert row["key_store_bytes"] == (3000 * 2 * 4 * 16 * 2 if row["store"] == "per-layer" else 0)
+    assert written["bandwidth_bytes_per_second"] > 0 and written["head_kernel"]
+    out = capsys.readouterr().out
+    assert "vs floor" in out and "per-layer" in out and str(path) in out

@@ -1,0 +1,435 @@
+"""The key store per decoder layer (unlimisum/unlimiformer/keys.py, head_kernels.py): the same attention as the
+shared store and as ordinary cross-attention, built while encoding, in the cache, chosen by plan_key_store."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tests.conftest import ALL_FAMILIES
+from tests.tiny_models import SAMPLE_TEXT
+from unlimisum.cli import app
+from unlimisum.config import GenerationOptions, IndexConfig, RetrievalConfig
+from unlimisum.document import Chapter, Document
+from unlimisum.errors import ConfigError
+from unlimisum.models import compat
+from unlimisum.summarizer import Summarizer
+from unlimisum.unlimiformer import head_kernels, kernels
+from unlimisum.unlimiformer.cache import EncodedCache
+from unlimisum.unlimiformer.datastore import DatastoreBuilder, plan_index
+from unlimisum.unlimiformer.keys import build_key_store, key_weights
+from unlimisum.unlimiformer.placement import (
+    KEY_STORE_MIN_TOKENS, IndexPlan, plan_key_store, validate_index_config,
+)
+from unlimisum.unlimiformer.retrieval import RetrievalCrossAttention, RetrievalSession, install, uninstall
+
+TEXT = "The lighthouse keeper counted the ships that passed."
+PER_LAYER = IndexConfig(kind="exact", device="cpu", storage_dtype="float32", key_store="per-layer")
+SHARED = IndexConfig(kind="exact", device="cpu", storage_dtype="float32", key_store="shared")
+
+
+def _keyed_store(states: torch.Tensor, loaded, storage_dtype: str = "float32"):
+    """An exact store of ``states`` [N, d] with the model's per-layer keys."""
+    config = IndexConfig(kind="exact", device="cpu", storage_dtype=storage_dtype)
+    builder = DatastoreBuilder(states.shape[0], states.shape[1], plan_index(*states.shape, config), config)
+    builder.add(states)
+    store = builder.finish()
+    store.keys = build_key_store(store.states(), key_weights(loaded.model, loaded.architecture))
+    return store
+
+
+def _encoder_states(loaded, text: str = TEXT) -> torch.Tensor:
+    tokens = loaded.tokenizer([text], return_tensors="pt")
+    extra = loaded.architecture.encoder_inputs(tokens.input_ids) if loaded.architecture.encoder_inputs else {}
+    with torch.no_grad():
+        return loaded.model.get_encoder()(input_ids=tokens.input_ids, **extra).last_hidden_state[0]  # [N, d]
+
+
+def _summarizer(loaded, index: IndexConfig, k: int = 100_000, beams: int = 1, steps: int = 8, cache=None):
+    generation = GenerationOptions(max_new_tokens=steps, min_new_tokens=steps, num_beams=beams, do_sample=False)
+    return Summarizer(loaded, index=index, retrieval=RetrievalConfig(retrieval_k=k), generation=generation,
+                      cache=cache)
+
+
+# -- the keys ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ["bart", "t5"])
+def test_the_keys_are_the_stored_states_times_each_layers_key_projection_head_major(tiny_loaded, model_type):
+    loaded = tiny_loaded(model_type)
+    encoded = _summarizer(loaded, PER_LAYER).encode(Document.from_text(SAMPLE_TEXT * 2))
+    store = encoded.store
+    assert store.keys is not None and store.keys.n_tokens == store.n_tokens
+    weights = key_weights(loaded.model, loaded.architecture)
+    assert store.keys.layers == len(loaded.architecture.decoder_layers(loaded.model)) == len(weights)
+    for layer, weight in enumerate(weights):  # [H, dh, d]
+        expected = torch.einsum("nd,hed->hne", store.states().float(), weight.float())  # [H, N, dh], no bias
+        torch.testing.assert_close(store.keys.layer(layer).float(), expected, rtol=1e-5, atol=1e-5)
+        assert store.keys.layer(layer)[0].is_contiguous()  # each head's rows are one block
+    assert store.keys.nbytes == store.keys.keys.numel() * 4
+    chapter = store.view(5, 40)  # a chapter's view shares the keys of its tokens
+    assert chapter.keys.n_tokens == 35 and chapter.keys.keys.data_ptr() == store.keys.keys[:, :, 5:].data_ptr()
+
+
+def test_the_keys_are_the_same_built_while_encoding_and_rebuilt_from_the_states(tiny_loaded):
+    loaded = tiny_loaded("bart")
+    index = IndexConfig(kind="exact", device="cpu", key_store="per-layer")  # bfloat16 states and keys
+    store = _summarizer(loaded, index).encode(Document.from_text(SAMPLE_TEXT * 3)).store
+    rebuilt = build_key_store(store.states(), key_weights(loaded.model, loaded.architecture))
+    assert store.keys.dtype == torch.bfloat16
+    # projected from the same stored numbers: at most one rounding of the fp32 sums' last bits apart
+    torch.testing.assert_close(store.keys.keys.float(), rebuilt.keys.float(), rtol=2**-8, atol=1e-6)
+
+
+# -- exactness --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("model_type", ALL_FAMILIES)
+def test_each_layer_with_per_layer_keys_equals_full_cross_attention(tiny_loaded, model_type, monkeypatch):
+    monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", "float32")
+    loaded = tiny_loaded(model_type)
+    states = _encoder_states(loaded)
+    store = _keyed_store(states, loaded)
+    hidden = torch.randn(2, 3, loaded.model.config.d_model, generator=torch.Generator().manual_seed(0))
+    session = RetrievalSession([store], retrieval_k=10_000)
+    try:
+        for wrapper in install(loaded.model, loaded.architecture):
+            with torch.no_grad():
+                expected = wrapper.original(hidden, key_value_states=states.expand(2, -1, -1))[0]
+                got = wrapper.attend(hidden, session)
+            torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    finally:
+        uninstall(loaded.model, loaded.architecture)
+
+
+@pytest.mark.parametrize("kernel", ["float32", "native"])
+def test_bfloat16_keys_at_k_above_n_equal_attention_over_the_stored_keys(tiny_loaded, kernel, monkeypatch):
+    """16-bit: exactly attention over the keys as stored (rounded once), and the unmodified model within the
+    documented precision (the native kernel also rounds the query and the scores to bfloat16)."""
+    monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", kernel)
+    loaded = tiny_loaded("bart")
+    states = _encoder_states(loaded)
+    store = _keyed_store(states, loaded, "bfloat16")
+    hidden = torch.randn(1, 2, loaded.model.config.d_model, generator=torch.Generator().manual_seed(1))
+    stored_states = store.states().float()
+    try:
+        for wrapper in install(loaded.model, loaded.architecture):
+            attention = wrapper.original
+            heads, head_dim = wrapper.num_heads, wrapper.head_dim
+            with torch.no_grad():
+                got = wrapper.attend(hidden, RetrievalSession([store], retrieval_k=10_000))
+                q = attention.q_proj(hidden).view(2, heads, head_dim) * wrapper.scaling
+                keys = store.keys.layer(wrapper.layer_index).float()  # [H, N, dh] as stored
+                weights = torch.softmax(torch.einsum("the,hne->thn", q, keys), dim=-1)
+                values = attention.v_proj(stored_states).view(-1, heads, head_dim)  # [N, H, dh]
+                mixed = torch.einsum("thn,nhe->the", weights, values).reshape(1, 2, -1)
+                expected = attention.out_proj(mixed)
+                unmodified = attention(hidden, key_value_states=states.unsqueeze(0))[0]
+            tight = 1e-4 if kernel == "float32" else 3e-2
+            torch.testing.assert_close(got, expected, rtol=tight, atol=tight)
+            torch.testing.assert_close(got, unmodified, rtol=5e-2, atol=5e-2)
+    finally:
+        uninstall(loaded.model, loaded.architecture)
+
+
+@pytest.mark.parametrize("storage_dtype", ["float32", "bfloat16"])
+def test_per_layer_and_shared_stores_pick_the_same_top_k(tiny_loaded, storage_dtype, monkeypatch):
+    monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", "float32")
+    loaded = tiny_loaded("bart")
+    store = _keyed_store(_encoder_states(loaded), loaded, storage_dtype)
+    wrapper = install(loaded.model, loaded.architecture)[1]
+    try:
+        attention, heads, head_dim = wrapper.original, wrapper.num_heads, wrapper.head_dim
+        hidden = torch.randn(3, loaded.model.config.d_model, generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            q = attention.q_proj(hidden).view(3, heads, head_dim) * wrapper.scaling  # [nq, H, dh]
+            w_k = attention.k_proj.weight.view(heads, head_dim, -1)
+            shared_scores, shared_ids = store.search(torch.einsum("qhe,hed->qhd", q, w_k).reshape(-1, store.dim), 7)
+            choice = store.keys.choice(store.dim)
+            scores, ids = head_kernels.head_search(store.keys.layer(1), q.permute(1, 0, 2), 7, choice)  # [H, nq, 7]
+        shared_ids = shared_ids.view(3, heads, 7).permute(1, 0, 2)
+        shared_scores = shared_scores.view(3, heads, 7).permute(1, 0, 2)
+        if storage_dtype == "float32":
+            assert torch.equal(ids.sort(dim=2).values, shared_ids.sort(dim=2).values)
+        else:  # a winner may differ only where the two stores' scores tie within the keys' one rounding
+            differs = ids.sort(dim=2).values != shared_ids.sort(dim=2).values
+            tolerance = 2**-7 * shared_scores.abs().amax(dim=2, keepdim=True)
+            assert (shared_scores[:, :, -1:] - scores[:, :, -1:]).abs().le(tolerance).all()
+            assert differs.float().mean() < 0.2
+        torch.testing.assert_close(scores, shared_scores, rtol=2**-7 if storage_dtype != "float32" else 1e-5,
+                                   atol=1e-3 if storage_dtype != "float32" else 1e-5)
+    finally:
+        uninstall(loaded.model, loaded.architecture)
+
+
+@pytest.mark.parametrize("beams", [1, 3])
+def test_one_window_at_k_above_n_gives_what_the_unmodified_model_gives(tiny_loaded, beams, monkeypatch):
+    monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", "float32")
+    loaded = tiny_loaded("bart")
+    summarizer = _summarizer(loaded, PER_LAYER, beams=beams)
+    encoded = summarizer.encode(Document.from_text(TEXT))
+    assert len(encoded.windows) == 1 and encoded.store.keys is not None
+    got = summarizer.generate([encoded.store]).token_ids
+    tokens = loaded.tokenizer([TEXT], return_tensors="pt")
+    with torch.no_grad():
+        expected = loaded.model.generate(input_ids=tokens.input_ids, attention_mask=tokens.attention_mask,
+                                         max_new_tokens=8, min_new_tokens=8, num_beams=beams, do_sample=False)
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("beams", [1, 2])
+def test_many_windows_at_k_above_n_equal_the_decoder_reading_all_kept_states(tiny_loaded, beams, monkeypatch):
+    monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", "float32")
+    loaded = tiny_loaded("bart")
+    summarizer = _summarizer(loaded, PER_LAYER, beams=beams)
+    encoded = summarizer.encode(Document.from_text(SAMPLE_TEXT * 3))
+    assert len(encoded.windows) > 3
+    got = summarizer.generate([encoded.store]).token_ids
+    kept = encoded.store.states().float().unsqueeze(0)  # [1, N, d]
+    with torch.no_grad():
+        expected = loaded.model.generate(
+            encoder_outputs=compat.encoder_outputs(kept), attention_mask=torch.ones(1, kept.shape[1], dtype=torch.long),
+            max_new_tokens=8, min_new_tokens=8, num_beams=beams, do_sample=False,
+        )
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("beams", [1, 2])
+def test_per_layer_and_shared_give_the_same_summary_coverage_and_evidence(tiny_loaded, beams, monkeypatch):
+    monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", "float32")
+    loaded = tiny_loaded("bart")
+    document = Document.from_text(SAMPLE_TEXT * 3)
+    shared = _summarizer(loaded, SHARED, k=6, beams=beams).summarize(document)
+    per_layer = _summarizer(loaded, PER_LAYER, k=6, beams=beams).summarize(document)
+    assert shared.stats.key_store == "shared" and shared.stats.key_store_bytes == 0
+    assert per_layer.stats.key_store == "per-layer" and per_layer.stats.key_store_bytes > 0
+    assert per_layer.token_ids == shared.token_ids
+    assert [s.share for s in per_layer.coverage] == pytest.approx([s.share for s in shared.coverage], abs=1e-5)
+    assert len(per_layer.evidence) == len(shared.evidence) > 0
+    for mine, theirs in zip(per_layer.evidence, shared.evidence):
+        assert [(s.start_char, s.end_char) for s in mine.sources] == [(s.start_char, s.end_char) for s in theirs.sources]
+
+
+def test_chapter_summaries_read_views_of_the_keys(tiny_loaded, monkeypatch):
+    monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", "float32")
+    loaded = tiny_loaded("bart")
+    document = Document(title="Two", chapters=(Chapter("One", SAMPLE_TEXT * 2), Chapter("Two", SAMPLE_TEXT)), source="two.txt")
+    shared = _summarizer(loaded, SHARED, k=6).summarize(document, per_chapter=True)
+    per_layer = _summarizer(loaded, PER_LAYER, k=6).summarize(document, per_chapter=True)
+    assert len(per_layer.chapters) == 2
+    for mine, theirs in zip(per_layer.chapters, shared.chapters):
+        assert mine.stats.key_store == "per-layer" and mine.token_ids == theirs.token_ids
+        assert mine.stats.key_store_bytes < per_layer.stats.key_store_bytes  # the chapter's view of the keys
+
+
+def test_generating_with_keys_leaves_the_model_as_it_found_it(tiny_loaded):
+    loaded = tiny_loaded("bart")
+    model, architecture = loaded.model, loaded.architecture
+    originals = [layer.encoder_attn for layer in architecture.decoder_layers(model)]
+    state = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    summarizer = _summarizer(loaded, PER_LAYER, k=4)
+    summarizer.generate([summarizer.encode(Document.from_text(SAMPLE_TEXT)).store])
+    assert [layer.encoder_attn for layer in architecture.decoder_layers(model)] == originals
+    assert not any(isinstance(layer.encoder_attn, RetrievalCrossAttention) for layer in architecture.decoder_layers(model))
+    assert all(torch.equal(state[name], tensor) for name, tensor in model.state_dict().items())
+
+
+# -- the cache --------------------------------------------------------------------------------------
+
+
+def test_a_cache_hit_reads_the_stored_keys_or_rebuilds_them(tiny_loaded, tmp_path, monkeypatch):
+    monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", "float32")
+    loaded = tiny_loaded("bart")
+    document = Document.from_text(SAMPLE_TEXT * 3)
+    fresh = _summarizer(loaded, PER_LAYER, k=6).summarize(document)
+
+    with_keys = EncodedCache(tmp_path / "with")
+    first = _summarizer(loaded, PER_LAYER, k=6, cache=with_keys).summarize(document)
+    (entry,) = [path for path in (tmp_path / "with").iterdir() if not path.name.startswith(".")]
+    assert (entry / "keys.bin").stat().st_size == first.stats.key_store_bytes
+    assert json.loads((entry / "meta.json").read_text())["keys"]["layers"] == 2
+    encoded = _summarizer(loaded, PER_LAYER, k=6, cache=with_keys).encode(document)
+    assert encoded.cached and encoded.store.keys is not None
+    stored = torch.from_numpy(np.fromfile(entry / "keys.bin", dtype=np.float32)).view(encoded.store.keys.keys.shape)
+    assert torch.equal(stored, encoded.store.keys.keys)  # the entry's keys, read as they are
+    second = _summarizer(loaded, PER_LAYER, k=6, cache=with_keys).summarize(document)
+    assert second.stats.cached and second.stats.key_store == "per-layer"
+
+    without_keys = EncodedCache(tmp_path / "without")  # an entry a shared-store run wrote
+    _summarizer(loaded, SHARED, k=6, cache=without_keys).summarize(document)
+    (entry,) = [path for path in (tmp_path / "without").iterdir() if not path.name.startswith(".")]
+    assert not (entry / "keys.bin").exists() and json.loads((entry / "meta.json").read_text())["keys"] is None
+    rebuilt = _summarizer(loaded, PER_LAYER, k=6, cache=without_keys).summarize(document)
+    assert rebuilt.stats.cached and rebuilt.stats.key_store == "per-layer"
+    assert fresh.token_ids == first.token_ids == second.token_ids == rebuilt.token_ids
+
+
+def test_keys_over_the_cache_cap_are_left_out_of_the_entry(tmp_path):
+    states, ids = torch.randn(100, 8), torch.arange(100)
+    keys = torch.randn(2, 2, 100, 4)
+    from unlimisum.unlimiformer.cache import CacheKey
+
+    key = CacheKey("t", "m", "tok", 64, 0.5, "float32", "float32", "cpu")
+    meta = {"title": "t", "source": "s", "windows": [[0, 100]]}
+    capped = EncodedCache(tmp_path / "capped", max_bytes=states.numel() * 4 + 800 + keys.numel() * 4 - 1)
+    assert not capped.keys_fit(states.numel() * 4 + 800, keys.numel() * 4)
+    capped.store(key, states, ids, meta, keys=keys)
+    assert capped.load(key).keys is None
+    roomy = EncodedCache(tmp_path / "roomy")
+    roomy.store(key, states, ids, meta, keys=keys)
+    assert torch.equal(roomy.load(key).keys, keys)
+
+
+@pytest.mark.parametrize("damage", [{"layers": 0, "heads": 2, "head_dim": 4, "crc32": 0}, {"layers": 2}, "keys"])
+def test_an_entry_whose_keys_field_is_wrong_is_reported_and_removed(tmp_path, damage):
+    from unlimisum.unlimiformer.cache import CacheKey
+
+    warnings = []
+    cache = EncodedCache(tmp_path, warn=warnings.append)
+    key = CacheKey("t", "m", "tok", 64, 0.5, "float32", "float32", "cpu")
+    folder = cache.store(key, torch.randn(10, 4), torch.arange(10), {"title": "t", "source": "s", "windows": [[0, 10]]},
+                         keys=torch.randn(2, 2, 10, 4))
+    meta = json.loads((folder / "meta.json").read_text())
+    meta["keys"] = damage
+    (folder / "meta.json").write_text(json.dumps(meta))
+    assert cache.load(key) is None and not folder.exists()
+    assert len(warnings) == 1 and "'keys'" in warnings[0]
+
+
+# -- the policy and the measurement -----------------------------------------------------------------
+
+EXACT_CPU = IndexPlan("exact", "cpu", "")
+BIG = KEY_STORE_MIN_TOKENS * 4
+
+
+@pytest.mark.parametrize("config, index, tokens, free, speedup, expected", [
+    (IndexConfig(key_store="shared"), EXACT_CPU, BIG, 2**40, 9.0, "shared"),
+    (IndexConfig(), IndexPlan("ivf", "cpu", ""), BIG, 2**40, 9.0, "shared"),
+    (IndexConfig(), EXACT_CPU, KEY_STORE_MIN_TOKENS - 1, 2**40, 9.0, "shared"),
+    (IndexConfig(), EXACT_CPU, BIG, 2 * BIG * 768 * 2 * 7 - 1, 9.0, "shared"),  # store + 6 layers: over half
+    (IndexConfig(), EXACT_CPU, BIG, 2 * BIG * 768 * 2 * 7, 9.0, "per-layer"),
+    (IndexConfig(), EXACT_CPU, BIG, 2**40, 1.1, "shared"),  # measured, but not enough faster for L x the memory
+    (IndexConfig(key_store="per-layer"), EXACT_CPU, 10, 0, 0.1, "per-layer"),
+])
+def test_plan_key_store(config, index, tokens, free, speedup, expected):
+    asked = []
+    plan = plan_key_store(tokens, 768, 6, 12, 64, config, index, free_bytes=free,
+                          speedup=lambda: asked.append(1) or speedup)
+    assert plan.kind == expected and plan.reason
+    assert plan.nbytes == (tokens * 6 * 768 * 2 if expected == "per-layer" else 0)
+    # the measurement is asked only when everything else allows the keys under auto
+    assert len(asked) == (1 if config.key_store == "auto" and index.kind == "exact" and tokens >= KEY_STORE_MIN_TOKENS
+                          and free >= 2 * tokens * 768 * 2 * 7 else 0)
+
+
+def test_per_layer_keys_are_exact_search_only():
+    with pytest.raises(ConfigError, match="per-layer key store is searched exactly"):
+        validate_index_config(IndexConfig(kind="ivf", key_store="per-layer"))
+    with pytest.raises(ConfigError, match="key_store must be one of"):
+        validate_index_config(IndexConfig(key_store="everywhere"))
+    # auto above exact_max_tokens is approximate, unless the per-layer keys were asked for
+    assert plan_index(2_000_000, 8, IndexConfig(device="cpu")).kind == "ivf"
+    assert plan_index(2_000_000, 8, IndexConfig(device="cpu", key_store="per-layer")).kind == "exact"
+
+
+def test_the_measurement_chooses_the_fastest_head_kernel_and_says_its_speedup(monkeypatch):
+    monkeypatch.delenv("UNLIMISUM_SCORE_KERNEL", raising=False)
+    seconds = {"shared": 0.030, "float32/256": 0.020, "float32/1024": 0.010, "float32/4096": 0.015, "native": 0.5}
+    timed = []
+    shared = kernels.KernelChoice("float32", 512, False, 1e-9, 1e-9)
+    choice = head_kernels.calibrate_heads("cpu", torch.bfloat16, 32, 4, 8, rows=512, shared=shared,
+                                          time_one=lambda name, run: timed.append(name) or seconds[name])
+    assert (choice.scores, choice.block_rows) == ("float32", 1024)
+    assert choice.speedup == pytest.approx(3.0) and "3.00x" in choice.reason
+    assert set(timed) == set(seconds) and len(timed) == len(seconds) * (head_kernels.MEASURE_REPEATS + 1)
+    monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", "native")
+    forced = head_kernels.calibrate_heads("cpu", torch.bfloat16, 32, 4, 8, rows=512, shared=shared,
+                                          time_one=lambda name, run: seconds[name])
+    assert forced.scores == "native" and "forced" in forced.reason
+
+
+def test_every_head_kernel_gives_the_brute_force_top_k_and_attention():
+    generator = torch.Generator().manual_seed(3)
+    keys = torch.randn(3, 700, 8, generator=generator)  # [H, N, dh] fp32: exact for every kernel
+    states = torch.randn(700, 16, generator=generator)
+    queries = torch.randn(3, 2, 8, generator=generator)
+    reference = torch.einsum("hqd,hnd->hqn", queries, keys)
+    shared = kernels.KernelChoice("float32", 128, False, 1e-9, 1e-9)
+    for choice in (head_kernels.HeadKernelChoice("float32", 64), head_kernels.HeadKernelChoice("native", 256)):
+        torch.testing.assert_close(head_kernels.head_scores(keys, queries, choice), reference)
+        scores, ids = head_kernels.head_search(keys, queries, 5, choice)
+        expected_scores, expected_ids = reference.topk(5, dim=2)
+        assert torch.equal(ids, expected_ids)
+        torch.testing.assert_close(scores, expected_scores)
+        coverage = torch.zeros(700)
+        got = head_kernels.head_attend(keys, states, queries, 5, choice, shared, coverage)
+        expected = torch.einsum("hqk,hqkd->hqd", torch.softmax(expected_scores, -1), states[expected_ids])
+        torch.testing.assert_close(got, expected)
+        assert coverage.sum().item() == pytest.approx(6.0)
+        dense = head_kernels.head_attend(keys, states, queries, 700, choice, shared)
+        torch.testing.assert_close(dense, torch.softmax(reference, -1) @ states)
+
+
+# -- where a user meets it ----------------------------------------------------------------------------
+
+
+def test_the_cli_option_the_done_line_and_the_json_stats(loader, tiny_model_dir, tmp_path):
+    book = tmp_path / "book.txt"
+    book.write_text(SAMPLE_TEXT * 2, encoding="utf-8")
+    runner = CliRunner()
+    base = ["summarize", "-m", str(tiny_model_dir("bart")), "--device", "cpu", "--max-new-tokens", "4"]
+    result = runner.invoke(app, [*base, "--key-store", "per-layer", "--json", str(book)])
+    assert result.exit_code == 0, result.output
+    stats = json.loads(result.stdout.splitlines()[0])["stats"]
+    assert stats["key_store"] == "per-layer" and stats["key_store_bytes"] > 0
+    assert "per-layer keys" in result.stderr
+    shared = runner.invoke(app, [*base, "--key-store", "shared", "--json", str(book)])
+    assert json.loads(shared.stdout.splitlines()[0])["stats"]["key_store"] == "shared"
+    assert "per-layer keys" not in shared.stderr
+    wrong = runner.invoke(app, [*base, "--key-store", "per-layer", "--index", "ivf", str(book)])
+    assert wrong.exit_code != 0 and "per-layer key store is searched exactly" in wrong.stderr
+
+
+def test_info_says_which_key_store_and_its_bytes(tiny_model_dir):
+    result = CliRunner().invoke(app, ["info", "--tokens", "1000", "-m", str(tiny_model_dir("bart")),
+                                      "--key-store", "per-layer", "--index", "exact"])
+    assert result.exit_code == 0, result.output
+    line = next(line for line in result.stdout.splitlines() if line.strip().startswith("key store:"))
+    assert "per-layer" in line and "2 layers x 4 heads" in line
+    auto = CliRunner().invoke(app, ["info", "--tokens", "1000", "-m", str(tiny_model_dir("bart")), "--json"])
+    plan = json.loads(auto.stdout)["plan"]
+    assert plan["key_store"] == "shared" and plan["key_store_bytes"] == 0
+    assert f"{KEY_STORE_MIN_TOKENS:,}" in plan["key_store_reason"]
+
+
+def test_a_search_beyond_the_scores_budget_goes_in_slices_with_the_same_top_k(monkeypatch):
+    generator = torch.Generator().manual_seed(4)
+    keys, queries = torch.randn(2, 5000, 8, generator=generator), torch.randn(2, 3, 8, generator=generator)
+    monkeypatch.setattr(kernels, "MAX_SCORE_BYTES", 2 * 3 * 4 * 700)  # slices of 700 keys
+    scores, ids = head_kernels.head_search(keys, queries, 20, head_kernels.HeadKernelChoice("float32", 256))
+    expected = torch.einsum("hqd,hnd->hqn", queries, keys).topk(20, dim=2)
+    assert torch.equal(ids, expected.indices)
+    torch.testing.assert_close(scores, expected.values)
+
+
+def test_retrieve_says_what_each_head_attended_to_and_hides_excluded_tokens():
+    generator = torch.Generator().manual_seed(5)
+    keys, states = torch.randn(2, 300, 8, generator=generator), torch.randn(300, 16, generator=generator)
+    queries = torch.randn(2, 3, 8, generator=generator)
+    choice = head_kernels.HeadKernelChoice("float32", 64)
+    shared = kernels.KernelChoice("float32", 128, False, 1e-9, 1e-9)
+    reference = torch.einsum("hqd,hnd->hqn", queries, keys)
+    ids, weights, attended = head_kernels.head_retrieve(keys, states, queries, 6, choice, shared)
+    assert torch.equal(ids, reference.topk(6, dim=2).indices)
+    torch.testing.assert_close(attended, head_kernels.head_attend(keys, states, queries, 6, choice, shared))
+    hidden = torch.zeros(300, dtype=torch.bool)
+    hidden[ids[0, 0, :3]] = True  # the three best of one query: hidden from every query
+    ids, weights, attended = head_kernels.head_retrieve(keys, states, queries, 6, choice, shared, exclude=hidden)
+    expected = reference.masked_fill(hidden, float("-inf")).topk(6, dim=2)
+    assert torch.equal(ids, expected.indices) and not hidden[ids].any()
+    torch.testing.assert_close(weights, torch.softmax(expected.values, dim=2))
+    torch.testing.assert_close(attended, torch.einsum("hqk,hqkd->hqd", weights, states[ids]))

@@ -1,0 +1,276 @@
+"""Exact retrieval attention over a key store per decoder layer: each head scores its own keys.
+
+One decoder layer's step for one document: ``queries`` [H, nq, dh] (per head: its beams, steps and rows, the
+model's scaling folded in), that layer's ``keys`` [H, N, dh] (unlimisum/unlimiformer/keys.py) and the shared
+``states`` [N, d]:
+
+- scores per head, [H, nq, N] = queries @ keys^T: one pass over the keys, one multiply-add per number read for
+  each query of a head. ``native``: a batched matmul in the storage dtype (the query rounded to it, fp32
+  accumulation, the scores rounded to it: 2^-8 relative in bf16), for CPUs with 16-bit units and GPUs;
+  ``float32``: blocks of every head's rows widened to fp32 into a reused buffer that stays in cache, then one
+  batched matmul per block (exact fp32 scores of the stored keys), for CPUs without them.
+- top-k per head (``kernels.top_k`` over the [H * nq, N] rows), then the softmax of those scores;
+- the weighted sum over the shared states, as the shared store does it (``kernels.gathered_attention``, or a
+  dense values pass where measured cheaper); k >= N: one pass, each block scored and summed under an online
+  softmax, which equals full cross-attention.
+
+Which kernel and block size run, and whether the key store is faster than the shared store at all, are
+measured on the machine that runs (``calibrate_heads``, once per process through ``kernel_for``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from unlimisum.unlimiformer import kernels
+from unlimisum.unlimiformer import packed as packing
+
+HEAD_KERNELS = ("native", "float32")
+BLOCK_CHOICES = (256, 1_024, 4_096)  # rows of every head widened at once (12 x 1,024 x 64 fp32 = 3 MiB)
+MEASURE_ROWS = 16_384  # synthetic rows of the measurement: both stores at least 2 MiB at d=64, out of the L2
+MEASURE_REPEATS = 3
+# a top-k of each query's scores is selected from at least this many rows per measured k (k = rows / 16)
+MEASURE_ROWS_PER_K = 16
+RESCORE_BYTES = 256 * 2**20  # fp32 keys gathered at once to rescore a search's top-k
+
+
+@dataclass(frozen=True)
+class HeadKernelChoice:
+    """How the per-head scores run on one device for one dtype and shape (see ``calibrate_heads``)."""
+
+    scores: str  # "native" | "float32"
+    block_rows: int  # rows of every head per widened block (float32) or per block of the dense pass
+    speedup: float = 1.0  # the shared store's scores and top-k time over the key store's, measured
+    reason: str = ""  # what was measured, for `unlimisum info` and the benchmarks
+
+
+_MEASURED: dict[tuple, HeadKernelChoice] = {}
+
+
+def kernel_for(device: torch.device | str, dtype: torch.dtype, dim: int, heads: int, head_dim: int, *,
+               queries_per_head: int = 1, k: int = 1024) -> HeadKernelChoice:
+    """The measured choice for this device, dtype and shape: measured on the first call of the process (with
+    its ``queries_per_head`` and ``k``), then reused. The one seam through which the policy and the kernels
+    read the measurement."""
+    key = (str(torch.device(device)), dtype, dim, heads, head_dim, kernels.forced_kernel())
+    if key not in _MEASURED:
+        _MEASURED[key] = calibrate_heads(device, dtype, dim, heads, head_dim, queries_per_head=queries_per_head, k=k)
+    return _MEASURED[key]
+
+
+def measure(candidates: dict[str, Callable], time_one: Callable[[str, Callable], float],
+            repeats: int = MEASURE_REPEATS) -> dict[str, float]:
+    """Best seconds of each candidate, timed in turns (a b c a b c ...) so that a busy moment of a shared machine
+    falls on all of them alike; the first turn also warms up (buffers grow) and is timed like the others."""
+    best = {name: float("inf") for name in candidates}
+    for _ in range(repeats + 1):
+        for name, run in candidates.items():
+            best[name] = min(best[name], time_one(name, run))
+    return best
+
+
+def calibrate_heads(device: torch.device | str, dtype: torch.dtype, dim: int, heads: int, head_dim: int, *,
+                    queries_per_head: int = 1, k: int = 1024, rows: int = MEASURE_ROWS,
+                    time_one: Callable[[str, Callable], float] | None = None,
+                    shared: kernels.KernelChoice | None = None) -> HeadKernelChoice:
+    """Time the shared store's scores and top-k (its measured kernel, ``shared``: ``kernels.kernel_for`` when
+    None) against the key store's, each head kernel and block size, on synthetic stores of ``rows`` tokens;
+    choose the fastest head kernel, and say how much faster than the shared store it is (``speedup``).
+
+    ``time_one(name, run)`` -> seconds (default: the wall clock around one run); UNLIMISUM_SCORE_KERNEL=native
+    forces the native head kernel, float32 or packed the float32 one (there is no packed head kernel)."""
+    device = torch.device(device)
+    time_one = time_one or (lambda name, run: kernels._timed(run, device))  # the wall clock around one run
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    states = torch.randn(rows, dim, generator=generator).to(device, dtype)  # [rows, d]
+    keys = torch.randn(heads, rows, head_dim, generator=generator).to(device, dtype)  # [H, rows, dh]
+    head_queries = torch.randn(heads, queries_per_head, head_dim, generator=generator).to(device)  # [H, nq, dh]
+    shared_queries = torch.randn(heads * queries_per_head, dim, generator=generator).to(device)  # [H * nq, d]
+    k = max(1, min(k, rows // MEASURE_ROWS_PER_K))
+    shared = shared or kernels.kernel_for(device, dtype, dim)
+    packed = None
+    if shared.scores == "packed" and packing.packable(states):
+        packed = packing.PackedStates(states, values=False)  # what a packed shared store would read
+    forced = kernels.forced_kernel()
+    sixteen_bit = dtype != torch.float32
+    candidates = {"shared": lambda: kernels.select(states, shared_queries, k, shared, packed)}
+    if not sixteen_bit or forced != "native":  # widened blocks (for fp32 keys: plain blocks)
+        for block in BLOCK_CHOICES:
+            candidates[f"float32/{block}"] = (lambda c=HeadKernelChoice("float32", block):
+                                              head_select(keys, head_queries, k, c))
+    if sixteen_bit and forced in (None, "native"):
+        candidates["native"] = lambda c=HeadKernelChoice("native", BLOCK_CHOICES[1]): head_select(keys, head_queries,
+                                                                                                 k, c)
+    seconds = measure(candidates, time_one)
+    fastest = min((name for name in candidates if name != "shared"), key=seconds.get)
+    kernel, _, block = fastest.partition("/")
+    speedup = seconds["shared"] / max(seconds[fastest], 1e-12)
+    measured = ", ".join(f"{name} {value * 1e3:.2f} ms" for name, value in seconds.items())
+    reason = (f"per-head {kernel} scores{' (forced)' if forced else ''}"
+              f"{f', blocks of {int(block):,} rows' if block else ''}: {speedup:.2f}x the shared store's "
+              f"{shared.scores} scores; measured on {rows:,} tokens x {heads} heads x {head_dim} for "
+              f"{queries_per_head} quer{'y' if queries_per_head == 1 else 'ies'} per head, k={k:,}: {measured}")
+    del packed
+    kernels._SCRATCH.buffers = {}  # the races' buffers: the chosen kernel makes its own again
+    return HeadKernelChoice(kernel, int(block) if block else BLOCK_CHOICES[1], speedup, reason)
+
+
+# --- the kernels ------------------------------------------------------------------------------
+
+
+def head_scores(keys: torch.Tensor, queries: torch.Tensor, choice: HeadKernelChoice) -> torch.Tensor:
+    """[H, nq, n] fp32 scores of each head's queries [H, nq, dh] (fp32) against its keys [H, n, dh]."""
+    if choice.scores == "native" and keys.dtype != torch.float32:
+        return torch.bmm(queries.to(keys.dtype), keys.transpose(1, 2)).float()
+    heads, n, head_dim = keys.shape
+    nq = queries.shape[1]
+    out = queries.new_empty(heads, nq, n)
+    block = choice.block_rows
+    for start in range(0, n, block):
+        rows = keys[:, start:start + block]  # [H, b, dh]
+        b = rows.shape[1]
+        if rows.dtype != torch.float32:  # widened into a reused buffer that stays in cache
+            widened = kernels._scratch("head-widened", heads * block, head_dim, torch.float32, keys.device)
+            rows = widened[:heads * b].view(heads, b, head_dim).copy_(rows)
+        part = kernels._scratch("head-scores", heads * nq * block, 1, torch.float32, keys.device)
+        part = part[:heads * nq * b].view(heads, nq, b)
+        torch.bmm(queries, rows.transpose(1, 2), out=part)
+        out[:, :, start:start + b] = part
+    return out
+
+
+def head_select(keys: torch.Tensor, queries: torch.Tensor, k: int,
+                choice: HeadKernelChoice) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores, ids) [H, nq, k] of each head's top-k by the kernel's scores, in no particular order.
+
+    One pass over the keys; beyond MAX_SCORE_BYTES of scores it goes in slices with a running top-k."""
+    heads, n, _ = keys.shape
+    nq = queries.shape[1]
+    queries = queries.to(keys.device, torch.float32)
+    step = max(k, kernels.MAX_SCORE_BYTES // (heads * nq * 4))
+    tops, columns = [], []  # each slice's top-k, merged at the end
+    for start in range(0, n, step):
+        part = head_scores(keys[:, start:start + step], queries, choice).view(heads * nq, -1)  # [H * nq, <=step]
+        top, ids = kernels.top_k(part, min(k, part.shape[1]), ordered=False)
+        tops.append(top)
+        columns.append(ids + start)
+    top, ids = torch.cat(tops, 1), torch.cat(columns, 1)  # [H * nq, slices * k]
+    if len(tops) > 1:
+        top, order = top.topk(min(k, top.shape[1]), dim=1, sorted=False)
+        ids = ids.gather(1, order)
+    return top.view(heads, nq, -1), ids.view(heads, nq, -1)
+
+
+def head_rescore(keys: torch.Tensor, queries: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[H, nq, k] exact fp32 scores of the stored keys ``ids`` [H, nq, k] for queries [H, nq, dh], gathered in
+    blocks of queries within RESCORE_BYTES."""
+    heads, nq, k = ids.shape
+    head_dim = keys.shape[2]
+    queries = queries.to(keys.device, torch.float32)
+    block = max(1, RESCORE_BYTES // (4 * heads * max(k, 1) * head_dim))
+    head_index = torch.arange(heads, device=keys.device).view(heads, 1, 1)
+    parts = []
+    for first in range(0, nq, block):
+        chosen = ids[:, first:first + block]  # [H, b, k]
+        gathered = keys[head_index, chosen].float()  # [H, b, k, dh]
+        parts.append(torch.einsum("hbkd,hbd->hbk", gathered, queries[:, first:first + block]))
+    return torch.cat(parts, dim=1) if parts else ids.float()
+
+
+def head_search(keys: torch.Tensor, queries: torch.Tensor, k: int,
+                choice: HeadKernelChoice) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each head's top-k: (scores [H, nq, k'] fp32, rescored exactly from the stored keys, sorted descending;
+    ids [H, nq, k'] int64), k' = min(k, N)."""
+    _, ids = head_select(keys, queries, min(k, keys.shape[1]), choice)
+    scores, order = head_rescore(keys, queries, ids).sort(dim=2, descending=True)
+    return scores, ids.gather(2, order)
+
+
+def head_retrieve(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tensor, k: int, choice: HeadKernelChoice,
+                  shared: kernels.KernelChoice, exclude: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``head_attend`` that also says what each query attended to: (ids [H, nq, k'], weights [H, nq, k'] fp32,
+    attended [H, nq, d] fp32), k' = min(k, N), the weights the softmax of the kernel's own scores (as generation
+    weighs them). ``exclude`` [N] bool: tokens hidden from every query, as if they were not stored (weight 0 where
+    fewer than k' are left)."""
+    heads, n, _ = keys.shape
+    nq = queries.shape[1]
+    wanted = min(k, n)
+    hidden = exclude.to(keys.device) if exclude is not None else None
+    extra = int(hidden.sum()) if hidden is not None else 0  # found, then dropped: fetch as many more
+    scores, ids = head_select(keys, queries, min(n, wanted + extra), choice)  # [H, nq, k + extra]
+    if hidden is not None:
+        scores = scores.masked_fill(hidden[ids], float("-inf"))
+    scores, order = scores.sort(dim=2, descending=True)
+    scores, ids = scores[:, :, :wanted], ids.gather(2, order)[:, :, :wanted]
+    weights = torch.softmax(scores, dim=2, dtype=torch.float32).nan_to_num(0.0)  # [H, nq, k']
+    shared = shared.unpacked()
+    attended = kernels.gathered_attention(states, ids.reshape(heads * nq, -1), weights.reshape(heads * nq, -1),
+                                          shared.widens, shared.fused_gather)
+    return ids, weights, attended.view(heads, nq, -1)
+
+
+def head_attend(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tensor, k: int, choice: HeadKernelChoice,
+                shared: kernels.KernelChoice, coverage: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact top-k retrieval attention per head: queries [H, nq, dh] (scaling folded in) -> [H, nq, d] fp32, the
+    softmax-weighted sum of each query's top-k shared states [N, d]. k >= N is dense attention.
+
+    ``shared``: the shared store's measured kernel, whose gather and dense values pass sum the states here too;
+    ``coverage`` [N] fp32, when given, gets every query's attention weights added to it."""
+    heads, n, _ = keys.shape
+    nq, dim = queries.shape[1], states.shape[1]
+    rows = heads * nq
+    queries = queries.to(keys.device, torch.float32)
+    # the states are summed unpacked (the scores come from the keys); the measured cost of a dense values pass is
+    # the packed copy's when the packed kernel was chosen, far below the unpacked pass that would run here
+    dense_measured = shared.scores != "packed"
+    shared = shared.unpacked()
+    if k >= n:
+        return head_dense_attention(keys, states, queries, choice, shared, coverage)
+    if dense_measured and rows * n * 4 <= kernels.MAX_SCORE_BYTES and shared.dense_is_cheaper(rows, k, n):
+        logits = head_scores(keys, queries, choice).view(rows, n)
+        top, ids = kernels.top_k(logits, k, ordered=False)
+        kept = torch.softmax(top, dim=1, dtype=torch.float32)  # [rows, k]
+        weights = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device).scatter_(1, ids, kept)
+        if coverage is not None:
+            coverage.index_add_(0, ids.reshape(-1), kept.reshape(-1))
+        return kernels.dense_values(states, weights, shared).view(heads, nq, dim)
+    top, ids = head_select(keys, queries, k, choice)
+    weights = torch.softmax(top.view(rows, -1), dim=1, dtype=torch.float32)  # [rows, k]
+    ids = ids.view(rows, -1)
+    if coverage is not None:
+        coverage.index_add_(0, ids.reshape(-1), weights.reshape(-1))
+    return kernels.gathered_attention(states, ids, weights, shared.widens, shared.fused_gather).view(heads, nq, dim)
+
+
+def head_dense_attention(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tensor, choice: HeadKernelChoice,
+                         shared: kernels.KernelChoice, coverage: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax over every key of each head times the shared states, in one pass: each block of rows scored per
+    head and summed while it is in cache, under running maxima and sums (``kernels._online_softmax``).
+
+    queries [H, nq, dh] fp32 -> [H, nq, d] fp32; ``coverage`` [N] gets every query's weights added."""
+    heads, n, _ = keys.shape
+    nq, dim = queries.shape[1], states.shape[1]
+    flat = queries.reshape(heads * nq, -1)  # the online softmax keeps one running sum per (head, query)
+    if n == 0:
+        return flat.new_zeros(heads, nq, dim)
+    block = choice.block_rows
+    native_values = not shared.widens and states.dtype != torch.float32
+
+    def parts():
+        for start in range(0, n, block):
+            logits = head_scores(keys[:, start:start + block], queries, choice).view(heads * nq, -1)  # [H * nq, b]
+            rows = states[start:start + block]  # [b, d]
+            if native_values:
+                yield start, logits, lambda weights, r=rows: (weights.to(r.dtype) @ r).float()
+            else:
+                rows = kernels._widened(rows)  # valid until the next block is widened: summed before that
+                yield start, logits, lambda weights, r=rows: weights @ r
+
+    rescored = lambda: ((start, head_scores(keys[:, start:start + block], queries, choice).view(heads * nq, -1))  # noqa: E731
+                        for start in range(0, n, block))
+    return kernels._online_softmax(parts(), flat, dim, n, coverage, rescored).view(heads, nq, dim)

@@ -1,0 +1,126 @@
+"""The key store per decoder layer: ``K_l = h_e W_k^l`` for every layer, 16-bit, head-major ``[H, N, d_head]``.
+
+The shared store (unlimisum/unlimiformer/datastore.py) serves every layer with one copy of the states: each
+head's query is projected into hidden space (``q W_k^T``, d_model numbers), so every stored number meets one
+query per head. With the keys of each layer stored, each head scores its own d_head-dim query against its own
+contiguous block: the same bytes read per layer, H times fewer multiply-adds. The key bias is left out: it adds
+``q . b_k`` to every score of a head and cancels in the softmax. The values need no store of their own: the
+attention output stays ``(sum_i a_i h_i) W_v``, a weighted sum over the shared states.
+
+The keys are projected from the states as the store holds them (rounded to its dtype), in fp32, then rounded
+to that dtype: the same numbers whether they were built while encoding, rebuilt from the states of a cached
+book, or loaded with it. Scores from them differ from the shared store's by that one rounding of the key
+(bfloat16: at most 2^-9 of each product, so a score moves by at most 2^-9 sum_i |q_i k_i|).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from unlimisum.models.architectures import Architecture
+from unlimisum.unlimiformer import head_kernels
+
+BUILD_ROWS = 65_536  # states projected at a time when the keys are built from a whole store (a cache hit)
+
+
+def key_weights(model: nn.Module, architecture: Architecture) -> list[torch.Tensor]:
+    """Every decoder layer's cross-attention key projection, per head: [H, d_head, d_model] each, in order."""
+    site = architecture.cross_attention
+    weights = []
+    for layer in architecture.decoder_layers(model):
+        parent, attribute = site.locate(layer)
+        attention = getattr(parent, attribute)
+        attention = getattr(attention, "original", attention)  # a retrieval wrapper holds the original
+        heads, head_dim = getattr(attention, site.heads_attribute), getattr(attention, site.head_dim_attribute)
+        weight = getattr(attention, site.key).weight  # [H * d_head, d_model]
+        weights.append(weight.detach().view(heads, head_dim, weight.shape[1]))
+    return weights
+
+
+def key_store_bytes(n_tokens: int, layers: int, heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """Bytes of the keys of ``layers`` layers for ``n_tokens`` tokens."""
+    return n_tokens * layers * heads * head_dim * dtype.itemsize
+
+
+class KeyStore:
+    """The keys of every decoder layer: ``keys`` [L, H, N, d_head] in the store's dtype, on its device."""
+
+    def __init__(self, keys: torch.Tensor):
+        self.keys = keys  # [L, H, N, dh]
+        self.layers, self.heads, self.n_tokens, self.head_dim = keys.shape
+        self.dtype = keys.dtype
+        self.device = keys.device
+        self.nbytes = keys.numel() * keys.element_size()
+        self._owner = None  # the key store a view was taken from, kept alive with it
+
+    def __repr__(self) -> str:
+        return (f"KeyStore(layers={self.layers}, heads={self.heads}, n_tokens={self.n_tokens}, "
+                f"head_dim={self.head_dim}, dtype={self.dtype}, nbytes={self.nbytes})")
+
+    def layer(self, index: int) -> torch.Tensor:
+        """[H, N, dh] keys of decoder layer ``index`` (each head's rows contiguous)."""
+        return self.keys[index]
+
+    def view(self, start: int, end: int) -> "KeyStore":
+        """A zero-copy key store over the tokens [start, end) (a chapter of the book)."""
+        if not 0 <= start < end <= self.n_tokens:
+            raise ValueError(f"a view needs 0 <= start < end <= {self.n_tokens}, got [{start}, {end})")
+        view = KeyStore(self.keys[:, :, start:end])
+        view._owner = self
+        return view
+
+    def choice(self, dim: int, queries_per_head: int = 1, k: int = 1) -> head_kernels.HeadKernelChoice:
+        """The measured per-head kernel for this store's device and dtype (the shared states are ``dim`` wide)."""
+        return head_kernels.kernel_for(self.device, self.dtype, dim, self.heads, self.head_dim,
+                                       queries_per_head=queries_per_head, k=k)
+
+
+class KeyStoreBuilder:
+    """Fill the keys of every layer chunk by chunk, in input order, as the states are encoded."""
+
+    def __init__(self, n_tokens: int, weights: list[torch.Tensor], dtype: torch.dtype, device: torch.device | str):
+        """``weights``: [H, dh, d] per layer (``key_weights``); the keys are stored in ``dtype`` on ``device``."""
+        if not weights:
+            raise ValueError("a key store needs at least one decoder layer")
+        heads, head_dim, self.dim = weights[0].shape
+        self.dtype = dtype
+        self.device = torch.device(device)
+        # [L, H * dh, d] fp32 on the keys' device, once
+        self._weights = torch.stack([w.reshape(heads * head_dim, self.dim) for w in weights]).to(self.device,
+                                                                                                 torch.float32)
+        self._keys = torch.empty(len(weights), heads, n_tokens, head_dim, dtype=dtype, device=self.device)
+        self._filled = 0
+
+    def add(self, states: torch.Tensor) -> None:
+        """Project encoded states [n, d] (as they are stored: rounded to the store's dtype) into every layer's keys."""
+        n = states.shape[0]
+        if self._filled + n > self._keys.shape[2]:
+            raise ValueError(f"key store announced {self._keys.shape[2]} tokens but {self._filled + n} were added")
+        rows = states.detach().to(self.device).to(self.dtype).float()  # [n, d]: the stored numbers, widened
+        layers, heads, _, head_dim = self._keys.shape
+        for index in range(layers):
+            projected = rows @ self._weights[index].T  # [n, H * dh] fp32
+            self._keys[index, :, self._filled:self._filled + n] = projected.view(n, heads, head_dim).transpose(0, 1)
+        self._filled += n
+
+    def finish(self) -> KeyStore:
+        """The built key store; every announced token must have been added."""
+        if self._filled != self._keys.shape[2]:
+            raise ValueError(f"key store announced {self._keys.shape[2]} tokens but only {self._filled} were added")
+        return KeyStore(self._keys)
+
+
+def build_key_store(states: torch.Tensor, weights: list[torch.Tensor], device: torch.device | str | None = None,
+                    rows: int = BUILD_ROWS) -> KeyStore:
+    """The keys of stored states [N, d] (a cached book's), ``rows`` states at a time, in the states' dtype."""
+    builder = KeyStoreBuilder(states.shape[0], weights, states.dtype, device if device is not None else states.device)
+    for start in range(0, states.shape[0], rows):
+        builder.add(states[start:start + rows])
+    return builder.finish()
+
+
+def matches(keys: torch.Tensor, weights: list[torch.Tensor], n_tokens: int, dtype: torch.dtype) -> bool:
+    """Whether stored keys [L, H, N, dh] have the shape and dtype this model's keys of ``n_tokens`` tokens have."""
+    heads, head_dim, _ = weights[0].shape
+    return tuple(keys.shape) == (len(weights), heads, n_tokens, head_dim) and keys.dtype == dtype
