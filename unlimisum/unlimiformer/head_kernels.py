@@ -15,17 +15,20 @@ model's scaling folded in), that layer's ``keys`` [H, N, dh] (unlimisum/unlimifo
   softmax, which equals full cross-attention.
 
 Which kernel and block size run, and whether the key store is faster than the shared store at all, are
-measured on the machine that runs (``calibrate_heads``, once per process through ``kernel_for``).
+measured on the machine that runs (``calibrate_heads``, once per machine through ``kernel_for``, kept in the
+user's cache folder: unlimisum/measurements.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from unlimisum import measurements
 from unlimisum.unlimiformer import kernels
 from unlimisum.unlimiformer import packed as packing
 
@@ -56,21 +59,33 @@ def kernel_for(device: torch.device | str, dtype: torch.dtype, dim: int, heads: 
     """The measured choice for this device, dtype and shape: measured on the first call of the process (with
     its ``queries_per_head`` and ``k``), then reused. The one seam through which the policy and the kernels
     read the measurement."""
-    key = (str(torch.device(device)), dtype, dim, heads, head_dim, kernels.forced_kernel())
+    device = torch.device(device)
+    forced = kernels.forced_kernel()
+    key = (str(device), dtype, dim, heads, head_dim, forced)
     if key not in _MEASURED:
-        _MEASURED[key] = calibrate_heads(device, dtype, dim, heads, head_dim, queries_per_head=queries_per_head, k=k)
+        where = "cpu" if device.type == "cpu" else f"{device.type} {kernels._device_model(device)}"
+        name = (f"key store kernel {where} {str(dtype).removeprefix('torch.')} d={dim} {heads}x{head_dim} heads, "
+                f"{queries_per_head} per head, k={k}" + (f" {forced} forced" if forced else ""))
+
+        def measured() -> tuple[dict, str]:
+            choice = calibrate_heads(device, dtype, dim, heads, head_dim, queries_per_head=queries_per_head, k=k)
+            return dataclasses.asdict(choice), choice.reason
+
+        found = measurements.remembered(name, measured)
+        try:
+            _MEASURED[key] = HeadKernelChoice(**found.value)
+        except TypeError:  # an entry another release wrote: measured again, for this process
+            _MEASURED[key] = HeadKernelChoice(**measured()[0])
     return _MEASURED[key]
 
 
 def measure(candidates: dict[str, Callable], time_one: Callable[[str, Callable], float],
             repeats: int = MEASURE_REPEATS) -> dict[str, float]:
     """Best seconds of each candidate, timed in turns (a b c a b c ...) so that a busy moment of a shared machine
-    falls on all of them alike; the first turn also warms up (buffers grow) and is timed like the others."""
-    best = {name: float("inf") for name in candidates}
-    for _ in range(repeats + 1):
-        for name, run in candidates.items():
-            best[name] = min(best[name], time_one(name, run))
-    return best
+    falls on all of them alike (unlimisum/measurements.py ``race``: the first turn also warms up, and a clear loser,
+    an emulated 16-bit kernel, is called once)."""
+    timed = {name: (lambda name=name, run=run: time_one(name, run)) for name, run in candidates.items()}
+    return measurements.race(timed, turns=repeats, timer=lambda time_candidate: time_candidate())
 
 
 def calibrate_heads(device: torch.device | str, dtype: torch.dtype, dim: int, heads: int, head_dim: int, *,

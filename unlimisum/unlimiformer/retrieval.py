@@ -175,13 +175,17 @@ class RetrievalCrossAttention(wrapping.CrossAttentionWrapper):
         queries = (q.float() * self.scaling).permute(2, 0, 1, 3).reshape(heads, rows * steps, -1)  # [H, r * T, dh]
         choice = store.keys.choice(store.dim, queries_per_head=rows, k=session.retrieval_k)
         k = min(session.retrieval_k, store.n_tokens)
-        hidden = session.hidden[doc] if getattr(session, "hidden", None) is not None else None
-        if session.evidence is not None or hidden is not None:  # what each query attended to is wanted
+        hidden = session.hidden[doc] if session.hidden is not None else None
+        if session.evidence is not None or hidden is not None or session.recorder is not None:
+            # what each query attended to is wanted
             ids, weights, attended = head_kernels.head_retrieve(keys, store.states(), queries, k, choice,
                                                                 store.kernel(), exclude=hidden)  # [H, r * T, k]
+            ids, weights = ids.permute(1, 0, 2), weights.permute(1, 0, 2)  # [r * T, H, k]
+            per_position = (ids.reshape(rows * steps, -1), weights.reshape(rows * steps, -1))
             if session.evidence is not None:
-                ids, weights = ids.permute(1, 0, 2), weights.permute(1, 0, 2)  # [r * T, H, k]
-                session.evidence.add(doc, ids.reshape(rows * steps, -1), weights.reshape(rows * steps, -1))
+                session.evidence.add(doc, *per_position)
+            if session.recorder is not None:
+                session.recorder.add(doc, self.layer_index, *per_position)
             return attended.view(heads, rows, steps, -1).permute(1, 2, 0, 3)  # [r, T, H, d]
         coverage = session.coverage[doc] if session.coverage is not None else None
         attended = head_kernels.head_attend(keys, store.states(), queries, k, choice, store.kernel(), coverage)

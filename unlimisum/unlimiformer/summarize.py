@@ -264,7 +264,8 @@ class EncoderDecoderSummarizer:
         texts = [text.strip() for text in tokenizer.batch_decode(output, skip_special_tokens=True)]
         special = torch.tensor(sorted(set(tokenizer.all_special_ids)), device=output.device)
         counts = (~torch.isin(output, special)).sum(dim=1).tolist()
-        self.progress(ProgressEvent("generate", max(counts), run.total, name))  # the count ends at the summary's
+        if max(counts):  # the count ends at the summary's (0 would read as generation starting again)
+            self.progress(ProgressEvent("generate", max(counts), run.total, name))
         peak_gpu = torch.cuda.max_memory_allocated(self.loaded.device) if on_cuda else None
         rows = output.tolist()
         found = (self._evidence(parts, stores, rows, texts, name, run.recorder) if with_evidence

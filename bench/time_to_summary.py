@@ -1,0 +1,271 @@
+"""Time to a summary: whole-process wall time of `unlimisum summarize` on the default path, stage by stage.
+
+    python -m bench.time_to_summary [--sizes bart-base,bart-large] [--inputs story,16k,100k,300k]
+                                    [--new-tokens 64] [--before REV] [--quick]
+
+The number a reader feels: `unlimisum summarize BOOK --json` run as a fresh process with no environment
+overrides (only HF_HUB_OFFLINE=1 and a cache folder of the benchmark's own), for models of bart-base and
+bart-large shapes with random weights (they cost what trained ones do) and a byte-level BPE tokenizer of
+BART's size trained here on the corpus, so that English text tokenizes as it would. The time is split into
+start-up (the interpreter, imports, writing the output: what no stage claims), load (the model, including the
+dtype measurement of `--dtype auto`), read, tokenize, encode, index, prepare (kernels measured, store packed),
+generate, evidence and support, beside:
+
+- the plain model truncated to 1,024 tokens: a fresh process that loads the same folder with transformers,
+  tokenizes the same text with truncation and generates as many tokens (what a reader would run instead);
+- the encoder's floor: the windows unlimisum encoded times one window's forward (in batches of the size
+  unlimisum uses), measured in this process.
+
+Each input is summarized twice: "first run" with an empty cache folder (this machine's speed choices measured,
+unlimisum/measurements.py) and "later runs" with the folder the first run filled. With ``--before REV`` the same
+commands run the code of git revision REV (a worktree under bench/.cache), in turns with this tree's, so the
+before/after comes from one run. Summaries are forced to ``--new-tokens`` (min = max), greedy (the random
+model's generation config). Inputs: samples/story.epub, the first 16k and 100k tokens of Moby-Dick, and the
+whole of it (../shared/corpus; skipped when absent). Writes bench/results/time_to_summary.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bench.common import SIZES, VOCAB, print_table, write_result
+
+ROOT = Path(__file__).resolve().parent.parent
+CACHE = ROOT / "bench" / ".cache" / "time_to_summary"
+CORPUS = ROOT.parent / "shared" / "corpus"
+MOBY = CORPUS / "txt_moby-dick_pg2701_utf8-bom.txt"
+TRAINING_TEXTS = [MOBY, CORPUS / "txt_pride-and-prejudice_pg1342_utf8.txt", ROOT / "samples" / "story.txt"]
+WINDOW = 1024
+CUTS = {"16k": 16_384, "100k": 100_000}
+
+PLAIN = r'''
+import sys, time
+started = time.perf_counter()
+import torch
+from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
+folder, text_file, new_tokens = sys.argv[1], sys.argv[2], int(sys.argv[3])
+tokenizer = AutoTokenizer.from_pretrained(folder)
+model = AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
+loaded = time.perf_counter()
+text = open(text_file, encoding="utf-8").read()
+inputs = tokenizer(text, truncation=True, max_length=1024, return_tensors="pt")
+with torch.inference_mode():
+    out = model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, num_beams=1, do_sample=False)
+summary = tokenizer.decode(out[0], skip_special_tokens=True)
+print(f"plain load {loaded - started:.3f} generate {time.perf_counter() - loaded:.3f} tokens {inputs['input_ids'].shape[1]}")
+'''
+
+
+def english_tokenizer(folder: Path):
+    """A byte-level BPE of BART's vocabulary size trained on the corpus (cached in ``folder``)."""
+    from transformers import PreTrainedTokenizerFast
+
+    if (folder / "tokenizer.json").exists():
+        return PreTrainedTokenizerFast.from_pretrained(folder)
+    from tokenizers import ByteLevelBPETokenizer, processors
+
+    texts = [path for path in TRAINING_TEXTS if path.exists()]
+    bpe = ByteLevelBPETokenizer()
+    bpe.train([str(path) for path in texts], vocab_size=VOCAB, min_frequency=1,
+              special_tokens=["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
+    bpe.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[("<s>", 0), ("</s>", 2)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, bos_token="<s>", pad_token="<pad>", eos_token="</s>",
+                                        unk_token="<unk>", mask_token="<mask>", model_max_length=WINDOW)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def model_folder(size: str) -> Path:
+    """A saved BART of ``size``'s shape with random weights and the corpus tokenizer (made once)."""
+    folder = CACHE / "models" / size
+    if (folder / "model.safetensors").exists():
+        return folder
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    tokenizer = english_tokenizer(CACHE / "tokenizer")
+    torch.manual_seed(0)
+    config = BartConfig(vocab_size=len(tokenizer), max_position_embeddings=WINDOW, **SIZES[size])
+    model = BartForConditionalGeneration(config).eval()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def inputs(names: list[str]) -> dict[str, Path]:
+    """Input files by name: the sample EPUB, cuts of Moby-Dick by tokens of the corpus tokenizer, the whole."""
+    found = {}
+    tokenizer = english_tokenizer(CACHE / "tokenizer")
+    for name in names:
+        if name == "story":
+            found[name] = ROOT / "samples" / "story.epub"
+            continue
+        if not MOBY.exists():
+            print(f"  skipping {name}: {MOBY} is not here", flush=True)
+            continue
+        if name == "300k":
+            found[name] = MOBY
+            continue
+        path = CACHE / "inputs" / f"moby-{name}.txt"
+        if not path.exists():
+            text = MOBY.read_text(encoding="utf-8-sig")
+            ends = tokenizer(text, return_offsets_mapping=True, add_special_tokens=False)["offset_mapping"]
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text[: ends[min(CUTS[name], len(ends)) - 1][1]], encoding="utf-8")
+        found[name] = path
+    return found
+
+
+def plain_text(path: Path) -> Path:
+    """The document's text as unlimisum reads it, for the plain model (which reads no EPUB)."""
+    from unlimisum.ingest import read_document
+
+    target = CACHE / "inputs" / f"{path.stem}.plain.txt"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(read_document(str(path)).text, encoding="utf-8")
+    return target
+
+
+def clean_environment(cache_home: Path, code: Path | None) -> dict:
+    """The reader's environment: no unlimisum or thread overrides; this run's cache folder; ``code``: the tree
+    to import unlimisum from (None: this one)."""
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith("UNLIMISUM_") and key not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONPATH")}
+    env.update(HF_HUB_OFFLINE="1", UNLIMISUM_CACHE_HOME=str(cache_home), XDG_CACHE_HOME=str(cache_home))
+    env["PYTHONPATH"] = str(code or ROOT)
+    return env
+
+
+def run_unlimisum(folder: Path, document: Path, new_tokens: int, cache_home: Path, code: Path | None) -> dict:
+    """One `unlimisum summarize --json -v` process: its wall time, and its stages from the JSON and the log."""
+    command = [sys.executable, "-m", "unlimisum", "summarize", "-m", str(folder), str(document), "--json", "-v",
+               "--max-new-tokens", str(new_tokens), "--min-new-tokens", str(new_tokens)]
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, env=clean_environment(cache_home, code),
+                          cwd=tempfile.gettempdir())
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"unlimisum failed ({done.returncode}): {done.stderr[-2000:]}")
+    record = json.loads(done.stdout.splitlines()[0])
+    stats = record["stats"]
+    loaded = re.search(r"loaded in ([0-9.]+) ?(ms|s)", done.stderr)
+    load = float(loaded[1]) / (1000 if loaded[2] == "ms" else 1) if loaded else 0.0
+    stages = {name: float(seconds) for name, seconds in stats["timings"].items() if name != "search"}
+    stages["load"] = load
+    stages["startup"] = max(0.0, wall - sum(stages.values()))
+    return dict(wall=wall, stages=stages, tokens=stats["input_tokens"], windows=stats["windows"],
+                generated=stats["generated_tokens"], dtype=stats.get("model_dtype"))
+
+
+def run_plain(folder: Path, text: Path, new_tokens: int) -> dict:
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", PLAIN, str(folder), str(text), str(new_tokens)], capture_output=True,
+                          text=True, env=clean_environment(CACHE / "plain-home", None), cwd=tempfile.gettempdir())
+    wall = time.perf_counter() - started
+    if done.returncode != 0:
+        raise RuntimeError(f"the plain model failed: {done.stderr[-2000:]}")
+    figures = dict(zip(*[iter(done.stdout.split()[1:])] * 2))
+    return dict(wall=wall, load=float(figures["load"]), generate=float(figures["generate"]))
+
+
+def encoder_floor(folder: Path, windows: int) -> float:
+    """Seconds for ``windows`` windows through the encoder in the batches unlimisum uses (one batch, timed)."""
+    from transformers import AutoModelForSeq2SeqLM
+
+    from unlimisum.unlimiformer.encoding import auto_batch_size
+
+    model = AutoModelForSeq2SeqLM.from_pretrained(folder).eval()
+    batch = auto_batch_size(WINDOW, windows, torch.device("cpu"))
+    ids = torch.randint(4, 1000, (batch, WINDOW))
+    encoder = model.get_encoder()
+    with torch.inference_mode():
+        encoder(input_ids=ids)
+        started = time.perf_counter()
+        encoder(input_ids=ids)
+        seconds = time.perf_counter() - started
+    return seconds * windows / batch
+
+
+def worktree(revision: str) -> Path:
+    """A checkout of ``revision`` under bench/.cache (made once)."""
+    path = CACHE / f"rev-{revision}"
+    if not path.exists():
+        subprocess.run(["git", "worktree", "add", "--detach", str(path), revision], cwd=ROOT, check=True,
+                       capture_output=True)
+    return path
+
+
+STAGES = ("startup", "load", "read", "tokenize", "encode", "index", "prepare", "generate", "evidence", "support")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="bart-base,bart-large")
+    parser.add_argument("--inputs", default="story,16k,100k,300k")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--before", default=None, help="a git revision to run beside this tree, in turns")
+    parser.add_argument("--quick", action="store_true", help="bart-base, the story only")
+    args = parser.parse_args(argv)
+    sizes = ["bart-base"] if args.quick else args.sizes.split(",")
+    names = ["story"] if args.quick else args.inputs.split(",")
+    trees = {"this tree": None}
+    if args.before:
+        trees[f"before ({args.before})"] = worktree(args.before)
+    documents = inputs(names)
+    rows = []
+    started = time.perf_counter()
+    for size in sizes:
+        folder = model_folder(size)
+        for name, document in documents.items():
+            plain = run_plain(folder, plain_text(document), args.new_tokens)
+            for tree, code in trees.items():
+                home = Path(tempfile.mkdtemp(prefix="unlimisum-bench-home-"))
+                try:
+                    for variant in ("first run", "later runs"):
+                        run = run_unlimisum(folder, document, args.new_tokens, home, code)
+                        run.update(size=size, input=name, tree=tree, variant=variant, plain=plain)
+                        run["encoder_floor"] = encoder_floor(folder, run["windows"])
+                        run["ratio"] = run["wall"] / plain["wall"]
+                        outside = run["wall"] - run["stages"].get("encode", 0.0) - run["stages"].get("generate", 0.0)
+                        run["outside_encode_generate_ratio"] = outside / plain["wall"]
+                        rows.append(run)
+                        print(f"  {size} {name} {tree}, {variant}: {run['wall']:.1f} s ({run['ratio']:.2f}x the plain "
+                              f"{plain['wall']:.1f} s); " + ", ".join(f"{stage} {run['stages'][stage]:.1f}"
+                                                                     for stage in STAGES if stage in run["stages"]),
+                              flush=True)
+                finally:
+                    shutil.rmtree(home, ignore_errors=True)
+    report(rows, args.new_tokens)
+    path = write_result("time_to_summary", dict(rows=rows, new_tokens=args.new_tokens, seconds=time.perf_counter() - started,
+                                                threads=torch.get_num_threads()))
+    print(f"wrote {path}")
+
+
+def report(rows: list[dict], new_tokens: int) -> None:
+    print(f"\nwhole-process seconds to a {new_tokens}-token summary, `unlimisum summarize --json` on the default path:")
+    print_table(["model", "input", "tokens", "code", "run", "wall", "x plain", "start-up", "load", "encode (floor)",
+                 "prepare", "generate", "evidence+support", "rest x plain"],
+                [[row["size"], row["input"], f"{row['tokens']:,}", row["tree"], row["variant"], f"{row['wall']:.1f}",
+                  f"{row['ratio']:.2f}", f"{row['stages']['startup']:.1f}", f"{row['stages']['load']:.1f}",
+                  f"{row['stages'].get('encode', 0):.1f} ({row['encoder_floor']:.1f})",
+                  f"{row['stages'].get('prepare', 0):.1f}", f"{row['stages'].get('generate', 0):.1f}",
+                  f"{row['stages'].get('evidence', 0) + row['stages'].get('support', 0):.1f}",
+                  f"{row['outside_encode_generate_ratio']:.2f}"] for row in rows])
+    print("plain: the same model truncated to 1,024 tokens in a fresh process (same summary length); rest: the wall "
+          "time outside encode and generate, against the plain process's")
+
+
+if __name__ == "__main__":
+    main()
