@@ -19,6 +19,11 @@ shape (random weights; ``--decoder-layers`` of its 24), greedy summaries forced 
 prompt of ``--decoder-tokens`` tokens, read with a 1,024-token window and k=1,024 (bfloat16 weights):
 recorded while generating (greedy search and sampling) and by the reread pass (beam search; forced here).
 
+With ``--support``, instead: is support (the answer sentence read again with its passages hidden) what it claims,
+on the trained needle: the answer's support against a control that hides as many random tokens of the same
+text (outside the passages), and how often attention's first passage is the one whose removal alone hurts most.
+Writes bench/results/evidence_support.json.
+
 With ``--real``, instead: what the evidence pass and its support (each sentence read again with its passages
 hidden) cost at real sizes, against generate() on the same store: bart-base and bart-large shapes (random
 weights), exact stores of ``--tokens`` synthetic states, summaries forced to ``--new-tokens`` (default 64), greedy
@@ -182,6 +187,75 @@ def real_cost(sizes: list[str], n_values: list[int], new_tokens: int, beams: lis
     return rows
 
 
+def support_check(model: Path, lengths: list[int], trials: int, top_k: int, seed: int = 0) -> dict:
+    """Per needle trial: the answer sentence's support, a same-size random control's, and each passage's own."""
+    from unlimisum import evidence
+    from unlimisum.document import Document
+    from unlimisum.unlimiformer.reread import SummaryReader, end_tokens, hidden_tokens, returned_length
+
+    loaded = load_model(ModelConfig(name=str(model), device="cpu"))
+    window = loaded.max_source_length
+    summarizer = Summarizer(loaded, generation=GENERATION, retrieval=RetrievalConfig(retrieval_k=top_k),
+                            index=IndexConfig(kind="exact", device="cpu"))
+    family = summarizer.family
+    tokenizer = loaded.tokenizer
+    special = set(tokenizer.all_special_ids)
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    rng = random.Random(seed)
+    cells = []
+    for length in lengths:
+        for trial in range(trials):
+            text, content = document(window * length - 2, rng.random(), rng)
+            doc = Document.from_text(text)
+            encoded = family.encode(doc)
+            run = family.generate([encoded.store], coverage=False, record=True)
+            row = run.token_ids[0].tolist()
+            ids = row[:returned_length(row, end_tokens(loaded))]
+            summary = decode(ids).strip()
+            with SummaryReader(loaded, family.retrieval_k()) as reader:
+                reading = run.recorder.reading(0, reader, ids)
+                records = evidence.build(summary, ids, decode, special, reading.token_mass, doc, encoded.token_ends,
+                                         encoded.n_tokens)
+                if not records or not records[0].sources:
+                    continue
+                _, members = evidence.sentence_rows(summary, ids, decode, special, len(ids))
+                rows_ = [j for j in members[0] if j >= 1]
+                first, last = min(rows_), max(rows_) + 1
+                chosen = torch.tensor(rows_) - first
+
+                def drop(hidden: torch.Tensor) -> float:
+                    masked = reader.log_probs(reading, encoded.store, first, last, hidden)
+                    return float((reading.log_probs[rows_] - masked[chosen]).mean())
+
+                sources = records[0].sources
+                passages = hidden_tokens(sources, encoded.n_tokens)
+                outside = (~passages).nonzero().squeeze(1).tolist()
+                control = torch.zeros_like(passages)
+                control[rng.sample(outside, int(passages.sum()))] = True
+                alone = [drop(hidden_tokens([source], encoded.n_tokens)) for source in sources]
+                cells.append(dict(length=length, copied=summary == content, support=drop(passages),
+                                  control=drop(control), alone=alone,
+                                  first_hurts_most=max(range(len(alone)), key=alone.__getitem__) == 0))
+            print(f"  {length}x trial {trial}: support {cells[-1]['support']:.2f}, control {cells[-1]['control']:.2f} "
+                  f"nats/token", flush=True)
+    return dict(cells=cells, window=window, top_k=top_k, trials=trials)
+
+
+def report_support(result: dict) -> None:
+    print(f"support on the needle (k={result['top_k']}): the answer sentence read again with its passages hidden, "
+          "against as many random tokens hidden, nats per token")
+    rows = []
+    for length in sorted({cell["length"] for cell in result["cells"]}):
+        cells = [cell for cell in result["cells"] if cell["length"] == length]
+        supports = sorted(cell["support"] for cell in cells)
+        controls = sorted(cell["control"] for cell in cells)
+        rows.append([f"{length}x", len(cells), f"{sum(c['copied'] for c in cells)}", f"{supports[len(cells) // 2]:.2f}",
+                     f"{supports[0]:.2f}", f"{controls[len(cells) // 2]:.3f}", f"{max(controls):.3f}",
+                     f"{sum(c['first_hurts_most'] for c in cells)}/{len(cells)}"])
+    print_table(["length", "trials", "copied", "support median", "support min", "control median", "control max",
+                 "first passage hurts most"], rows)
+
+
 def report_real(result: dict) -> None:
     print(f"the evidence pass and its support against generate() at real sizes ({result['new_tokens']} summary tokens, "
           f"exact store, {result['threads']} threads):")
@@ -242,7 +316,18 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", default="4096,16384,300000", help="store sizes of --real")
     parser.add_argument("--beams", default="1,4", help="beam counts of --real")
     parser.add_argument("--new-tokens", type=int, default=64, help="summary tokens of --real")
+    parser.add_argument("--support", action="store_true",
+                        help="instead: support against a random control on the needle (writes evidence_support.json)")
     args = parser.parse_args(argv)
+    if args.support:
+        torch.set_num_threads(args.threads)
+        started = time.perf_counter()
+        lengths = [int(n) for n in (args.lengths or ("50" if args.quick else "50,200")).split(",")]
+        result = support_check(args.model, lengths, args.trials or (3 if args.quick else 10), args.top_k)
+        result["seconds"] = time.perf_counter() - started
+        report_support(result)
+        print(f"wrote {write_result('evidence_support', result)}")
+        return
     if args.real:
         threads = args.threads if "--threads" in (argv or __import__("sys").argv) else torch.get_num_threads()
         torch.set_num_threads(threads)
