@@ -126,6 +126,7 @@ def test_the_encoders_code_path_is_in_the_key(tiny_loaded):
     assert "encoder unlimisum.models.local_attention.blocked_local_attention" in software_identity(led)
     plain = dataclasses.replace(led, architecture=dataclasses.replace(led.architecture, fast_encoding=None))
     assert "encoder the model's own" in software_identity(plain)
+    assert software_identity(plain, int8=True) == software_identity(plain) + "; linear layers int8"  # --encode-int8
 
 
 DAMAGED_META = {

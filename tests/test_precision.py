@@ -8,6 +8,7 @@ import torch
 from tests.test_needle import FIXTURE, GENERATION, make_input
 from unlimisum.config import IndexConfig, ModelConfig, RetrievalConfig
 from unlimisum.models import load_model, precision
+from unlimisum.document import Document
 from unlimisum.summarizer import Summarizer
 
 CPU = torch.device("cpu")
@@ -86,3 +87,42 @@ def test_needle_answers_agree_in_bfloat16_and_float32():
         answers = [Summarizer(loaded, generation=GENERATION, retrieval=RetrievalConfig(retrieval_k=16),
                               index=IndexConfig(kind="exact")).summarize(text).text for loaded in (float32, bfloat16)]
         assert answers == [content, content]
+
+
+def test_int8_encoding_gives_the_needle_models_answers_and_leaves_the_model_as_it_was():
+    """--encode-int8 (dynamic int8 linear layers while encoding): the same answers as float32 on inputs 50
+    windows long at seven positions (30 of 30 measured in bench.needle_eval's way; six here); afterwards every
+    linear layer is the original one again."""
+    from torch import nn
+
+    from unlimisum.config import EncodingConfig
+
+    torch.set_num_threads(1)
+    loaded = load_model(ModelConfig(name=str(FIXTURE), device="cpu", dtype="float32"))
+    before = {name: tensor.clone() for name, tensor in loaded.model.state_dict().items()}
+    linears = [module for module in loaded.model.modules() if type(module) is nn.Linear]
+    filler = sorted(word for word in loaded.tokenizer.get_vocab() if word.isalpha())
+    plain, int8 = (Summarizer(loaded, generation=GENERATION, retrieval=RetrievalConfig(retrieval_k=16),
+                              index=IndexConfig(kind="exact"), encoding=EncodingConfig(int8=flag))
+                   for flag in (False, True))
+    for seed in range(6):
+        text, content, _ = make_input(filler, 64 * 50, seed / 5, seed)
+        assert plain.summarize(text).text == content
+        assert int8.summarize(text).text == content
+    encoded = (plain.family.encode(Document.from_text(text)).store.states().float(),
+               int8.family.encode(Document.from_text(text)).store.states().float())
+    assert not torch.equal(*encoded)  # it did run quantized
+    assert (encoded[1] - encoded[0]).norm() / encoded[0].norm() < 0.1
+    assert [module for module in loaded.model.modules() if type(module) is nn.Linear] == linears
+    for name, tensor in loaded.model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+
+
+def test_int8_encoding_needs_float32_weights_on_a_cpu():
+    from unlimisum.config import EncodingConfig
+    from unlimisum.errors import ConfigError
+
+    loaded = load_model(ModelConfig(name=str(FIXTURE), device="cpu", dtype="bfloat16"))
+    summarizer = Summarizer(loaded, generation=GENERATION, encoding=EncodingConfig(int8=True))
+    with pytest.raises(ConfigError, match="--dtype float32"):
+        summarizer.summarize("a few words")

@@ -79,6 +79,8 @@ class Summarizer:
         if self.tensor_cache is not None:
             raise ConfigError("the Tensor Cache bounds an encoder-decoder model's decoder; "
                               f"'{self.loaded.name}' is decoder-only (its summary tokens stay in the exact window)")
+        if self.encoding.int8:
+            raise ConfigError(f"--encode-int8 quantizes an encoder; '{self.loaded.name}' is decoder-only")
         if self.index.kind not in ("auto", "exact"):
             raise ConfigError(f"index '{self.index.kind}' is an approximate index of encoder states; decoder-only "
                               f"model '{self.loaded.name}' searches its stored keys exactly (use auto or exact)")
@@ -139,7 +141,7 @@ def summarize(
 ) -> Summary:
     """Summarize a text or Document with ``model`` (hub name, local folder, or loaded model).
 
-    Keyword options: ``tokenizer, device, dtype`` (model); ``overlap, encode_batch, window``
+    Keyword options: ``tokenizer, device, dtype`` (model); ``overlap, encode_batch, window, encode_int8``
     (encoding); ``index, index_device, exact_max_tokens, storage_dtype`` (datastore);
     ``retrieval_k`` (input tokens each cross-attention head retrieves per step), ``evidence`` (False: no
     evidence pass) and ``evidence_passages`` (passages kept per summary sentence); for decoder-only
@@ -159,7 +161,8 @@ def configs_from_options(model, options: dict) -> dict:
     model_keys = {"tokenizer": "tokenizer", "device": "device", "dtype": "dtype", "trust_remote_code": "trust_remote_code"}
     model_fields = {field_name: options.pop(key) for key, field_name in model_keys.items() if key in options}
     encoding = {name: options.pop(key) for key, name in
-                {"overlap": "overlap", "encode_batch": "batch_size", "window": "window"}.items() if key in options}
+                {"overlap": "overlap", "encode_batch": "batch_size", "window": "window", "encode_int8": "int8"}.items()
+                if key in options}
     index = {name: options.pop(key) for key, name in
              {"index": "kind", "index_device": "device", "exact_max_tokens": "exact_max_tokens",
               "storage_dtype": "storage_dtype"}.items() if key in options}

@@ -167,6 +167,11 @@ def summarize(
         None, "--encode-batch", min=1, metavar="N", help="Windows per encoder pass (default: chosen by device).",
         rich_help_panel=INDEX_PANEL,
     ),
+    encode_int8: bool = typer.Option(
+        False, "--encode-int8", help="Encode with the encoder's linear layers in dynamic int8 (CPU, float32 "
+        "weights): ~1.6x faster encoding without 16-bit units, encoder states within ~3% of float32's.",
+        rich_help_panel=INDEX_PANEL,
+    ),
     # -- decoder-only models
     prompt: str = typer.Option(
         DEFAULT_PROMPT, "--prompt", metavar="TEMPLATE",
@@ -413,7 +418,7 @@ def summarize(
     do_sample = True if sample or sampling_options else sample  # None: the model's own
     settings = SummarizeSettings(
         model=ModelConfig(name=model, tokenizer=tokenizer, device=device, dtype=dtype, trust_remote_code=trust_remote_code),
-        encoding=EncodingConfig(overlap=overlap, batch_size=encode_batch, window=window),
+        encoding=EncodingConfig(overlap=overlap, batch_size=encode_batch, window=window, int8=encode_int8),
         index=IndexConfig(kind=index, device=index_device, storage_dtype=storage_dtype, key_store=key_store),
         retrieval=RetrievalConfig(retrieval_k=retrieval_k if retrieval_k is not None else retrieval_k_alias,
                                   evidence=evidence is not False, evidence_passages=evidence_passages),

@@ -9,12 +9,14 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from unlimisum.models import checkpoint
+from unlimisum.models.quantized import int8_linears
 from unlimisum.models.tokens import encode_text, special_ids
 from unlimisum.config import EncodingConfig, IndexConfig
 from unlimisum.unlimiformer.datastore import DatastoreBuilder, IndexPlan, TorchExactDatastore, plan_index
@@ -44,8 +46,11 @@ class DocumentEncoder:
     """Encodes documents with one loaded model; reports ``ProgressEvent``s through ``progress``."""
 
     def __init__(self, loaded: LoadedModel, encoding: EncodingConfig, plan: EncodePlan,
-                 progress: Callable, cache: EncodedCache | None = None):
+                 progress: Callable, cache: EncodedCache | None = None, int8_made: dict | None = None):
+        """``int8_made``: the int8 copies of the encoder's linear layers made so far (``encoding.int8``), kept by
+        the caller so that they are made once per model."""
         self.loaded, self.encoding, self.plan, self.progress, self.cache = loaded, encoding, plan, progress, cache
+        self.int8_made = int8_made if int8_made is not None else {}
 
     def encode(self, document: Document) -> EncodedDocument:
         """The document's tokens, states, windows and chapter ranges (from the cache when it has them)."""
@@ -117,7 +122,8 @@ class DocumentEncoder:
         sink = builder.add if keys is None else lambda states: (builder.add(states), keys.add(states))
         self.progress(ProgressEvent("encode", 0, windows.n_windows, name, info))
         encoder = self.loaded.model.get_encoder()
-        with self.loaded.architecture.encoding(encoder):
+        int8 = int8_linears(encoder, self.int8_made) if self.encoding.int8 else nullcontext()
+        with self.loaded.architecture.encoding(encoder), int8:
             encode_windows(
                 encoder, input_ids, windows, sink, batch_size=batch_size,
                 encoder_inputs=self.loaded.architecture.encoder_inputs,
@@ -167,7 +173,7 @@ class DocumentEncoder:
             text_sha256=text_sha256(text), model=model_identity(self.loaded), tokenizer=tokenizer_identity(self.loaded),
             window=self.plan.window, overlap=self.encoding.overlap, storage_dtype=self.plan.index.storage_dtype,
             model_dtype=str(self.loaded.dtype).removeprefix("torch."), device_type=self.loaded.device.type,
-            software=software_identity(self.loaded),
+            software=software_identity(self.loaded, int8=self.encoding.int8),
         )
 
     def _from_cache(self, document: Document, name: str, cached) -> EncodedDocument:
@@ -201,7 +207,7 @@ def model_identity(loaded: LoadedModel) -> str:
     return f"{loaded.name}@{loaded.fingerprint}"
 
 
-def software_identity(loaded: LoadedModel) -> str:
+def software_identity(loaded: LoadedModel, int8: bool = False) -> str:
     """What else changes the states' last bits: the transformers and torch releases, the attention kernel and
     the code path the encoder runs (the model's own, or unlimisum's blocked local attention for LED); the
     unlimisum release is in every key too (CacheKey.unlimisum)."""
@@ -211,7 +217,9 @@ def software_identity(loaded: LoadedModel) -> str:
     version = ".".join(transformers.__version__.split(".")[:2])
     fast = getattr(loaded.architecture, "fast_encoding", None)
     path = f"{fast.__module__}.{fast.__name__}" if fast is not None else "the model's own"
-    return f"transformers {version}; torch {torch.__version__.split('+')[0]}; attention {attention}; encoder {path}"
+    linears = "; linear layers int8" if int8 else ""
+    return (f"transformers {version}; torch {torch.__version__.split('+')[0]}; attention {attention}; "
+            f"encoder {path}{linears}")
 
 
 def tokenizer_identity(loaded: LoadedModel) -> str:

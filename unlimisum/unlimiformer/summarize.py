@@ -119,6 +119,7 @@ class EncoderDecoderSummarizer:
         self.tensor_cache = tensor_cache
         self.cache = cache
         self.progress = progress
+        self._int8_made: dict = {}  # --encode-int8: the encoder's int8 linear layers, made on first use
 
     def summarize(self, document: Document, *, per_chapter: bool = False) -> Summary:
         """Summarize one text or document; with ``per_chapter`` each chapter gets its own summary too.
@@ -246,7 +247,7 @@ class EncoderDecoderSummarizer:
     def _encoder(self) -> DocumentEncoder:
         plan = EncodePlan(window=self._window(), index=self._index_config(), retrieval_k=self.retrieval_k(),
                           queries_per_step=self._queries_per_step())
-        return DocumentEncoder(self.loaded, self.encoding, plan, self.progress, self.cache)
+        return DocumentEncoder(self.loaded, self.encoding, plan, self.progress, self.cache, self._int8_made)
 
     def _summarize_parts(self, parts: Sequence[_Part]) -> list[Summary]:
         """One generation batch over the parts' stores; a Summary per part."""
