@@ -644,7 +644,7 @@ def _calibrate_with(monkeypatch, packed_seconds: float, native_seconds: float = 
         scores = {"native": native_seconds, "packed": packed_seconds}.get(kernel, 20e-3)
         return 2 * scores / 4 if name.startswith("dense/") and name.count("/") == 1 else scores
 
-    monkeypatch.setattr(kernels, "_race", lambda runs, device, **_: {name: figure(name) for name in runs})
+    monkeypatch.setattr(kernels, "_race", lambda runs, device, timer=None: {name: figure(name) for name in runs})
     return kernels.calibrate(torch.device("cpu"), torch.bfloat16, 64, rows=2048)
 
 

@@ -109,3 +109,34 @@ def test_the_kernel_calibration_is_kept_per_machine(monkeypatch, tmp_path):
     assert again == first and calibrated == [1]
     names = [m.name for m in measurements.default_store().all()]
     assert "retrieval kernel cpu bfloat16 d=32" in names
+
+
+def test_the_calibration_times_an_emulated_16_bit_kernel_once_per_race(monkeypatch):
+    """A CPU without 16-bit units: the native kernel tens of times slower than float32 is called once in each race
+    it enters, its other dense block sizes never, and the calibration chooses a widening kernel."""
+    native_calls = []
+    real_scores, real_dense = kernels.native_scores, kernels._dense_blocks
+    state = {"native": False}
+
+    def native_scores(states, queries):
+        state["native"] = True
+        native_calls.append("scores")
+        return real_scores(states, queries)
+
+    def dense_blocks(states, queries, choice, block):
+        if not choice.widens:
+            state["native"] = True
+            native_calls.append(f"dense@{block}")
+        return real_dense(states, queries, choice, block)
+
+    def timer(run):  # the emulated kernel is 50x slower; everything else takes a millisecond
+        state["native"] = False
+        run()
+        return 0.05 if state["native"] else 0.001
+
+    monkeypatch.setattr(kernels, "native_scores", native_scores)
+    monkeypatch.setattr(kernels, "_dense_blocks", dense_blocks)
+    choice = kernels.calibrate(torch.device("cpu"), torch.bfloat16, 16, rows=2048, timer=timer)
+    assert choice.scores in ("float32", "packed") and choice.fallback == "float32"
+    assert native_calls.count("scores") == 1
+    assert [call for call in native_calls if call.startswith("dense")] == ["dense@2048"]

@@ -43,6 +43,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -155,13 +156,15 @@ def _device_model(device: torch.device) -> str:
 
 
 def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str | None = None,
-              rows: int = CALIBRATION_ROWS, sample: torch.Tensor | None = None) -> KernelChoice:
+              rows: int = CALIBRATION_ROWS, sample: torch.Tensor | None = None,
+              timer: Callable[[Callable[[], object]], float] | None = None) -> KernelChoice:
     """Time the score kernels and their block sizes, the one-pass dense attention, a gather and a dense
     values pass on a store of ``rows`` states, and choose the kernel whose scores and dense pass cost least.
 
     The store is the first ``rows`` of ``sample`` (a real store's states, read in place) when it has that
     many in this dtype and device, all within fp16's range (the packed race copies them); else a synthetic
-    one, allocated for the calibration (``rows`` x ``dim`` 16-bit numbers beside the real store)."""
+    one, allocated for the calibration (``rows`` x ``dim`` 16-bit numbers beside the real store).
+    ``timer(run)`` -> seconds of one call of a candidate (default: the clock around it; tests inject one)."""
     device = torch.device(device)
     generator = torch.Generator(device="cpu").manual_seed(0)
     sixteen_bit = dtype != torch.float32
@@ -175,7 +178,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
     if can_pack and force in (None, "packed"):
         packed_scores = PackedStates(states, values=False)  # freed after the race: it is as large as the store
         score_runs["packed"] = lambda: packed_scores.scores(queries)
-    timings = _race(score_runs, device)
+    timings = _race(score_runs, device, timer)
     score_runs.clear()
     packed_scores = None
     block = min(BLOCK_CHOICES, key=lambda b: timings[f"float32/{b}"])
@@ -199,11 +202,11 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
                       "dense/float32": lambda: dense_attention(quarter, queries, plain["float32"])}
         if quarter_packed is not None:
             dense_runs["dense/packed"] = lambda: dense_attention(quarter, queries, plain["packed"], packed=quarter_packed)
-        dense = _race(dense_runs, device)
+        dense = _race(dense_runs, device, timer)
         if dense["dense/native@2048"] <= measurements.GIVE_UP_FACTOR * min(dense.values()):
             dense.update(_race({f"dense/native@{b}": (lambda c=KernelChoice("native", b, False, 0.0, 0.0):
                                                       dense_attention(quarter, queries, c))
-                                for b in BLOCK_CHOICES if b != 2_048}, device))
+                                for b in BLOCK_CHOICES if b != 2_048}, device, timer))
         dense = {name: 4 * seconds for name, seconds in dense.items()}
         dense["dense/native"] = min(seconds for name, seconds in dense.items() if name.startswith("dense/native@"))
         timings.update(dense)
@@ -221,7 +224,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
         k = max(1, rows // 128)  # a long row for k: the block-maxima pre-selection takes part
         layouts = _race({f"select/{'tokens' if layout else 'queries'}-major":
                          (lambda c=KernelChoice("native", block, layout, 0.0, 0.0): select(states, queries, k, c))
-                         for layout in (False, True)}, device)
+                         for layout in (False, True)}, device, timer)
         tokens_major = layouts["select/tokens-major"] < layouts["select/queries-major"]
         timings.update(layouts)
     # the one-pass dense attention's block: larger blocks pay fewer steps (a few small ops each), smaller ones
@@ -230,7 +233,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
     blocked = fallback if kernel == "packed" else kernel
     blocks = _race({f"dense/{blocked}/{candidate}":
                     (lambda c=KernelChoice(blocked, block, tokens_major, 0.0, 0.0, dense_block_rows=candidate):
-                     dense_attention(quarter, queries, c)) for candidate in BLOCK_CHOICES}, device)
+                     dense_attention(quarter, queries, c)) for candidate in BLOCK_CHOICES}, device, timer)
     timings.update(blocks)
     dense_block = min(BLOCK_CHOICES, key=lambda b: blocks[f"dense/{blocked}/{b}"])
     choice = KernelChoice(kernel, block, tokens_major, 0.0, 0.0, dense_block_rows=dense_block, fallback=fallback)
@@ -246,7 +249,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
     gathers = {"gather": lambda: gathered_attention(states, ids, weights, choice.widens, fused=False)}
     if not choice.widens:  # the native kernel's gather: fused (embedding_bag) or gathered rows and a bmm
         gathers["gather/fused"] = lambda: gathered_attention(states, ids, weights, False, fused=True)
-    costs = _race(dict(gathers, **{"dense values": dense_values_run}), device)
+    costs = _race(dict(gathers, **{"dense values": dense_values_run}), device, timer)
     timings.update({name: costs[name] for name in gathers})
     fused_gather = "gather/fused" in costs and costs["gather/fused"] < costs["gather"]
     costs["gather"] = min(costs["gather"], costs.get("gather/fused", float("inf")))
@@ -289,10 +292,11 @@ def choose_scores(cost: dict[str, float]) -> tuple[str, str]:
     return fallback, fallback
 
 
-def _race(runs: dict, device: torch.device) -> dict[str, float]:
+def _race(runs: dict, device: torch.device, timer=None) -> dict[str, float]:
     """Best time of each run, measured in turns (unlimisum/measurements.py ``race``): a run whose first call
-    already took four times the leader's best is not called again (its slow time stays: it is not chosen)."""
-    return measurements.race(runs, timer=lambda run: _timed(run, device))
+    already took four times the leader's best is not called again (its slow time stays: it is not chosen).
+    ``timer(run)``: seconds of one call (tests inject one); default the clock around it."""
+    return measurements.race(runs, timer=timer or (lambda run: _timed(run, device)))
 
 
 def _timed(run, device: torch.device) -> float:

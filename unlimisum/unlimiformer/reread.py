@@ -14,15 +14,16 @@ removing it does; AT2 found raw attention unreliable as attribution on its own).
 whose queries are the sentence's own positions: about one more evidence pass for the whole summary.
 
 The last returned token is never fed: it predicts nothing (and a summary that used every decoder position
-would need one more).
+would need one more). Where generation writes one row per document (greedy search, sampling) with the model's
+own self-attention, its steps are this reading: ``GenerationRecorder`` keeps them as they are made, and only the
+support is read again.
 """
 
 from __future__ import annotations
 
-import time
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 
@@ -248,13 +249,3 @@ def support_of(reader: SummaryReader, reading: Reading, store: Datastore, rows: 
     chosen = torch.tensor(rows) - first
     drop = reading.log_probs[rows] - masked[chosen]
     return float(drop.mean())
-
-
-@contextmanager
-def timed() -> Iterator[list[float]]:
-    """``with timed() as clock:`` -> clock[0] is the seconds the block took (set on leaving it)."""
-    started, clock = time.perf_counter(), [0.0]
-    try:
-        yield clock
-    finally:
-        clock[0] = time.perf_counter() - started
