@@ -23,8 +23,8 @@ from unlimisum.coverage import CoverageSpan
 from unlimisum.document import Chapter, Document
 from unlimisum.evidence import SentenceEvidence, Source, quote
 from unlimisum.results import Summary, SummaryStats
-from unlimisum.runs.html import HTML_MARKER, listed_sources, render_html, script_json, utf16_offsets
-from unlimisum.runs.output import is_unlimisum_output
+from unlimisum.runs.html import HTML_MARKER, render_html, script_json, utf16_offsets
+from unlimisum.runs.output import is_unlimisum_output, shown_sources
 
 HOSTILE = ('<script>window.pwned = "script"</script> and <img src=x onerror="window.pwned = \'img\'"> '
            '<!-- a comment --> </script><script>window.pwned = "escaped"</script> & &amp; "quotes" \'too\'')
@@ -168,7 +168,7 @@ def test_weak_sentences_are_marked_check_first_and_support_shown_only_when_measu
     page = render_html(hostile_summary(document, support=(1.8, 0.02)), document)
     shown = "".join(parse(page).text)
     assert "support 1.80 nats/token" in shown
-    assert "check first: its passages barely carried it (support 0.02 nats/token)" in shown
+    assert "check first: support 0.02 nats/token" in shown
     assert shown.count("check first") == 2  # beside the sentence in the summary, and in its evidence
     unmeasured = "".join(parse(render_html(hostile_summary(document, support=(None, None)), document)).text)
     assert "support" not in unmeasured.lower() and "check first" not in unmeasured
@@ -197,9 +197,9 @@ def test_utf16_offsets():
     assert utf16_offsets("plain", [0, 3, 5]) == [0, 3, 5]
 
 
-def test_listed_sources_drop_passages_under_one_percent():
+def test_shown_sources_drop_passages_under_one_percent():
     sources = hostile_summary(hostile_book()).evidence[0].sources
-    assert [source.share for source in listed_sources(SentenceEvidence("x", 0, 1, sources))] == [0.7, 0.295]
+    assert [source.share for source in shown_sources(SentenceEvidence("x", 0, 1, sources))] == [0.7, 0.295]
 
 
 def test_a_page_is_recognised_as_unlimisums_own(tmp_path):

@@ -10,7 +10,9 @@ partial output file; a reader that closes stdout (`| head`) ends the run quietly
 from __future__ import annotations
 
 import math
+import os
 import re
+import sys
 import warnings
 from pathlib import Path
 from typing import List, Literal, Optional
@@ -430,7 +432,7 @@ def summarize(
         ),
         per_chapter=per_chapter, as_json=as_json, as_html=as_html, output_dir=output_dir, skip_existing=skip_existing,
         password=password, keep_all=keep_all, tensor_cache=memory, coverage=coverage,
-        evidence=bool(evidence), cache_dir=cache_dir,
+        evidence=bool(evidence), stdout_width=_terminal_columns(), cache_dir=cache_dir,
         cache_max_bytes=parse_size(cache_max_bytes) if cache_max_bytes else None,
         prompt=PromptConfig(template=prompt, system=system),
     )
@@ -489,6 +491,14 @@ def _output_format(ctx, as_json: bool, output_format: str, output_dir: Path | No
         raise fail(f"{describe(ctx, 'output_format', value=True)} writes one page per input into a folder: give "
                    "-o DIR (or --html FILE for one input, beside the summary on stdout)", EXIT_USAGE)
     return as_json, as_html
+
+
+def _terminal_columns() -> int | None:
+    """The width of the terminal stdout is, or None when it is a pipe or a file."""
+    try:
+        return os.get_terminal_size(sys.stdout.fileno()).columns if sys.stdout.isatty() else None
+    except (AttributeError, OSError, ValueError):  # no real file behind stdout (a test's capture)
+        return None
 
 
 def _run_engine(engine: str, runner: "BatchRunner", jobs: list[Job], address: str | None, workers: int | None,

@@ -27,7 +27,7 @@ from bisect import bisect_right
 from typing import TYPE_CHECKING, Sequence
 
 from unlimisum.evidence import weakly_supported
-from unlimisum.runs.output import MARKDOWN_MARKER, document_title
+from unlimisum.runs.output import MARKDOWN_MARKER, document_title, shown_sources, support_note
 from unlimisum.version import __version__
 
 if TYPE_CHECKING:  # results imports torch; rendering a page does not need it
@@ -39,18 +39,12 @@ if TYPE_CHECKING:  # results imports torch; rendering a page does not need it
 # The first line of every page unlimisum writes: an HTML comment (before the doctype, which keeps the page in
 # standards mode), the same marker as the Markdown files', so that ``is_unlimisum_output`` knows it.
 HTML_MARKER = MARKDOWN_MARKER
-SHARE_SHOWN = 0.01  # passages with less of a sentence's attention are not listed (the JSON keeps them)
 
 
 def render_html(summary: Summary, document: Document) -> str:
     """The page for ``summary`` of ``document`` (see the module docstring): one string, UTF-8 when written."""
     page = _Page(summary, document)
     return page.render()
-
-
-def listed_sources(sentence: SentenceEvidence):
-    """The passages of ``sentence`` worth showing a reader: those with at least SHARE_SHOWN of its attention."""
-    return tuple(source for source in sentence.sources if source.share >= SHARE_SHOWN)
 
 
 def script_json(value) -> str:
@@ -127,7 +121,7 @@ class _Page:
         return "".join(f'<p class="warning">{_escape(warning)}</p>' for warning in summary.warnings)
 
     def hint(self) -> str:
-        if not any(listed_sources(sentence) for sentence in self.sentences):
+        if not any(shown_sources(sentence) for sentence in self.sentences):
             return ('<p class="hint">No evidence was recorded for this summary (a run with --no-evidence, or a '
                     "model that records none): its sentences link to no passages.</p>")
         return ('<p class="hint">Click a sentence to see the passages of the book it drew on, marked in the '
@@ -144,7 +138,7 @@ class _Page:
         return f'<p class="text">{"".join(pieces)}</p>'
 
     def sentence_link(self, sentence: SentenceEvidence) -> str:
-        sources = listed_sources(sentence)
+        sources = shown_sources(sentence)
         if not sources:
             return _escape(sentence.sentence)
         number = len(self.sentences)
@@ -211,20 +205,16 @@ class _Page:
         if not self.sentences:
             return ""
         items = []
-        support_note = ""
+        support_caveat = ""
         if any(sentence.support is not None for sentence in self.sentences):
-            support_note = (" Support: how much less likely the sentence becomes when its passages are hidden (nats "
+            support_caveat = (" Support: how much less likely the sentence becomes when its passages are hidden (nats "
                             "per token; near 0: check it first).")
         for number, sentence in enumerate(self.sentences):
-            if sentence.support is not None:
-                support = f"support {sentence.support:.2f} nats/token"
-                if weakly_supported(sentence):
-                    support = f"check first: its passages barely carried it ({support})"
-                support_html = f'<p class="support{" weak" if weakly_supported(sentence) else ""}">{_escape(support)}</p>'
-            else:
-                support_html = ""
+            support = support_note(sentence)
+            weak = " weak" if weakly_supported(sentence) else ""
+            support_html = f'<p class="support{weak}">{_escape(support)}</p>' if support else ""
             passages = []
-            for rank, source in enumerate(listed_sources(sentence)):
+            for rank, source in enumerate(shown_sources(sentence)):
                 chapter = source.chapter or f"Part {source.chapter_index + 1}"
                 passages.append(
                     f'<li><a class="passage" href="#ch-{source.chapter_index}" data-s="{number}" data-p="{rank}">'
@@ -236,7 +226,7 @@ class _Page:
         return ('<section class="evidence" id="evidence" aria-labelledby="evidence-heading" aria-live="polite">'
                 '<h2 id="evidence-heading">Evidence</h2><p class="caveat">Where the model looked while writing a '
                 "sentence, with each passage's share of that attention; a guide for checking the summary against "
-                f"the book, not proof that a sentence is true.{support_note}</p>"
+                f"the book, not proof that a sentence is true.{support_caveat}</p>"
                 f'<ol class="notes">{"".join(items)}</ol></section>')
 
     def chapter_summaries(self) -> str:

@@ -60,6 +60,7 @@ class SummarizeSettings:
     tensor_cache: object | None = None  # unlimisum.tensor_cache.TensorCacheSettings, or None for the ordinary cache
     coverage: bool = False  # a coverage table in the Markdown output
     evidence: bool = False  # footnotes quoting each sentence's passages in the Markdown output (--evidence)
+    stdout_width: int | None = None  # stdout is a terminal this many columns wide: footnotes are wrapped to it
     cache_dir: Path | None = None  # the cache of encoded books, None: off
     cache_max_bytes: int | None = None  # its size cap, None: none
     prompt: PromptConfig = PromptConfig()  # decoder-only models: what they are asked
@@ -350,7 +351,7 @@ class BatchRunner:
                                              coverage=settings.coverage, evidence=settings.evidence))
             return ""
         return render_markdown(summary, document, heading=several, coverage=settings.coverage,
-                               evidence=settings.evidence)
+                               evidence=settings.evidence, width=settings.stdout_width)
 
     def _write(self, job: Job, text: str, path: Path | None = None) -> None:
         """Write the summary file (or ``path``: the page of --html), unless another program put a file there
