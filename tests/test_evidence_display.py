@@ -27,7 +27,7 @@ def test_footnotes_show_support_and_leave_out_faint_passages():
     assert "(30%)" in notes[0] and "“I stuffed" in notes[0]
     assert notes[0].count("%): “") == 2  # the passage with 0.5 % is left out
     assert notes[1].startswith("[^2]: Check first: support 0.02 nats/token. ")
-    unmeasured, _ = with_evidence(hostile_summary(document), 0)
+    unmeasured, _ = with_evidence(hostile_summary(document, support=(None, None)), 0)
     assert "[^2]: The \"Carpet-Bag\"" in unmeasured and "[^1]: Loomings" in unmeasured
     assert "upport" not in unmeasured.split("[^1]:", 1)[1]
     record = summary_record(summary, document)  # the JSON keeps every passage
