@@ -1,6 +1,6 @@
 """From command-line paths to jobs: which inputs to read, which are unusable, where summaries go.
 
-Rules (the README repeats them):
+Rules (docs/options.md repeats them, under -o):
 
 - An output name depends on its input path alone, never on the rest of the batch: a file
   argument ``story.txt`` goes to ``DIR/story.txt.summary.md`` (the input's suffix is kept, so
