@@ -49,8 +49,9 @@ A document that failed is, on stdout only, ``{"schema_version": 3, "path": ..., 
 "error_type": ...}`` so that a JSON Lines consumer sees every input once.
 
 Files written with -o are marked as unlimisum's own — Markdown with ``MARKDOWN_MARKER`` as its
-first line, JSON with ``"written_by": "unlimisum"`` — so that folder scans skip them and nothing
-else is ever overwritten (``is_unlimisum_output``).
+first line, JSON with ``"written_by": "unlimisum"``, HTML pages (``unlimisum.runs.html``) with the same
+marker line before their doctype — so that folder scans skip them and nothing else is ever overwritten
+(``is_unlimisum_output``).
 """
 
 from __future__ import annotations
@@ -230,15 +231,13 @@ def with_evidence(summary: Summary, first: int, width: int | None = None) -> tup
 def wrap_at_spaces(text: str, width: int, indent: str) -> str:
     """``text`` in lines of at most ``width`` terminal cells, broken at spaces only, the lines after the first
     starting with ``indent``; a word longer than a line keeps a line of its own, whole."""
-    lines, line, room = [], "", width
-    for word in text.split(" "):
-        if not word:
-            continue
-        if line and _cells(line) + 1 + _cells(word) > room:
+    lines, line, cells = [], "", 0
+    for word in text.split():
+        if line and cells + 1 + _cells(word) > width:
             lines.append(line)
-            line, room = indent + word, width
+            line, cells = indent + word, _cells(indent + word)
         else:
-            line = f"{line} {word}" if line else word
+            line, cells = (f"{line} {word}", cells + 1 + _cells(word)) if line else (word, _cells(word))
     lines.append(line)
     return "\n".join(lines)
 
