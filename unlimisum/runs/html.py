@@ -30,7 +30,7 @@ from unlimisum.evidence import weakly_supported
 from unlimisum.runs.output import MARKDOWN_MARKER, document_title, shown_sources, support_note
 from unlimisum.version import __version__
 
-if TYPE_CHECKING:  # results imports torch; rendering a page does not need it
+if TYPE_CHECKING:  # names for annotations only
     from unlimisum.coverage import CoverageSpan
     from unlimisum.document import Document
     from unlimisum.evidence import SentenceEvidence
@@ -121,7 +121,7 @@ class _Page:
         return "".join(f'<p class="warning">{_escape(warning)}</p>' for warning in summary.warnings)
 
     def hint(self) -> str:
-        if not any(shown_sources(sentence) for sentence in self.sentences):
+        if not self.sentences:  # no sentence has a passage to show
             return ('<p class="hint">No evidence was recorded for this summary (a run with --no-evidence, or a '
                     "model that records none): its sentences link to no passages.</p>")
         return ('<p class="hint">Click a sentence to see the passages of the book it drew on, marked in the '
@@ -141,12 +141,11 @@ class _Page:
         sources = shown_sources(sentence)
         if not sources:
             return _escape(sentence.sentence)
-        number = len(self.sentences)
+        number, weak = len(self.sentences), weakly_supported(sentence)
         self.sentences.append(sentence)
         self.sources.append({"passages": [self.source_record(source) for source in sources],
                              "support": None if sentence.support is None else round(sentence.support, 3),
-                             "weak": weakly_supported(sentence)})
-        weak = weakly_supported(sentence)
+                             "weak": weak})
         label = ' <span class="flag" title="its passages barely carried it">check first</span>' if weak else ""
         return (f'<a class="s{" weak" if weak else ""}" id="s-{number}" href="#s-{number}" data-s="{number}">'
                 f"{_escape(sentence.sentence)}</a>{label}")
