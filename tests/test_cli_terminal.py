@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import pytest
 
 from tests.test_cli_process import console_script, process_env
+from tests.test_needle import FIXTURE as NEEDLE, filler, loaded, make_input  # noqa: F401
 from tests.tiny_models import SAMPLE_TEXT
 
 pyte = pytest.importorskip("pyte")
@@ -207,3 +208,54 @@ def test_per_chapter_progress_names_the_chapter_and_leaves_no_bar(tiny_model_dir
     assert 'looked at' in text and 'most at "Chapter' in text, text  # where the summary looked, on the screen
     for leftover in ("chapters 1-3/3", "chapters summarized", "━", "generating tokens"):
         assert leftover not in text, text
+
+
+def test_evidence_at_80_columns_wraps_at_spaces_and_lists_no_faint_passage(loaded, filler, tmp_path):  # noqa: F811
+    """--evidence at a terminal of 80 columns: the rows under the done line (each sentence, its passages) and
+    the Markdown footnotes on stdout are broken at spaces, their later lines indented, so that joining the
+    rows with spaces gives the text back word for word; passages with under 1 % of a sentence's attention
+    are not shown (the JSON keeps them). The trained needle model looks at its needle almost only, as a
+    trained summarizer looks at few passages: the other passages get well under 1 %."""
+    text, _, _ = make_input(filler, 10 * 64, 0.5, seed=3)
+    (tmp_path / "book.txt").write_text(text, encoding="utf-8")
+    base = [*console_script(), "summarize", "-m", str(NEEDLE), "--device", "cpu", "--retrieval-k", "16",
+            "--evidence-passages", "6", "book.txt"]
+    piped = subprocess.run([*base, "--json"], cwd=tmp_path, env=process_env(), capture_output=True, text=True,
+                           timeout=180)
+    assert piped.returncode == 0, piped.stderr
+    evidence = json.loads(piped.stdout)["evidence"]
+    shown = [[source for source in sentence["sources"] if source["share"] >= 0.01] for sentence in evidence]
+    assert any(len(kept) < len(sentence["sources"]) for kept, sentence in zip(shown, evidence)), \
+        "the case needs a passage under 1 % (more --evidence-passages)"
+    run = run_terminal([*base, "--evidence"], tmp_path, columns=80, lines=200)
+    assert run.code == 0, "\n".join(run.screen)
+    screen = [line for line in run.screen if line.strip()]
+    text = "\n".join(screen)
+
+    def words(value: str) -> str:
+        return " ".join(value.split())
+
+    # the rows under the done line: each sentence and its passages, as the JSON has them
+    start = next(i for i, line in enumerate(screen) if line.strip() == "evidence")
+    block = screen[start + 1:]
+    assert all(line.startswith("  ") for line in block), text  # no row the terminal broke off at column 0
+    expected = []
+    for number, (sentence, kept) in enumerate(zip(evidence, shown), start=1):
+        expected.append(f"[{number}] {sentence['sentence']}")
+        for source in kept:
+            quote = words(source["quote"])
+            if len(quote) > 100:  # cut at a space, the terminal's shorter quote
+                quote = quote[:quote.rindex(" ", 50, 99)] + "\u2026"
+            chapter = source["chapter"] or f"Part {source['chapter_index'] + 1}"
+            expected.append(f"{source['share']:.0%} {chapter} \u201c{quote}\u201d")
+    assert words(" ".join(block)) == words(" ".join(expected)), text
+    assert not [line for line in block if line.lstrip().startswith("0%")], text
+    # the footnotes of the Markdown on stdout, above the done line
+    notes = [line for line in screen[:start] if line.startswith("[^") or line.startswith("    ")]
+    assert notes and notes[0].startswith("[^1]: "), text
+    piped_notes = subprocess.run([*base, "--evidence"], cwd=tmp_path, env=process_env(), capture_output=True,
+                                 text=True, timeout=180).stdout
+    written = [line for line in piped_notes.splitlines() if line.startswith("[^") and "]: " in line]
+    assert words(" ".join(notes)) == words(" ".join(written)), text
+    assert len(notes) > len(written)  # some footnote was longer than a row: it went on, indented
+    assert " (0%)" not in piped_notes

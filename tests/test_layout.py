@@ -13,7 +13,7 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "unlimisum"
 
-# Top-down: each unit may import only those before it (README, "How it works").
+# Top-down: each unit may import only those before it (docs/development.md, the layout).
 ORDER = [
     "version", "errors", "config", "files", "measurements", "document", "events", "coverage", "evidence", "results",
     "ingest", "models", "tensor_cache", "unlimiformer", "decoder_only", "summarizer", "training",
@@ -72,7 +72,7 @@ def edges() -> list[tuple[str, str, str]]:
 def test_every_unit_is_in_the_order():
     units = {path.stem if path.is_file() else path.name for path in PACKAGE.iterdir()
              if (path.suffix == ".py" or (path / "__init__.py").exists()) and path.name != "__pycache__"}
-    assert units - TOP == set(ORDER), "add a new unit to ORDER where it belongs (and to the README's layout)"
+    assert units - TOP == set(ORDER), "add a new unit to ORDER where it belongs (and to the layout in docs/development.md)"
 
 
 def test_no_unit_imports_a_unit_below_it():

@@ -476,7 +476,7 @@ class ProgressDisplay(DrawnOnLiveArea):
         if self.console.is_terminal and self.evidence:
             for part in (summary, *summary.chapters):
                 for line in evidence_lines(part, heading=part.title if part is not summary else ""):
-                    self._area.print(line, soft_wrap=True, highlight=False)
+                    self._area.print(line, highlight=False)  # wrapped by the console at spaces
 
     def document_skipped(self, source: str, output) -> None:
         """An input whose output exists and was written by unlimisum (--skip-existing)."""
@@ -641,29 +641,50 @@ def coverage_line(summary: Summary, width: int = 48) -> Text:
 
 
 EVIDENCE_QUOTE_CELLS = 100  # a passage's quote in the terminal is cut here (the JSON and Markdown keep ~300)
+SHARE_CELLS = 12  # a passage's row: its share right-aligned in these cells, then its chapter and quote
 
 
-def evidence_lines(summary: Summary, heading: str = "") -> list[Text]:
-    """``  evidence (Chapter 2)`` then per sentence ``  [1] The sentence.`` and under it one line per passage,
-    ``       62%  Loomings  "the quoted passage…"``, strongest first."""
+def evidence_lines(summary: Summary, heading: str = "") -> list[RenderableType]:
+    """``  evidence (Chapter 2)`` then per sentence ``  [1] The sentence.`` (its support when measured,
+    ``check first`` when its passages barely carried it) and under it one row per passage shown (at least 1 %
+    of the sentence's attention), ``       62%  Loomings  "the quoted passage…"``, strongest first. Each
+    wraps at spaces to the console's width, its later lines under its text."""
+    from unlimisum.evidence import weakly_supported
+    from unlimisum.runs.output import shown_sources, support_note
+
     if not summary.evidence:
         return []
     title = " ".join(heading.split())
-    lines = [Text(f"  evidence ({title})" if title else "  evidence", style="dim")]
+    lines: list[RenderableType] = [Text(f"  evidence ({title})" if title else "  evidence", style="dim")]
     for number, sentence in enumerate(summary.evidence, start=1):
-        lines.append(Text(f"  [{number}] ", style="dim") + Text(" ".join(sentence.sentence.split())))
-        for source in sentence.sources:
+        said = Text(" ".join(sentence.sentence.split()))
+        support = support_note(sentence)
+        if support:
+            said.append(f"  {support}", style="bold yellow" if weakly_supported(sentence) else "dim")
+        lines.append(_hanging(Text(f"  [{number}] ", style="dim"), said))
+        for source in shown_sources(sentence):
             passage = " ".join(source.quote.split())
-            if len(passage) > EVIDENCE_QUOTE_CELLS:
-                passage = passage[: EVIDENCE_QUOTE_CELLS - 1] + "\u2026"
+            if len(passage) > EVIDENCE_QUOTE_CELLS:  # cut at a space, as the quote itself was
+                cut = passage[: EVIDENCE_QUOTE_CELLS - 1]
+                space = cut.rfind(" ")
+                passage = (cut[:space] if space > EVIDENCE_QUOTE_CELLS // 2 else cut).rstrip() + "\u2026"
             chapter = " ".join(source.chapter.split()) or f"Part {source.chapter_index + 1}"
             if len(chapter) > CHAPTER_TITLE_CELLS:
                 chapter = chapter[: CHAPTER_TITLE_CELLS - 1] + "\u2026"
-            line = Text(f"      {source.share:>4.0%}  ", style="cyan")
-            line.append(chapter, style="bold")
+            line = Text(chapter, style="bold")
             line.append(f"  \u201c{passage}\u201d", style="dim")
-            lines.append(line)
+            lines.append(_hanging(Text(f"{source.share:.0%}  ".rjust(SHARE_CELLS), style="cyan"), line))
     return lines
+
+
+def _hanging(label: Text, body: Text) -> Table:
+    """``label`` then ``body``, wrapped at spaces to the console's width with its later lines under its first
+    character (a grid of two columns: Rich wraps a cell's text at word boundaries)."""
+    grid = Table.grid()
+    grid.add_column(width=cell_len(label.plain), no_wrap=True)
+    grid.add_column(overflow="fold")  # a word wider than the whole line is folded: nothing else is
+    grid.add_row(label, body)
+    return grid
 
 
 def _chapter_label(number: int, total: int, title: str) -> str:

@@ -10,7 +10,9 @@ partial output file; a reader that closes stdout (`| head`) ends the run quietly
 from __future__ import annotations
 
 import math
+import os
 import re
+import sys
 import warnings
 from pathlib import Path
 from typing import List, Literal, Optional
@@ -19,7 +21,7 @@ import typer
 
 from unlimisum.cli.app import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, _click, app, fail, silence_stdout
 from unlimisum.runs.runner import BatchResult, BatchRunner, SummarizeSettings
-from unlimisum.runs.jobs import JSON_EXTENSION, MARKDOWN_EXTENSION, Job, plan_jobs
+from unlimisum.runs.jobs import HTML_EXTENSION, JSON_EXTENSION, MARKDOWN_EXTENSION, Job, assign_page, plan_jobs
 from unlimisum.cli.option_sources import CONFIG, describe, describe_all, from_command_line, option_source, rank
 from unlimisum.cli.progress import ProgressDisplay, make_stderr_console
 from unlimisum.config import (
@@ -267,10 +269,21 @@ def summarize(
         False, "--json", help="One JSON object per document (JSON Lines on stdout; .summary.json files with -o).",
         rich_help_panel=OUTPUT_PANEL,
     ),
+    output_format: Literal["markdown", "json", "html"] = typer.Option(
+        "markdown", "--format",
+        help="markdown; json (as --json); html: with -o, a page per input to read each sentence beside the "
+        "passages of the book it drew on (.summary.html, one file that opens in a browser).",
+        rich_help_panel=OUTPUT_PANEL,
+    ),
+    html_page: Optional[Path] = typer.Option(
+        None, "--html", metavar="FILE", dir_okay=False,
+        help="Also write that page for the one input to FILE (the summary still goes to stdout or -o).",
+        rich_help_panel=OUTPUT_PANEL,
+    ),
     output_dir: Optional[Path] = typer.Option(
         None, "-o", "--output-dir", metavar="DIR", file_okay=False,
-        help="Write <input name>.summary.md (or .summary.json) per input here, e.g. story.txt.summary.md, "
-        "mirroring subfolders, instead of printing on stdout.",
+        help="Write <input name>.summary.md (.summary.json, .summary.html) per input here, e.g. "
+        "story.txt.summary.md, mirroring subfolders, instead of printing on stdout.",
         rich_help_panel=OUTPUT_PANEL,
     ),
     skip_existing: bool = typer.Option(
@@ -352,6 +365,7 @@ def summarize(
     """Summarize books and long files whole: no truncation, every token reachable by retrieval."""
     if skip_existing and output_dir is None:
         raise fail(f"{describe(ctx, 'skip_existing')} needs --output-dir", EXIT_USAGE)
+    as_json, as_html = _output_format(ctx, as_json, output_format, output_dir)
     if quiet and verbose:  # the one given on the higher level wins: the command line over the file
         if rank(ctx, "quiet") == rank(ctx, "verbose"):
             raise fail(" and ".join(describe_all(ctx, "quiet", "verbose")) + " contradict each other", EXIT_USAGE)
@@ -428,17 +442,19 @@ def summarize(
             repetition_penalty=repetition_penalty, do_sample=do_sample, temperature=temperature,
             top_k=top_k, top_p=top_p, seed=seed,
         ),
-        per_chapter=per_chapter, as_json=as_json, output_dir=output_dir, skip_existing=skip_existing,
+        per_chapter=per_chapter, as_json=as_json, as_html=as_html, output_dir=output_dir, skip_existing=skip_existing,
         password=password, keep_all=keep_all, tensor_cache=memory, coverage=coverage,
-        evidence=bool(evidence), cache_dir=cache_dir,
+        evidence=bool(evidence), stdout_width=_terminal_columns(), cache_dir=cache_dir,
         cache_max_bytes=parse_size(cache_max_bytes) if cache_max_bytes else None,
         prompt=PromptConfig(template=prompt, system=system),
     )
     display = ProgressDisplay(make_stderr_console(), show=not quiet, verbose=verbose, evidence=bool(evidence))
     try:
         check_index_settings(settings.index)
-        plan = plan_jobs(paths, output_dir, JSON_EXTENSION if as_json else MARKDOWN_EXTENSION,
-                         skip_existing=skip_existing)
+        extension = HTML_EXTENSION if as_html else JSON_EXTENSION if as_json else MARKDOWN_EXTENSION
+        plan = plan_jobs(paths, output_dir, extension, skip_existing=skip_existing)
+        if html_page is not None:
+            assign_page(plan, html_page)
     except ConfigError as error:
         raise fail(error, EXIT_USAGE)
     display.own_outputs_skipped(plan.own_outputs)
@@ -470,6 +486,31 @@ def summarize(
         if result.total > 1 and not result.pipe_closed:
             display.failure_report(result.failures, result.total)
         raise typer.Exit(EXIT_FAILURE)
+
+
+def _output_format(ctx, as_json: bool, output_format: str, output_dir: Path | None) -> tuple[bool, bool]:
+    """(JSON, HTML pages) from --json and --format; a usage error where they contradict each other, or for
+    --format html without the -o folder its pages go to."""
+    if as_json and output_format != "json" and option_source(ctx, "output_format") != "default":
+        if rank(ctx, "output_format") == rank(ctx, "as_json"):
+            raise fail(" and ".join(describe_all(ctx, "as_json", "output_format", value=True))
+                       + " contradict each other", EXIT_USAGE)
+        if rank(ctx, "output_format") > rank(ctx, "as_json"):
+            as_json = False
+    as_json = as_json or output_format == "json"
+    as_html = output_format == "html" and not as_json
+    if as_html and output_dir is None:
+        raise fail(f"{describe(ctx, 'output_format', value=True)} writes one page per input into a folder: give "
+                   "-o DIR (or --html FILE for one input, beside the summary on stdout)", EXIT_USAGE)
+    return as_json, as_html
+
+
+def _terminal_columns() -> int | None:
+    """The width of the terminal stdout is, or None when it is a pipe or a file."""
+    try:
+        return os.get_terminal_size(sys.stdout.fileno()).columns if sys.stdout.isatty() else None
+    except (AttributeError, OSError, ValueError):  # no real file behind stdout (a test's capture)
+        return None
 
 
 def _run_engine(engine: str, runner: "BatchRunner", jobs: list[Job], address: str | None, workers: int | None,

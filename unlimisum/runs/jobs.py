@@ -1,12 +1,15 @@
 """From command-line paths to jobs: which inputs to read, which are unusable, where summaries go.
 
-Rules (the README repeats them):
+Rules (docs/options.md repeats them, under -o):
 
 - An output name depends on its input path alone, never on the rest of the batch: a file
   argument ``story.txt`` goes to ``DIR/story.txt.summary.md`` (the input's suffix is kept, so
   ``story.pdf`` gets ``story.pdf.summary.md``); a directory argument's files mirror their
   subfolders under DIR, relative to that directory argument; standard input (``-``) becomes
-  ``DIR/stdin.summary.md``. ``.summary.json`` replaces ``.summary.md`` with ``--json``.
+  ``DIR/stdin.summary.md``. ``.summary.json`` replaces ``.summary.md`` with ``--json``, ``.summary.html``
+  (a page to read each sentence beside its passages) with ``--format html``.
+- ``--html FILE`` writes that page for one input to FILE, beside the usual output; FILE follows the
+  rules of outputs below (overwritten only when unlimisum wrote it, never an input).
 - Two inputs with the same output (``a/x.txt`` and ``b/x.txt`` as folder contents) are a usage
   error naming both, found before any work starts.
 - Every input is checked before the model loads (exists, readable, a kind unlimisum reads);
@@ -41,6 +44,7 @@ from unlimisum.ingest.limits import DEFAULT_LIMITS
 
 MARKDOWN_EXTENSION = ".summary.md"
 JSON_EXTENSION = ".summary.json"
+HTML_EXTENSION = ".summary.html"
 STDIN_NAME = "stdin"  # the output name of standard input
 _MARKDOWN_SUFFIXES = (".md", ".markdown")
 
@@ -58,6 +62,7 @@ class Job:
     problem: UnlimisumError | None = None  # known before reading: the job fails without being read
     relative: Path = Path()  # the output's path under the output folder, without the extension
     skip: bool = False  # --skip-existing: unlimisum already wrote its output
+    page: Path | None = None  # --html FILE: the HTML page written beside the output
     document: object | None = None  # the Document, when read ahead (standard input)
 
     @property
@@ -97,6 +102,38 @@ def plan_jobs(
     if output_dir is not None:
         _assign_outputs(plan.jobs, Path(output_dir), extension, skip_existing)
     return plan
+
+
+def assign_page(plan: Plan, page: Path) -> None:
+    """``--html FILE``: the one job of ``plan`` also writes its HTML page to ``page``.
+
+    Raises ConfigError when the plan has more than one input. A ``page`` that is an input, or a file
+    unlimisum did not write, makes that job fail (OutputConflictError) before any work starts.
+    """
+    if len(plan.jobs) != 1:
+        raise ConfigError(f"--html {page} writes the page of one input, and {len(plan.jobs)} were given; for "
+                          "several, --format html -o DIR writes one page per input")
+    job = plan.jobs[0]
+    if job.problem is not None:
+        return
+    job.page = Path(page)
+    if not job.is_stdin and _same_file(job.page, Path(job.source)):
+        job.problem = OutputConflictError(f"refusing to write the page to {page}: that is the input file",
+                                          source=job.source)
+    elif os.path.lexists(job.page) and (job.page.is_dir() or not is_unlimisum_output(job.page)):
+        job.problem = OutputConflictError(
+            f"refusing to overwrite {page}: unlimisum did not write it (move it, or choose another --html FILE)",
+            source=job.source,
+        )
+
+
+def _same_file(a: Path, b: Path) -> bool:
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
 
 
 def output_name(relative: Path, extension: str) -> Path:

@@ -51,14 +51,16 @@ A document that failed is, on stdout only, ``{"schema_version": 3, "path": ..., 
 "error_type": ...}`` so that a JSON Lines consumer sees every input once.
 
 Files written with -o are marked as unlimisum's own — Markdown with ``MARKDOWN_MARKER`` as its
-first line, JSON with ``"written_by": "unlimisum"`` — so that folder scans skip them and nothing
-else is ever overwritten (``is_unlimisum_output``).
+first line, JSON with ``"written_by": "unlimisum"``, HTML pages (``unlimisum.runs.html``) with the same
+marker line before their doctype — so that folder scans skip them and nothing else is ever overwritten
+(``is_unlimisum_output``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import unicodedata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -66,11 +68,17 @@ from unlimisum.files import atomic_write_bytes
 
 if TYPE_CHECKING:  # the summarizer imports torch; keep `unlimisum --help` and completion fast
     from unlimisum.document import Document
+    from unlimisum.evidence import SentenceEvidence, Source
     from unlimisum.results import Summary
 
-MARKDOWN_MARKER = "<!-- written by unlimisum -->"
+MARKDOWN_MARKER = "<!-- written by unlimisum -->"  # also the first line of .summary.html pages (an HTML comment)
 WRITTEN_BY = "unlimisum"  # the value of "written_by" in .summary.json files
 _MARKER_PROBE_BYTES = 256  # how much of a file is read to recognise an unlimisum summary
+
+# Passages with less of a sentence's attention are not shown to a reader (Markdown footnotes, the terminal, the
+# HTML page): the strongest passages of a sentence often take nearly all of it. The JSON keeps every passage.
+SHOWN_SHARE = 0.01
+FOOTNOTE_INDENT = "    "  # a footnote's continuation lines (Markdown continues a footnote on indented lines)
 
 JSON_SCHEMA_VERSION = 3  # 2: stats.top_k became retrieval_k; 3: coverage counts the returned summary only,
 # stats.datastore_bytes the store alone (its packed copies in packed_bytes). Bump when a field changes meaning
@@ -160,45 +168,86 @@ def document_heading(document: Document) -> str:
 
 
 def render_markdown(summary: Summary, document: Document, *, heading: bool, marker: bool = False,
-                    coverage: bool = False, evidence: bool = False) -> str:
+                    coverage: bool = False, evidence: bool = False, width: int | None = None) -> str:
     """The summary as Markdown: the marker line (for files), ``# heading`` (when asked), the text,
     with ``coverage`` a table of where it looked, with ``evidence`` a footnote mark after each sentence and
-    the quoted passages under the text, then ``## chapter`` sections (each with its own)."""
+    the quoted passages under the text, then ``## chapter`` sections (each with its own). ``width``: the
+    terminal's columns, when it is printed on one: the footnotes are wrapped to it at spaces."""
     parts = [MARKDOWN_MARKER] if marker else []
     if heading:
         parts.append(f"# {document_heading(document)}")
     notes = 0  # footnote labels run through the whole file: Markdown's are global
-    text, notes = with_evidence(summary, notes) if evidence else (summary.text, notes)
+    text, notes = with_evidence(summary, notes, width) if evidence else (summary.text, notes)
     parts.append(text)
     if coverage and summary.coverage:
         parts.append(coverage_table(summary))
     for number, chapter in enumerate(summary.chapters, start=1):
         title = chapter.title or f"Part {number}"  # never a chapter name the book does not have
-        text, notes = with_evidence(chapter, notes) if evidence else (chapter.text, notes)
+        text, notes = with_evidence(chapter, notes, width) if evidence else (chapter.text, notes)
         parts.append(f"## {title}\n\n{text}")
     return "\n\n".join(parts) + "\n"
 
 
-def with_evidence(summary: Summary, first: int) -> tuple[str, int]:
+def shown_sources(sentence: SentenceEvidence) -> tuple[Source, ...]:
+    """The passages of ``sentence`` a reader is shown: those with at least SHOWN_SHARE of its attention."""
+    return tuple(source for source in sentence.sources if source.share >= SHOWN_SHARE)
+
+
+def support_note(sentence: SentenceEvidence) -> str:
+    """``support 1.80 nats/token``, ``check first: support 0.03 nats/token`` for a sentence its passages barely
+    carried (``evidence.weakly_supported``), or "" when its support was not measured."""
+    if sentence.support is None:
+        return ""
+    from unlimisum.evidence import weakly_supported  # imports torch: not at `unlimisum --help`
+
+    measured = f"support {sentence.support:.2f} nats/token"
+    return f"check first: {measured}" if weakly_supported(sentence) else measured
+
+
+def with_evidence(summary: Summary, first: int, width: int | None = None) -> tuple[str, int]:
     """The summary's text with a footnote mark ``[^n]`` after each sentence that has sources, then the
-    footnotes: each passage quoted with its chapter and share. Labels continue after ``first``; returns the
-    text and the last label used."""
+    footnotes: the sentence's support when measured, and each passage shown (``shown_sources``) quoted with
+    its chapter and share. Labels continue after ``first``; returns the text and the last label used.
+    ``width``: wrap each footnote at spaces to that many columns, continued on indented lines."""
     if not summary.evidence:
         return summary.text, first
     text, position, label, notes = summary.text, 0, first, []
     pieces = []
     for sentence in summary.evidence:
-        if not sentence.sources:
+        sources = shown_sources(sentence)
+        if not sources:
             continue
         label += 1
         pieces.append(text[position:sentence.end] + f"[^{label}]")
         position = sentence.end
         quoted = "; ".join(
             f"{source.chapter or f'Part {source.chapter_index + 1}'} ({source.share:.0%}): "
-            f"“{' '.join(source.quote.split())}”" for source in sentence.sources)
-        notes.append(f"[^{label}]: {quoted}")
+            f"“{' '.join(source.quote.split())}”" for source in sources)
+        support = support_note(sentence)
+        note = f"[^{label}]: {support[:1].upper() + support[1:]}. {quoted}" if support else f"[^{label}]: {quoted}"
+        notes.append(wrap_at_spaces(note, width, FOOTNOTE_INDENT) if width else note)
     pieces.append(text[position:])
     return "".join(pieces) + ("\n\n" + "\n".join(notes) if notes else ""), label
+
+
+def wrap_at_spaces(text: str, width: int, indent: str) -> str:
+    """``text`` in lines of at most ``width`` terminal cells, broken at spaces only, the lines after the first
+    starting with ``indent``; a word longer than a line keeps a line of its own, whole."""
+    lines, line, cells = [], "", 0
+    for word in text.split():
+        if line and cells + 1 + _cells(word) > width:
+            lines.append(line)
+            line, cells = indent + word, _cells(indent + word)
+        else:
+            line, cells = (f"{line} {word}", cells + 1 + _cells(word)) if line else (word, _cells(word))
+    lines.append(line)
+    return "\n".join(lines)
+
+
+def _cells(text: str) -> int:
+    """Terminal cells ``text`` takes: East Asian wide and full-width characters two, combining marks none."""
+    return sum(0 if unicodedata.combining(character) else
+               2 if unicodedata.east_asian_width(character) in "WF" else 1 for character in text)
 
 
 def coverage_table(summary: Summary) -> str:

@@ -14,7 +14,7 @@ import stat
 import sys
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -52,6 +52,7 @@ class SummarizeSettings:
     generation: GenerationOptions
     per_chapter: bool = False
     as_json: bool = False
+    as_html: bool = False  # --format html: with -o, a self-contained page per input (unlimisum.runs.html)
     output_dir: Path | None = None
     skip_existing: bool = False
     password: str | None = None
@@ -59,6 +60,7 @@ class SummarizeSettings:
     tensor_cache: object | None = None  # unlimisum.tensor_cache.TensorCacheSettings, or None for the ordinary cache
     coverage: bool = False  # a coverage table in the Markdown output
     evidence: bool = False  # footnotes quoting each sentence's passages in the Markdown output (--evidence)
+    stdout_width: int | None = None  # stdout is a terminal this many columns wide: footnotes are wrapped to it
     cache_dir: Path | None = None  # the cache of encoded books, None: off
     cache_max_bytes: int | None = None  # its size cap, None: none
     prompt: PromptConfig = PromptConfig()  # decoder-only models: what they are asked
@@ -256,6 +258,10 @@ class BatchRunner:
             for part, warning in _summary_warnings(summary):
                 self.reporter.note(f"unlimisum: warning: {job.source}{part}: {warning}")
             stdout = self._render(job, document, summary, read_seconds, several)
+            if job.page is not None:
+                page_failed = self._write_page(job, document, summary, started)
+                if page_failed is not None:  # the summary itself is kept: on stdout, or in its file
+                    return replace(page_failed, summary=summary, stdout=stdout)
         except UnlimisumError as error:
             return self.failed_result(job, error.problem, type(error).__name__, self.clock() - started)
         except BrokenPipeError:
@@ -268,6 +274,19 @@ class BatchRunner:
             return self.failed_result(job, _unexpected(error), type(error).__name__, self.clock() - started)
         outcome = run_manifest.done_outcome(job.source, job.output, summary, read_seconds, self.clock() - started)
         return JobResult(outcome, summary=summary, stdout=stdout, model=self.result.model)
+
+    def _write_page(self, job: Job, document, summary, started: float) -> JobResult | None:
+        """``--html FILE``: write the page; the failed JobResult when it cannot be written, else None."""
+        from unlimisum.runs.html import render_html
+
+        try:
+            self._write(job, render_html(summary, document), job.page)
+        except OutputConflictError as error:
+            return self.failed_result(job, error.problem, type(error).__name__, self.clock() - started)
+        except OSError as error:
+            return self.failed_result(job, f"cannot write the page {job.page} ({error.strerror or error})",
+                                      type(error).__name__, self.clock() - started)
+        return None
 
     def _read(self, source: str):
         """The Document of ``source``, read with the run's password and --keep-all; UnlimisumError if it cannot be."""
@@ -290,7 +309,8 @@ class BatchRunner:
         self.result.outcomes.append(outcome)
         if outcome.status == DONE:
             self.result.done += 1
-            self.reporter.document_done(result.summary, job.source, outcome.seconds, job.output)
+            self.reporter.document_done(result.summary, job.source, outcome.seconds,
+                                        job.output if job.output is not None else job.page)
         else:
             self.result.failures.append((job.source, outcome.problem))
             self.reporter.document_failed(job.source, outcome.problem)
@@ -317,6 +337,11 @@ class BatchRunner:
     def _render(self, job: Job, document, summary, read_seconds: float, several: bool) -> str:
         """Write the summary file (with -o) and return ""; without -o return the text for stdout."""
         settings = self.settings
+        if settings.as_html and job.output is not None:
+            from unlimisum.runs.html import render_html
+
+            self._write(job, render_html(summary, document))
+            return ""
         if settings.as_json:
             record = summary_record(summary, document, read_seconds)
             if job.output is not None:
@@ -328,16 +353,19 @@ class BatchRunner:
                                              coverage=settings.coverage, evidence=settings.evidence))
             return ""
         return render_markdown(summary, document, heading=several, coverage=settings.coverage,
-                               evidence=settings.evidence)
+                               evidence=settings.evidence, width=settings.stdout_width)
 
-    def _write(self, job: Job, text: str) -> None:
-        """Write the summary file, unless another program put a file there while this one was summarized."""
-        if os.path.lexists(job.output) and not is_unlimisum_output(job.output):
+    def _write(self, job: Job, text: str, path: Path | None = None) -> None:
+        """Write the summary file (or ``path``: the page of --html), unless another program put a file there
+        while this one was summarized."""
+        path = job.output if path is None else path
+        if os.path.lexists(path) and not is_unlimisum_output(path):
+            choose = "--output-dir" if path == job.output else "--html FILE"
             raise OutputConflictError(
-                f"refusing to overwrite {job.output}: unlimisum did not write it (move it, or choose another "
-                "--output-dir)", source=job.source,
+                f"refusing to overwrite {path}: unlimisum did not write it (move it, or choose another {choose})",
+                source=job.source,
             )
-        atomic_write_text(job.output, text)
+        atomic_write_text(path, text)
 
     def _print(self, text: str) -> None:
         """Write to stdout with the live display off the screen (they may share a terminal)."""
