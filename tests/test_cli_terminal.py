@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import pytest
 
+from unlimisum.evidence import WEAK_SUPPORT_NATS
+
 from tests.test_cli_process import console_script, process_env
 from tests.test_needle import FIXTURE as NEEDLE, filler, loaded, make_input  # noqa: F401
 from tests.tiny_models import SAMPLE_TEXT
@@ -241,7 +243,11 @@ def test_evidence_at_80_columns_wraps_at_spaces_and_lists_no_faint_passage(loade
     assert all(line.startswith("  ") for line in block), text  # no row the terminal broke off at column 0
     expected = []
     for number, (sentence, kept) in enumerate(zip(evidence, shown), start=1):
-        expected.append(f"[{number}] {sentence['sentence']}")
+        support = ""
+        if sentence["support"] is not None:
+            measured = f"support {sentence['support']:.2f} nats/token"
+            support = f" check first: {measured}" if sentence["support"] < WEAK_SUPPORT_NATS else f" {measured}"
+        expected.append(f"[{number}] {sentence['sentence']}{support}")
         for source in kept:
             quote = words(source["quote"])
             if len(quote) > 100:  # cut at a space, the terminal's shorter quote

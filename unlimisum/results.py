@@ -51,7 +51,7 @@ class Summary:
     step of every row and beam) per chapter of the document (per window for a chapter's own summary);
     ``window_coverage``: the same per encoding window. Each sums to 1. ``evidence``: per sentence of
     ``text``, the passages of the book its attention went to (``unlimisum/evidence.py``); empty without
-    the evidence pass (decoder-only models, ``evidence=False``).
+    the evidence pass (``evidence=False``); each sentence's ``support`` is measured for encoder-decoder models.
     """
 
     text: str

@@ -22,8 +22,12 @@ JSON schema (one object per document; JSON Lines on stdout, one file per input w
             "chapter": "Loomings",
             "start_char": 1200, "end_char": 1391,  # into that chapter's text (`ingest --json --text`)
             "share": 0.62,                # of the sentence's attention over its listed passages (sum to 1)
-            "quote": "..."}]}             # that slice, trimmed, at most ~300 characters ("…" where cut)
-      ],                                  # [] with --no-evidence, for decoder-only models, for an empty summary
+            "quote": "...",               # that slice, trimmed, at most ~300 characters ("…" where cut)
+            "start_token": 310, "end_token": 343}],  # the passage's input tokens (a decoder-only model:
+                                          # of the document's text in the prompt), within its chapter
+         "support": 1.8}                  # nats per token the sentence loses with its passages hidden
+                                          # (null: not measured: no passages, or a decoder-only model)
+      ],                                  # [] with --no-evidence, for an empty summary, when the pass failed
       "chapters": [                       # empty unless --per-chapter
         {"title": "Loomings", "summary": "...", "warnings": [], "coverage": [...], "window_coverage": [...],
          "evidence": [...], "stats": {...}}
@@ -38,8 +42,11 @@ JSON schema (one object per document; JSON Lines on stdout, one file per input w
         "generated_tokens": 0,            # summary tokens: generated tokens other than special tokens
                                           # (the "N summary tokens" of the done line)
         "timings": {"read": 0.0, "tokenize": 0.0, "encode": 0.0, "index": 0.0, "prepare": 0.0,
-                    "generate": 0.0, "search": 0.0},       # seconds per stage ("cache_load" instead of
-                                                           # tokenize/encode/index when cached)
+                    "generate": 0.0, "search": 0.0,        # seconds per stage ("cache_load" instead of
+                    "evidence": 0.0, "support": 0.0},      # tokenize/encode/index when cached); evidence:
+                                                           # the summary read again (0 when recorded while
+                                                           # generating), support: its sentences without
+                                                           # their passages
         "peak_rss_bytes": 0, "peak_gpu_bytes": null,      # null unless on CUDA
         "tensor_cache_bytes": null,                        # decoder memory retained, with --tensor-cache
         "cached": false,                                   # the encoded book came from --cache-dir
