@@ -74,15 +74,16 @@ class DocumentEncoder:
 
     def tokenize(self, document: Document) -> tuple[torch.Tensor, list[int] | None]:
         """All tokens, the tokenizer's own special tokens around the text included, no truncation: ([N]
-        int64, each token's end character or None for tokenizers without offsets). Special-token strings
-        in the text (``</s>``, ``<mask>``) are tokenized as text (unlimisum/models/tokens.py)."""
+        int64, each token's end character or None for tokenizers without offsets). The strings of added
+        tokens in the text (``</s>``, ``<mask>``, ``<tool_call>``) are tokenized as text
+        (unlimisum/models/tokens.py)."""
         text, tokenizer = document.text, self.loaded.tokenizer
         try:
-            encoding = encode_text(tokenizer, text, add_special_tokens=True, offsets=True, truncation=False)
-            ends = token_char_ends(encoding["offset_mapping"])
+            encoding = encode_text(tokenizer, text, add_special_tokens=True, offsets=True)
+            ends = token_char_ends(encoding.offsets)
         except NotImplementedError:  # slow (Python) tokenizers have no offsets
-            encoding, ends = encode_text(tokenizer, text, add_special_tokens=True, truncation=False), None
-        ids = encoding["input_ids"]
+            encoding, ends = encode_text(tokenizer, text, add_special_tokens=True), None
+        ids = encoding.ids
         unknown, special = tokenizer.unk_token_id, special_ids(tokenizer)
         checkpoint.check_encoding(len(ids), sum(i in special for i in ids),
                                   sum(i == unknown for i in ids) if unknown is not None else 0, text,
