@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -249,3 +251,46 @@ def test_the_size_cap_counts_stores_under_way_and_removes_leftovers(tmp_path):
     # the stale leftover is gone; the live one counts, so the oldest entry goes to make room for it
     assert not stale.exists() and live.exists()
     assert [entry.key for entry in capped.entries()] == [key(window=2).digest]
+
+
+# -- the tokens an entry holds ----------------------------------------------------------------------------
+
+TOKENIZATION = Path(__file__).resolve().parent / "fixtures" / "tokenization"
+# The texts whose tokens are fingerprinted: special and added token strings (Qwen3's non-special <tool_call>),
+# alone and glued to words, non-ASCII letters and runs of white space; the second in the needle fixture's words.
+FIXED_TEXTS = {
+    TOKENIZATION: "The keeper wrote.</s><s> a<tool_call>b <think>x</think> <mask><pad> h\u00e9llo \u00e0 l'\u00eele\n\n"
+                  "  Then\tthe storm<unk>came. " * 3,
+    TOKENIZATION.parent / "needle": "bene beni </s> beno<s> berabu <tool_call> besi <needle> bevubu </needle> bibi "
+                                    "bibire bido <unk> bifale bigigi bitu bivo bizadu bizolo bobi bogepu boka " * 2,
+}
+
+
+def tokenization_fingerprint(loaded) -> str:
+    """sha256 of the tokens and end offsets the encoder gives each fixed text with its tokenizer (the byte-level
+    BPE of tests/fixtures/tokenization, with BART's specials and Qwen3's added tokens, and the needle's word-level
+    one): what a cache entry's ids.bin and ends.bin hold."""
+    from dataclasses import replace
+
+    from transformers import AutoTokenizer
+
+    from unlimisum.document import Document
+    from unlimisum.summarizer import Summarizer
+
+    digest = hashlib.sha256()
+    for folder, text in FIXED_TEXTS.items():
+        view = replace(loaded, tokenizer=AutoTokenizer.from_pretrained(folder), tokenizer_fingerprint=None)
+        ids, ends = Summarizer(view).family._encoder().tokenize(Document.from_text(text))
+        digest.update(json.dumps({"ids": ids.tolist(), "ends": ends}).encode())
+    return digest.hexdigest()
+
+
+def test_the_tokens_of_a_fixed_text_change_only_with_the_store_format_version(tiny_loaded):
+    """Entries are keyed by STORE_FORMAT_VERSION, not by how unlimisum tokenizes: a release that tokenizes a text
+    otherwise must bump it, or entries written before (other tokens, states of other tokens) are served."""
+    recorded = json.loads((TOKENIZATION / "fingerprint.json").read_text())
+    now = tokenization_fingerprint(tiny_loaded("bart"))
+    assert (cache_module.STORE_FORMAT_VERSION, now) == (recorded["store_format_version"], recorded["sha256"]), (
+        "the tokens of the fixed texts or the store format changed: bump STORE_FORMAT_VERSION "
+        "(unlimisum/unlimiformer/cache.py) when the tokens changed, then record in tests/fixtures/tokenization/"
+        f'fingerprint.json: {{"store_format_version": {cache_module.STORE_FORMAT_VERSION}, "sha256": "{now}"}}')

@@ -37,7 +37,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-STORE_FORMAT_VERSION = 2  # 2: token end offsets, chapters mapped on loading. Bump when what an entry holds, or how states are computed, changes
+# Bump when what an entry holds, or how its tokens or states are computed, changes (tests/test_encoded_cache.py
+# holds a fingerprint of the tokens of a fixed text): 2: token end offsets, chapters mapped on loading;
+# 3: the strings of added tokens in a text (special or not) tokenized as text.
+STORE_FORMAT_VERSION = 3
 _NUMPY_DTYPES = {torch.bfloat16: np.uint16, torch.float16: np.float16, torch.float32: np.float32}
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 _CHECKSUM_CHUNK = 64 * 2**20

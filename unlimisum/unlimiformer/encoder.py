@@ -169,16 +169,19 @@ def model_identity(loaded: LoadedModel) -> str:
 
 
 def software_identity(loaded: LoadedModel) -> str:
-    """What else changes the states' last bits: the transformers and torch releases, the attention kernel and
-    the code path the encoder runs (the model's own, or unlimisum's blocked local attention for LED); the
-    unlimisum release is in every key too (CacheKey.unlimisum)."""
+    """What else changes the tokens or the states' last bits: the transformers, tokenizers and torch releases,
+    the attention kernel and the code path the encoder runs (the model's own, or unlimisum's blocked local
+    attention for LED); the unlimisum release is in every key too (CacheKey.unlimisum)."""
+    import tokenizers
     import transformers
 
     attention = getattr(loaded.model.config, "_attn_implementation", None) or "default"
     version = ".".join(transformers.__version__.split(".")[:2])
     fast = getattr(loaded.architecture, "fast_encoding", None)
     path = f"{fast.__module__}.{fast.__name__}" if fast is not None else "the model's own"
-    return f"transformers {version}; torch {torch.__version__.split('+')[0]}; attention {attention}; encoder {path}"
+    backend = ".".join(tokenizers.__version__.split(".")[:2])
+    return (f"transformers {version}; tokenizers {backend}; torch {torch.__version__.split('+')[0]}; "
+            f"attention {attention}; encoder {path}")
 
 
 def tokenizer_identity(loaded: LoadedModel) -> str:
