@@ -218,7 +218,7 @@ def gone_pid() -> int:
     return process.pid
 
 
-def test_leftovers_of_killed_writers_are_removed_on_store_and_by_cache_list(tmp_path):
+def test_leftovers_of_killed_writers_are_removed_on_store_and_by_cache_prune_never_by_cache_list(tmp_path):
     from typer.testing import CliRunner
 
     from unlimisum.cli.app import app
@@ -231,11 +231,21 @@ def test_leftovers_of_killed_writers_are_removed_on_store_and_by_cache_list(tmp_
     cache.store(key(), *entry(), meta())
     assert not old.exists() and not dead.exists() and live.exists()
     again = leftover(tmp_path, ".tmp-4567ef01", 5_000, age=2 * getattr(cache_module, "STALE_SECONDS", 3600))
-    result = CliRunner().invoke(app, ["cache", "list", "--cache-dir", str(tmp_path)])
-    assert result.exit_code == 0, result.output
-    assert not again.exists() and live.exists()
-    assert "removed 1 folder of interrupted stores" in result.stderr
-    assert "being stored" in result.stderr
+
+    def snapshot():  # every path in the cache, with its size and modification time
+        return {path: (path.stat().st_size, path.stat().st_mtime_ns) for path in sorted(tmp_path.rglob("*"))}
+
+    before = snapshot()
+    listed = CliRunner().invoke(app, ["cache", "list", "--cache-dir", str(tmp_path)])
+    assert listed.exit_code == 0, listed.output
+    assert snapshot() == before  # listing changes nothing, not even what an interrupted store left
+    assert "1 folder of interrupted stores, 4.9 KiB: `unlimisum cache prune` removes them" in listed.stderr
+    assert "being stored" in listed.stderr
+    pruned = CliRunner().invoke(app, ["cache", "prune", "--cache-dir", str(tmp_path)])
+    assert pruned.exit_code == 0, pruned.output
+    assert not again.exists() and live.exists() and cache.load(key()) is not None
+    assert pruned.stderr == "removed 1 folder of interrupted stores, 4.9 KiB\n"
+    assert "interrupted" not in CliRunner().invoke(app, ["cache", "list", "--cache-dir", str(tmp_path)]).stderr
 
 
 def test_the_size_cap_counts_stores_under_way_and_removes_leftovers(tmp_path):

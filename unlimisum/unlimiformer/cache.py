@@ -16,7 +16,7 @@ the entry is reported in one line, removed, and the book encoded again; an entry
 process while it is read is a miss. The states are memory-mapped, so a cached 500k-token book costs
 no copy. Least recently used entries go first when the cache exceeds its size cap, which counts the
 folders of stores under way too; those a killed writer left (older than an hour, or whose writer is
-gone) are removed on every store and eviction and by ``cache list``.
+gone) are removed on every store and eviction and by ``cache prune``.
 """
 
 from __future__ import annotations
