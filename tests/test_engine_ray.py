@@ -334,3 +334,31 @@ def test_workers_share_the_cpus_budget_memory_and_their_warnings_come_back(summa
     order = [line for line in lines if "warning:" in line or line.startswith("done ")]
     assert [line.split(":")[0] for line in order] == [  # each book's warning with it: just before its line
         "unlimisum", f"done {books[0]}", "unlimisum", f"done {books[1]}"], order
+
+
+@ray.remote(num_cpus=0)
+class Busy:
+    """A worker in the middle of a long book: its call ends only when it is told to (or killed)."""
+
+    def ready(self) -> str:
+        return "here"
+
+    def read(self, token: str) -> None:
+        while os.path.exists(token):
+            time.sleep(0.05)
+
+
+def test_a_worker_that_stops_answering_is_killed_and_seen_to_end_on_a_real_instance(tmp_path):
+    """What the engine does with an unreachable worker (tests/test_engine_ray_standin.py shows when), on Ray itself:
+    killed while busy, without a restart, and ended once a call to it fails as dead."""
+    token = tmp_path / "still-reading"
+    token.write_text("")
+    busy = Busy.remote()
+    assert ray.get(busy.ready.remote()) == "here"
+    reading = busy.read.remote(str(token))
+    engine = ray_engine.RayEngine.__new__(ray_engine.RayEngine)
+    engine.ray = ray
+    assert engine._end_actor(busy) is True
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(reading)  # its book never ends: the worker is gone, though the token still says "read on"
+    assert token.exists()
