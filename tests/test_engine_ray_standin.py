@@ -25,6 +25,18 @@ from unlimisum.unlimiformer.packed import MEMORY_LIMIT_ENV
 
 ray = pytest.importorskip("ray")
 GIB = 1024**3
+
+
+def unavailable() -> Exception:
+    """Ray's error for a worker that stops answering (before ActorUnavailableError, Ray 2.2x: a RayActorError)."""
+    if hasattr(ray.exceptions, "ActorUnavailableError"):
+        return ray.exceptions.ActorUnavailableError("stand-in: connection lost", None)
+    return ray.exceptions.RayActorError(error_msg="stand-in: connection lost")
+
+
+def died() -> Exception:
+    """Ray's error for a call to a worker that has ended (before ActorDiedError: a RayActorError)."""
+    return getattr(ray.exceptions, "ActorDiedError", ray.exceptions.RayActorError)()
 FAST = ["--device", "cpu", "--max-new-tokens", "6", "--min-new-tokens", "3"]
 
 
@@ -126,7 +138,7 @@ class StandInRay:
                 self.events.append(("probe", actor.number, self.probe))
                 if self.probe == "timeout":
                     raise ray.exceptions.GetTimeoutError("stand-in: still not ended")
-                raise ray.exceptions.ActorDiedError()
+                raise died()
             return "127.0.0.1"
         if ref.method == "start":
             return actor.instance.start()
@@ -137,7 +149,7 @@ class StandInRay:
             partial.parent.mkdir(parents=True, exist_ok=True)
             partial.write_text("<!-- written by unlimisum -->\nhalf a summ")
             self.events.append(("unreachable", actor.number, job.source))
-            raise ray.exceptions.ActorUnavailableError("stand-in: connection lost", None)
+            raise unavailable()
         self.order.remove(job.source)
         self.ended_books += 1
         self.events.append(("summarized", actor.number, job.source))
