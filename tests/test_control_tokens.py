@@ -218,7 +218,8 @@ def added_in(tokenizer, ids) -> list[str]:
 def tokenizers_with_added_tokens(tmp_path):
     """Byte-level BPE (BART and T5 styles), word-level (the needle fixture's), SentencePiece-style (both marker
     schemes): each with QWEN3_ADDED."""
-    found = {"bart": build_tokenizer(tmp_path / "bart", style="bart"), "t5": build_tokenizer(tmp_path / "t5", style="t5"),
+    found = {"bart": build_tokenizer(tmp_path / "bart", style="bart"),
+             "t5": build_tokenizer(tmp_path / "t5", style="t5"),
              "word-level": AutoTokenizer.from_pretrained(FIXTURES / "needle"),
              "metaspace-first": sentencepiece_style("first"), "metaspace-always": sentencepiece_style("always")}
     for tokenizer in found.values():
@@ -268,8 +269,8 @@ def test_an_encoder_decoder_summary_reads_every_added_token_as_text(tiny_model_d
     for plain, added in ((tiny_model_dir("bart"), added_bart), (FIXTURES / "needle", added_needle)):
         book = tmp_path / f"{plain.name}.txt"
         tokenizer = AutoTokenizer.from_pretrained(added)
-        book.write_text(every_added(tokenizer, needle_words(tokenizer) if plain == FIXTURES / "needle" else SAMPLE_TEXT),
-                        encoding="utf-8")
+        words = needle_words(tokenizer) if plain == FIXTURES / "needle" else SAMPLE_TEXT
+        book.write_text(every_added(tokenizer, words), encoding="utf-8")
         with_added, without = summarize_command(added, book), summarize_command(plain, book)
         assert with_added.exit_code == 0, with_added.output
         assert without.exit_code == 0, without.output
@@ -306,7 +307,8 @@ def test_a_decoder_only_summary_reads_every_added_token_as_text_and_the_template
                                                           split_special_tokens=True)["input_ids"]
     assert tokenizer.decode(ids[prompt.text_start:prompt.text_end]) == text
     summary = Summarizer(thinking_model, **EXACT).summarize(Document("Book", (Chapter("One", text),)))
-    assert list(summary.token_ids) == plain_continuation(thinking_model, build_prompt(tokenizer, text, PromptConfig()).ids)
+    prompt = build_prompt(tokenizer, text, PromptConfig())
+    assert list(summary.token_ids) == plain_continuation(thinking_model, prompt.ids)
 
 
 def test_a_decoder_only_tokenizer_with_tokens_beyond_the_embedding_reads_them_as_text(tmp_path):
@@ -331,7 +333,8 @@ def test_training_rows_and_tc_fit_read_added_tokens_as_text(tiny_model_dir, adde
     rows = datasets.Dataset.from_dict({"text": [text], "summary": [summary], "source": ["rows.jsonl"], "row": [1]})
     for method in ("truncated", "chunked", "retrieval"):
         config = TrainConfig(method=method)
-        assert tokenize_rows(rows, added, config, 64, 64).to_dict() == tokenize_rows(rows, plain, config, 64, 64).to_dict()
+        literal = tokenize_rows(rows, added, config, 64, 64).to_dict()
+        assert literal == tokenize_rows(rows, plain, config, 64, 64).to_dict()
     data = tmp_path / "rows.jsonl"
     data.write_text(json.dumps({"text": text, "summary": summary}) + "\n", encoding="utf-8")
     trained = unlimisum.train(data, model=str(added_bart), output_dir=tmp_path / "trained", method="retrieval",

@@ -314,8 +314,8 @@ def test_a_ray_without_node_ip_address_is_started_without_it(monkeypatch):
 
     folder = ray_engine.start_local_ray(OldRay(), num_cpus=1)
     try:
-        assert [sorted(options) for options in calls] == [
-            ["_node_ip_address", "address", "include_dashboard", "num_cpus"], ["address", "include_dashboard", "num_cpus"]]
+        assert [sorted(options) for options in calls] == [["_node_ip_address", "address", "include_dashboard", "num_cpus"],
+                                                          ["address", "include_dashboard", "num_cpus"]]
     finally:
         import shutil
 

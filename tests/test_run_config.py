@@ -59,8 +59,8 @@ def test_manifest_records_the_values_that_took_effect_where_the_command_line_set
     config = tmp_path / "run.toml"
     config.write_text("verbose = 1\nretrieval_k = 4\ntemperature = 0.7\ntop_k = 5\n", encoding="utf-8")
     out = tmp_path / "out"
-    result = summarize("--config", config, "--quiet", "--topk", "8", "--no-sample", "--max-new-tokens", "5", books / "a.txt",
-                       "-o", out)
+    result = summarize("--config", config, "--quiet", "--topk", "8", "--no-sample", "--max-new-tokens", "5",
+                       books / "a.txt", "-o", out)
     assert result.exit_code == 0, result.output
     assert result.stderr == ""  # quiet, as it took effect
     record = manifest(out)
@@ -71,7 +71,8 @@ def test_manifest_records_the_values_that_took_effect_where_the_command_line_set
                     "top_k": (None, "commandline"), "top_p": (None, "default")}
 
     config.write_text("sample = false\nquiet = true\n", encoding="utf-8")
-    result = summarize("--config", config, "--temperature", "0.5", "-v", "--max-new-tokens", "5", books / "a.txt", "-o", out)
+    result = summarize("--config", config, "--temperature", "0.5", "-v", "--max-new-tokens", "5", books / "a.txt",
+                       "-o", out)
     assert result.exit_code == 0, result.output
     record = manifest(out)
     used = {name: (record["options"][name], record["option_sources"][name])

@@ -72,9 +72,9 @@ def unprotected_turn_end(tokenizer) -> str | None:
     if after and any(token in added for token in _template_part(tokenizer, after)[0]):
         return None
     marker = " ".join(after.split())
-    return (f"the model's chat template ends the user's turn with plain text ({repr(marker) if marker else 'nothing'}), "
-            "not a token of its own: a document holding that text can end the turn early, and no tokenization "
-            "can keep it from doing so")
+    shown = repr(marker) if marker else "nothing"
+    return (f"the model's chat template ends the user's turn with plain text ({shown}), not a token of its own: "
+            "a document holding that text can end the turn early, and no tokenization can keep it from doing so")
 
 
 def check_template(config: PromptConfig) -> None:

@@ -491,7 +491,7 @@ class RayEngine:
         """Kill ``actor`` (no restart) and wait until Ray reports it ended (a call to it fails as dead), at most
         ACTOR_END_SECONDS: whether it did. One that stopped answering may still be running and writing."""
         exceptions = self.ray.exceptions
-        unavailable = getattr(exceptions, "ActorUnavailableError", ())  # Ray >= 2.2x; () matches nothing
+        unavailable = getattr(exceptions, "ActorUnavailableError", ())  # () matches nothing (a Ray without it)
         timeout = getattr(exceptions, "GetTimeoutError", TimeoutError)
         self._kill(actor)
         deadline = time.monotonic() + ACTOR_END_SECONDS
