@@ -51,7 +51,7 @@ def test_a_reader_that_closes_the_pipe_ends_the_run_quietly_with_one_exit_code(t
         assert len(process.stdout.read(10)) == 10  # like `head -c 10`: read ten bytes, then leave
         process.stdout.close()
         stderr = process.stderr.read().decode()
-        process.wait(timeout=180)
+        process.wait()
     finally:
         if process.poll() is None:
             process.kill()
@@ -68,7 +68,7 @@ def test_pipe_in_quiet_run_prints_only_summaries(tiny_model_dir, tmp_path):
         "--max-new-tokens", "6", "--min-new-tokens", "3", "-", "--", "-rf book.txt",
     ]
     done = subprocess.run(
-        command, input=SAMPLE_TEXT.encode(), capture_output=True, cwd=tmp_path, env=process_env(), timeout=180
+        command, input=SAMPLE_TEXT.encode(), capture_output=True, cwd=tmp_path, env=process_env()
     )
     assert done.returncode == 0, done.stderr.decode()
     assert done.stderr == b""
@@ -90,13 +90,11 @@ def test_ctrl_c_mid_batch_leaves_no_partial_file_and_a_rerun_resumes(tiny_model_
         command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=process_env(), preexec_fn=_default_sigint
     )
     try:
-        deadline = time.monotonic() + 120
-        while not list(out.glob("*.summary.md")):
+        while not list(out.glob("*.summary.md")):  # the event: the first summary is written
             assert process.poll() is None, process.communicate()[1].decode()
-            assert time.monotonic() < deadline, "no summary was written in time"
             time.sleep(0.05)
         process.send_signal(signal.SIGINT)
-        stdout, stderr = process.communicate(timeout=60)
+        stdout, stderr = process.communicate()
     finally:
         if process.poll() is None:
             process.kill()

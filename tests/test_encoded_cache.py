@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -217,7 +219,7 @@ def gone_pid() -> int:
     return process.pid
 
 
-def test_leftovers_of_killed_writers_are_removed_on_store_and_by_cache_list(tmp_path):
+def test_leftovers_of_killed_writers_are_removed_on_store_and_by_cache_prune_never_by_cache_list(tmp_path):
     from typer.testing import CliRunner
 
     from unlimisum.cli.app import app
@@ -230,11 +232,21 @@ def test_leftovers_of_killed_writers_are_removed_on_store_and_by_cache_list(tmp_
     cache.store(key(), *entry(), meta())
     assert not old.exists() and not dead.exists() and live.exists()
     again = leftover(tmp_path, ".tmp-4567ef01", 5_000, age=2 * getattr(cache_module, "STALE_SECONDS", 3600))
-    result = CliRunner().invoke(app, ["cache", "list", "--cache-dir", str(tmp_path)])
-    assert result.exit_code == 0, result.output
-    assert not again.exists() and live.exists()
-    assert "removed 1 folder of interrupted stores" in result.stderr
-    assert "being stored" in result.stderr
+
+    def snapshot():  # every path in the cache, with its size and modification time
+        return {path: (path.stat().st_size, path.stat().st_mtime_ns) for path in sorted(tmp_path.rglob("*"))}
+
+    before = snapshot()
+    listed = CliRunner().invoke(app, ["cache", "list", "--cache-dir", str(tmp_path)])
+    assert listed.exit_code == 0, listed.output
+    assert snapshot() == before  # listing changes nothing, not even what an interrupted store left
+    assert "1 folder of interrupted stores, 4.9 KiB: `unlimisum cache prune` removes them" in listed.stderr
+    assert "being stored" in listed.stderr
+    pruned = CliRunner().invoke(app, ["cache", "prune", "--cache-dir", str(tmp_path)])
+    assert pruned.exit_code == 0, pruned.output
+    assert not again.exists() and live.exists() and cache.load(key()) is not None
+    assert pruned.stderr == "removed 1 folder of interrupted stores, 4.9 KiB\n"
+    assert "interrupted" not in CliRunner().invoke(app, ["cache", "list", "--cache-dir", str(tmp_path)]).stderr
 
 
 def test_the_size_cap_counts_stores_under_way_and_removes_leftovers(tmp_path):
@@ -250,3 +262,46 @@ def test_the_size_cap_counts_stores_under_way_and_removes_leftovers(tmp_path):
     # the stale leftover is gone; the live one counts, so the oldest entry goes to make room for it
     assert not stale.exists() and live.exists()
     assert [entry.key for entry in capped.entries()] == [key(window=2).digest]
+
+
+# -- the tokens an entry holds ----------------------------------------------------------------------------
+
+TOKENIZATION = Path(__file__).resolve().parent / "fixtures" / "tokenization"
+# The texts whose tokens are fingerprinted: special and added token strings (Qwen3's non-special <tool_call>),
+# alone and glued to words, non-ASCII letters and runs of white space; the second in the needle fixture's words.
+FIXED_TEXTS = {
+    TOKENIZATION: "The keeper wrote.</s><s> a<tool_call>b <think>x</think> <mask><pad> h\u00e9llo \u00e0 l'\u00eele\n\n"
+                  "  Then\tthe storm<unk>came. " * 3,
+    TOKENIZATION.parent / "needle": "bene beni </s> beno<s> berabu <tool_call> besi <needle> bevubu </needle> bibi "
+                                    "bibire bido <unk> bifale bigigi bitu bivo bizadu bizolo bobi bogepu boka " * 2,
+}
+
+
+def tokenization_fingerprint(loaded) -> str:
+    """sha256 of the tokens and end offsets the encoder gives each fixed text with its tokenizer (the byte-level
+    BPE of tests/fixtures/tokenization, with BART's specials and Qwen3's added tokens, and the needle's word-level
+    one): what a cache entry's ids.bin and ends.bin hold."""
+    from dataclasses import replace
+
+    from transformers import AutoTokenizer
+
+    from unlimisum.document import Document
+    from unlimisum.summarizer import Summarizer
+
+    digest = hashlib.sha256()
+    for folder, text in FIXED_TEXTS.items():
+        view = replace(loaded, tokenizer=AutoTokenizer.from_pretrained(folder), tokenizer_fingerprint=None)
+        ids, ends = Summarizer(view).family._encoder().tokenize(Document.from_text(text))
+        digest.update(json.dumps({"ids": ids.tolist(), "ends": ends}).encode())
+    return digest.hexdigest()
+
+
+def test_the_tokens_of_a_fixed_text_change_only_with_the_store_format_version(tiny_loaded):
+    """Entries are keyed by STORE_FORMAT_VERSION, not by how unlimisum tokenizes: a release that tokenizes a text
+    otherwise must bump it, or entries written before (other tokens, states of other tokens) are served."""
+    recorded = json.loads((TOKENIZATION / "fingerprint.json").read_text())
+    now = tokenization_fingerprint(tiny_loaded("bart"))
+    assert (cache_module.STORE_FORMAT_VERSION, now) == (recorded["store_format_version"], recorded["sha256"]), (
+        "the tokens of the fixed texts or the store format changed: bump STORE_FORMAT_VERSION "
+        "(unlimisum/unlimiformer/cache.py) when the tokens changed, then record in tests/fixtures/tokenization/"
+        f'fingerprint.json: {{"store_format_version": {cache_module.STORE_FORMAT_VERSION}, "sha256": "{now}"}}')

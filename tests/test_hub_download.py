@@ -12,7 +12,6 @@ import re
 import shutil
 import socket
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -109,17 +108,20 @@ def closed_port() -> int:
 def test_without_a_hub_the_first_run_fails_at_once_naming_every_download(tmp_path):
     endpoint = f"http://127.0.0.1:{closed_port()}"
     env = first_use_env(endpoint, tmp_path / "hf")
-    started = time.monotonic()
     result = subprocess.run(console_script() + SUMMARIZE, cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=300)
-    seconds = time.monotonic() - started
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1, result.stderr  # no retry warnings of huggingface_hub's
     assert f"the Hugging Face hub ({endpoint}) cannot be reached" in lines[0]
     assert f"`hf download {DEFAULT_MODEL}`" in lines[0] and f"`hf download {TOKENIZER_REPO} --include" in lines[0]
-    # huggingface_hub alone retried for about 27 s; the rest is starting Python and torch
-    assert seconds < 20, f"{seconds:.1f} s"
+    # at once: huggingface_hub's retries (about 27 s of them) would be logged with -vv; none was made. (Not a
+    # wall-clock limit: on a loaded machine starting Python and torch alone may take longer than the retries.)
+    verbose = subprocess.run(console_script() + SUMMARIZE + ["-vv"], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=300)
+    assert verbose.returncode == 1 and "cannot be reached" in verbose.stderr
+    for retry in ("Retrying in", "thrown while requesting"):
+        assert retry not in verbose.stderr, verbose.stderr
 
 
 def test_a_connection_lost_while_downloading_is_one_line_and_the_hub_warnings_are_for_vv(hub_repos, tmp_path):

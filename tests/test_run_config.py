@@ -52,6 +52,35 @@ def test_config_supplies_options_and_command_line_flags_win(summarize, books, tm
     assert document["status"] == "done" and 3 <= document["generated_tokens"] <= 5
 
 
+def test_manifest_records_the_values_that_took_effect_where_the_command_line_set_the_files_aside(
+        summarize, books, tmp_path):
+    """--quiet over verbose = 1, --topk (the old name) over retrieval_k, --no-sample over temperature and
+    top_k in the file, a typed --temperature over sample = false: the run used the command line's."""
+    config = tmp_path / "run.toml"
+    config.write_text("verbose = 1\nretrieval_k = 4\ntemperature = 0.7\ntop_k = 5\n", encoding="utf-8")
+    out = tmp_path / "out"
+    result = summarize("--config", config, "--quiet", "--topk", "8", "--no-sample", "--max-new-tokens", "5",
+                       books / "a.txt", "-o", out)
+    assert result.exit_code == 0, result.output
+    assert result.stderr == ""  # quiet, as it took effect
+    record = manifest(out)
+    used = {name: (record["options"][name], record["option_sources"][name])
+            for name in ("quiet", "verbose", "retrieval_k", "sample", "temperature", "top_k", "top_p")}
+    assert used == {"quiet": (True, "commandline"), "verbose": (0, "commandline"), "retrieval_k": (8, "commandline"),
+                    "sample": (False, "commandline"), "temperature": (None, "commandline"),
+                    "top_k": (None, "commandline"), "top_p": (None, "default")}
+
+    config.write_text("sample = false\nquiet = true\n", encoding="utf-8")
+    result = summarize("--config", config, "--temperature", "0.5", "-v", "--max-new-tokens", "5", books / "a.txt",
+                       "-o", out)
+    assert result.exit_code == 0, result.output
+    record = manifest(out)
+    used = {name: (record["options"][name], record["option_sources"][name])
+            for name in ("quiet", "verbose", "sample", "temperature")}
+    assert used == {"quiet": (False, "commandline"), "verbose": (1, "commandline"), "sample": (True, "commandline"),
+                    "temperature": (0.5, "commandline")}
+
+
 @pytest.mark.parametrize("content, problem", [
     ("max_new_tokenz = 5\n", "unknown key 'max_new_tokenz'"),
     ('max_new_tokens = "many"\n', "'max_new_tokens' must be an integer, not a string"),

@@ -71,8 +71,11 @@ CHAT_TEMPLATE = (
 DECODER_SPECIALS = ["<|begin|>", "<|end|>", "<pad>", "<unk>", "<|system|>", "<|user|>", "<|assistant|>"]
 
 
-def build_decoder_tokenizer(folder, *, chat_template: bool = True, vocab_size: int = 320):
-    """A byte-level BPE tokenizer trained on SAMPLE_TEXT that puts a BOS before a text (and no EOS after)."""
+def build_decoder_tokenizer(folder, *, chat_template: bool | str = True, vocab_size: int = 320,
+                            added_tokens: tuple[str, ...] = ()):
+    """A byte-level BPE tokenizer trained on SAMPLE_TEXT that puts a BOS before a text (and no EOS after);
+    ``chat_template``: CHAT_TEMPLATE, none, or the template given; ``added_tokens``: added, not special (as
+    Qwen3's ``<think>`` and ``<tool_call>``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -90,17 +93,21 @@ def build_decoder_tokenizer(folder, *, chat_template: bool = True, vocab_size: i
         tokenizer_object=tokenizer, bos_token="<|begin|>", eos_token="<|end|>", pad_token="<pad>", unk_token="<unk>",
         extra_special_tokens=["<|system|>", "<|user|>", "<|assistant|>"], model_max_length=1_000_000,
     )
+    if added_tokens:
+        from tokenizers import AddedToken
+
+        fast.add_tokens([AddedToken(token, special=False, normalized=False) for token in added_tokens])
     if chat_template:
-        fast.chat_template = CHAT_TEMPLATE
+        fast.chat_template = chat_template if isinstance(chat_template, str) else CHAT_TEMPLATE
     folder.mkdir(parents=True, exist_ok=True)
     fast.save_pretrained(folder)
     return fast
 
 
-def build_tiny_decoder_dir(folder, family: str = "qwen2", *, chat_template: bool = True, max_positions: int = 4096,
-                           seed: int = 0):
+def build_tiny_decoder_dir(folder, family: str = "qwen2", *, chat_template: bool | str = True,
+                           max_positions: int = 4096, seed: int = 0, added_tokens: tuple[str, ...] = ()):
     """Save a tiny random ``family`` model and its tokenizer to ``folder`` (as a checkpoint on the hub is)."""
-    tokenizer = build_decoder_tokenizer(folder, chat_template=chat_template)
+    tokenizer = build_decoder_tokenizer(folder, chat_template=chat_template, added_tokens=added_tokens)
     model = tiny_decoder(family, seed=seed, vocab_size=len(tokenizer), max_positions=max_positions,
                          bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id)

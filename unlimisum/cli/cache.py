@@ -1,7 +1,10 @@
-"""`unlimisum cache list|clear`: the cache of encoded books (`summarize --cache-dir`).
+"""`unlimisum cache list|prune|clear`: the cache of encoded books (`summarize --cache-dir`).
 
     unlimisum cache list --cache-dir ~/.cache/unlimisum          # or UNLIMISUM_CACHE_DIR
+    unlimisum cache prune                                        # what interrupted stores left
     unlimisum cache clear --older-than 30d
+
+``list`` only reads: it changes nothing in the cache, not even what interrupted stores left.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from unlimisum.cli.app import EXIT_USAGE, UnlimisumGroup, UnlimisumTyper, app, f
 from unlimisum.cli.progress import format_bytes
 
 cache_app = UnlimisumTyper(
-    name="cache", cls=UnlimisumGroup, help="The cache of encoded books (summarize --cache-dir): list, clear.",
+    name="cache", cls=UnlimisumGroup, help="The cache of encoded books (summarize --cache-dir): list, prune, clear.",
     no_args_is_help=True,
 )
 app.add_typer(cache_app, name="cache")
@@ -53,12 +56,8 @@ def list_entries(
     cache_dir: Optional[Path] = _cache_dir_option(),
     as_json: bool = typer.Option(False, "--json", help="One JSON object per entry on stdout."),
 ) -> None:
-    """The encoded books in the cache, most recently used first."""
+    """The encoded books in the cache, most recently used first (the cache is only read)."""
     cache = _open(cache_dir)
-    removed, freed = cache.remove_leftovers()
-    if removed:
-        typer.echo(f"removed {removed} folder{'s' if removed != 1 else ''} of interrupted stores, "
-                   f"{format_bytes(freed)}", err=True)
     entries = cache.entries()
     if as_json:
         for entry in entries:
@@ -71,10 +70,24 @@ def list_entries(
         typer.echo(f"{entry.key[:12]}  {format_bytes(entry.nbytes):>10}  {entry.n_tokens:>10,} tokens  "
                    f"used {age:>4} ago  {name}  [{entry.model}]")
     total = sum(entry.nbytes for entry in entries)
-    writing = sum(nbytes for _, nbytes, _ in cache.leftovers())
+    leftovers = cache.leftovers()
+    writing = sum(nbytes for _, nbytes, stale in leftovers if not stale)
+    left = [nbytes for _, nbytes, stale in leftovers if stale]
     under_way = f" (and {format_bytes(writing)} being stored)" if writing else ""
     typer.echo(f"{len(entries)} encoded book{'s' if len(entries) != 1 else ''}, {format_bytes(total)} "
                f"in {cache.directory}{under_way}", err=True)
+    if left:
+        typer.echo(f"{_folders(len(left))} of interrupted stores, {format_bytes(sum(left))}: "
+                   "`unlimisum cache prune` removes them", err=True)
+
+
+@cache_app.command("prune")
+def prune(cache_dir: Optional[Path] = _cache_dir_option()) -> None:
+    """Remove what interrupted stores left (the folders of a killed process's half-written entries); stores
+    under way and encoded books are kept."""
+    cache = _open(cache_dir)
+    removed, freed = cache.remove_leftovers()
+    typer.echo(f"removed {_folders(removed)} of interrupted stores, {format_bytes(freed)}", err=True)
 
 
 @cache_app.command("clear")
@@ -89,6 +102,10 @@ def clear(
     seconds = parse_duration(older_than) if older_than is not None else None
     count, freed = cache.clear(older_than_seconds=seconds)
     typer.echo(f"removed {count} encoded book{'s' if count != 1 else ''}, {format_bytes(freed)}", err=True)
+
+
+def _folders(count: int) -> str:
+    return f"{count} folder{'s' if count != 1 else ''}"
 
 
 def _age(seconds: float) -> str:

@@ -366,10 +366,14 @@ def summarize(
     if skip_existing and output_dir is None:
         raise fail(f"{describe(ctx, 'skip_existing')} needs --output-dir", EXIT_USAGE)
     as_json, as_html = _output_format(ctx, as_json, output_format, output_dir)
+    decided: dict[str, tuple] = {}  # option -> (the value used, the source of the option that set it aside)
     if quiet and verbose:  # the one given on the higher level wins: the command line over the file
         if rank(ctx, "quiet") == rank(ctx, "verbose"):
             raise fail(" and ".join(describe_all(ctx, "quiet", "verbose")) + " contradict each other", EXIT_USAGE)
-        quiet, verbose = (quiet, 0) if rank(ctx, "quiet") > rank(ctx, "verbose") else (False, verbose)
+        if rank(ctx, "quiet") > rank(ctx, "verbose"):
+            verbose, decided["verbose"] = 0, (0, option_source(ctx, "quiet"))
+        else:
+            quiet, decided["quiet"] = False, (False, option_source(ctx, "verbose"))
     if min_new_tokens is not None and min_new_tokens > (max_new_tokens or DEFAULT_MAX_NEW_TOKENS):
         if max_new_tokens is None:
             shown = [describe(ctx, "min_new_tokens", value=True),
@@ -395,6 +399,7 @@ def summarize(
                        + " disagree (--topk is the old name of --retrieval-k)", EXIT_USAGE)
         if rank(ctx, "retrieval_k_alias") > rank(ctx, "retrieval_k"):
             retrieval_k = retrieval_k_alias
+            decided["retrieval_k"] = (retrieval_k, option_source(ctx, "retrieval_k_alias"))
     if cache_max_bytes is not None and cache_dir is None:
         raise fail(f"{describe(ctx, 'cache_max_bytes')} needs --cache-dir (or UNLIMISUM_CACHE_DIR)", EXIT_USAGE)
     if tc_window is not None and not (tensor_cache or tc_params is not None):
@@ -427,9 +432,13 @@ def summarize(
         if highest > rank(ctx, "sample"):
             sample = None
         else:
+            for name in sampling_options:
+                decided[name] = (None, option_source(ctx, "sample"))
             temperature = top_k = top_p = None
             sampling_options = []
     do_sample = True if sample or sampling_options else sample  # None: the model's own
+    if do_sample != ctx.params.get("sample"):  # a sampling option given (it samples) set --sample's value
+        decided["sample"] = (do_sample, option_source(ctx, max(sampling_options, key=lambda name: rank(ctx, name))))
     settings = SummarizeSettings(
         model=ModelConfig(name=model, tokenizer=tokenizer, device=device, dtype=dtype, trust_remote_code=trust_remote_code),
         encoding=EncodingConfig(overlap=overlap, batch_size=encode_batch, window=window, int8=encode_int8),
@@ -479,7 +488,7 @@ def summarize(
         raise fail(error, EXIT_FAILURE)
     finally:
         if output_dir is not None:
-            _save_manifest(ctx, output_dir, runner, jobs, paths, engine, started, interrupted)
+            _save_manifest(ctx, output_dir, runner, jobs, paths, engine, started, interrupted, decided)
     if result.pipe_closed:  # `unlimisum summarize ... | head`: the reader took what it wanted
         silence_stdout()
     if result.failures:
@@ -526,9 +535,9 @@ def _run_engine(engine: str, runner: "BatchRunner", jobs: list[Job], address: st
 
 
 def _save_manifest(ctx, output_dir: Path, runner: "BatchRunner", jobs: list[Job], inputs: list[str], engine: str,
-                   started, interrupted: bool) -> None:
+                   started, interrupted: bool, decided: dict) -> None:
     """Write OUT/unlimisum-run.json (see unlimisum.runs.manifest); a problem writing it is a warning."""
-    options, sources = effective_options(ctx)
+    options, sources = effective_options(ctx, decided)
     outcomes = list(runner.result.outcomes)
     finished = {outcome.path for outcome in outcomes}
     outcomes += [DocumentOutcome(job.source, run_manifest.NOT_RUN, output=str(job.output) if job.output else None)
@@ -547,9 +556,11 @@ def _save_manifest(ctx, output_dir: Path, runner: "BatchRunner", jobs: list[Job]
         runner.reporter.note(f"unlimisum: warning: cannot write the run manifest ({error.strerror or error})")
 
 
-def effective_options(ctx) -> tuple[dict, dict]:
-    """Every option of this `summarize` (PATH and --config aside) with its value and where it came from
-    (commandline, environment, config or default)."""
+def effective_options(ctx, decided: dict | None = None) -> tuple[dict, dict]:
+    """Every option of this `summarize` (PATH and --config aside) with the value that took effect and where it
+    came from (commandline, environment, config or default). ``decided``: the options another one given at a
+    higher level set aside (``verbose = 1`` in the file under ``--quiet``), with the value used and that
+    option's source."""
     options, sources = {}, {}
     for name, value in ctx.params.items():
         if name not in ("paths", "config", "retrieval_k_alias"):
@@ -557,6 +568,8 @@ def effective_options(ctx) -> tuple[dict, dict]:
     alias = ctx.params.get("retrieval_k_alias")
     if options.get("retrieval_k") is None and alias is not None:  # --topk, the old name
         options["retrieval_k"], sources["retrieval_k"] = alias, option_source(ctx, "retrieval_k_alias")
+    for name, (value, source) in (decided or {}).items():
+        options[name], sources[name] = value, source
     return options, sources
 
 

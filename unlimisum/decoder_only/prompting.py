@@ -6,14 +6,18 @@ With a chat template: the user message is the template with ``{text}`` replaced 
 after the special tokens the tokenizer puts before a text (a BOS, say; an EOS it appends at the end is
 dropped: the model is to go on).
 
-The template's pieces keep their special tokens (the chat template's roles, or those the user wrote in
-``--prompt``); the document never gets any: a book holding ``<|im_end|><|system|>`` must not close the
-user's turn. So the prompt is tokenized in three parts: the template up to its last special token before
-the text; the run from there to its first special token after the text, which holds the document and
-the template's plain text beside it (tokenized together, as one pass over the prompt would, but with
-special tokens split: unlimisum/models/tokens.py); and the rest of the template. The text's token range is
-found from the character offsets, so the sinks (the prompt up to the text) and the chapters (their token
-ranges within the text) are known.
+The template's pieces keep their added tokens, special or not (the chat template's roles, Qwen3's
+``<think>``, or those the user wrote in ``--prompt``); the document never gets any: a book holding
+``<|im_end|><|system|>`` must not close the user's turn. So the prompt is tokenized in three parts: the
+template up to its last added token before the text; the run from there to its first added token after
+the text, which holds the document and the template's plain text beside it (tokenized together, as one
+pass over the prompt would, but with no added token matched: unlimisum/models/tokens.py); and the rest of
+the template. The text's token range is found from the character offsets, so the sinks (the prompt up to
+the text) and the chapters (their token ranges within the text) are known.
+
+A chat template whose turns end in plain text (Mistral v0.1's ``[INST] ... [/INST]``) cannot be protected
+that way: a document holding ``[/INST]`` reads to the model as the end of the user's turn, whatever the
+tokenizer does. ``unprotected_turn_end`` names such a template, for a warning.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import torch
 from unlimisum.config import PromptConfig
 from unlimisum.errors import ConfigError
 from unlimisum.models import checkpoint
-from unlimisum.models.tokens import added_around, encode_text, special_ids
+from unlimisum.models.tokens import added_around, added_ids, encode_text, special_ids
 from unlimisum.coverage import token_char_ends
 
 PLACEHOLDER = "{text}"
@@ -44,6 +48,33 @@ class Prompt:
     @property
     def n_tokens(self) -> int:
         return int(self.ids.shape[0])
+
+
+class UnprotectedPromptWarning(UserWarning):
+    """The model's chat template ends the user's turn in plain text: a document holding it can end the turn."""
+
+
+def unprotected_turn_end(tokenizer) -> str | None:
+    """The warning for a chat template that ends the user's turn in plain text, no added token between a
+    user's message and the assistant's turn (Mistral v0.1's ``[/INST]``); None for other templates and
+    for a tokenizer without one."""
+    if not getattr(tokenizer, "chat_template", None):
+        return None
+    try:
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": _SENTINEL}], tokenize=False,
+                                                 add_generation_prompt=True)
+    except Exception:  # noqa: BLE001  (a template that refuses is reported when the prompt is rendered)
+        return None
+    if rendered.count(_SENTINEL) != 1:
+        return None
+    after = rendered.split(_SENTINEL)[1]
+    added = added_ids(tokenizer)
+    if after and any(token in added for token in _template_part(tokenizer, after)[0]):
+        return None
+    marker = " ".join(after.split())
+    shown = repr(marker) if marker else "nothing"
+    return (f"the model's chat template ends the user's turn with plain text ({shown}), not a token of its own: "
+            "a document holding that text can end the turn early, and no tokenization can keep it from doing so")
 
 
 def check_template(config: PromptConfig) -> None:
@@ -78,22 +109,22 @@ def render(tokenizer, config: PromptConfig) -> tuple[str, str, bool]:
 
 
 def build_prompt(tokenizer, text: str, config: PromptConfig, source: str | None = None) -> Prompt:
-    """Tokenize the prompt around ``text``, the text's special-token strings as text; TokenizerError when the
-    tokenizer cannot encode the text."""
+    """Tokenize the prompt around ``text``, the strings of the tokenizer's added tokens in it as text;
+    TokenizerError when the tokenizer cannot encode the text."""
     before, after, chat = render(tokenizer, config)
     try:
         head, head_offsets = _template_part(tokenizer, before)
         tail, tail_offsets = _template_part(tokenizer, after)
     except NotImplementedError:  # slow tokenizers have no offsets: the three parts are tokenized apart
         return _build_without_offsets(tokenizer, before, text, after, chat, source)
-    specials = special_ids(tokenizer)
-    # the run: from the end of the template's last special token before the text to its first one after it
-    last = max((i for i, token in enumerate(head) if token in specials), default=-1)
+    added = added_ids(tokenizer)
+    # the run: from the end of the template's last added token before the text to its first one after it
+    last = max((i for i, token in enumerate(head) if token in added), default=-1)
     run_start = head_offsets[last][1] if last >= 0 else 0
-    first_after = next((i for i, token in enumerate(tail) if token in specials), len(tail))
+    first_after = next((i for i, token in enumerate(tail) if token in added), len(tail))
     run_stop = len(before) + len(text) + (tail_offsets[first_after][0] if first_after < len(tail) else len(after))
     full = before + text + after
-    run, run_offsets = _run_tokens(tokenizer, full[run_start:run_stop], after_special=run_start > 0)
+    run, run_offsets = _run_tokens(tokenizer, full[run_start:run_stop], after_added=run_start > 0)
     leading, trailing = ([], []) if chat else added_around(tokenizer)
     trailing = [token for token in trailing if token != tokenizer.eos_token_id]  # the answer comes next
     shift = len(before) + len(text)
@@ -110,31 +141,31 @@ def build_prompt(tokenizer, text: str, config: PromptConfig, source: str | None 
 
 
 def _template_part(tokenizer, part: str) -> tuple[list[int], list[tuple[int, int]]]:
-    """The template's own tokens (its special tokens parsed) and their offsets in ``part``."""
+    """The template's own tokens (its added tokens parsed) and their offsets in ``part``."""
     if not part:
         return [], []
     encoding = tokenizer(part, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
     return list(encoding["input_ids"]), [tuple(pair) for pair in encoding["offset_mapping"]]
 
 
-def _run_tokens(tokenizer, run: str, *, after_special: bool) -> tuple[list[int], list[tuple[int, int]]]:
-    """The run's tokens, special-token strings as text, and their offsets in ``run``.
+def _run_tokens(tokenizer, run: str, *, after_added: bool) -> tuple[list[int], list[tuple[int, int]]]:
+    """The run's tokens, added tokens' strings as text, and their offsets in ``run``.
 
     Tokenized alone, a run would be a text's start, which some tokenizers mark (SentencePiece's prefix
-    space) where the same run after a special token in one pass over the prompt is not: the tokenizer
-    shows which by a probe, and a run after a special token is then tokenized after a newline that is
+    space) where the same run after an added token in one pass over the prompt is not: the tokenizer
+    shows which by a probe, and a run after an added token is then tokenized after a newline that is
     dropped again (as transformers' own ``sanitize_control_tokens`` does).
     """
     if not run:
         return [], []
-    if after_special and _marks_text_starts(tokenizer):
-        newline = encode_text(tokenizer, "\n")["input_ids"]
+    if after_added and _marks_text_starts(tokenizer):
+        newline = encode_text(tokenizer, "\n").ids
         encoding = encode_text(tokenizer, "\n" + run, offsets=True)
-        ids, offsets = list(encoding["input_ids"]), list(encoding["offset_mapping"])
+        ids, offsets = encoding.ids, encoding.offsets
         if newline and ids[: len(newline)] == newline and all(a >= 1 for a, _ in offsets[len(newline):]):
             return ids[len(newline):], [(a - 1, b - 1) for a, b in offsets[len(newline):]]
     encoding = encode_text(tokenizer, run, offsets=True)
-    return list(encoding["input_ids"]), [tuple(pair) for pair in encoding["offset_mapping"]]
+    return encoding.ids, encoding.offsets
 
 
 def _marks_text_starts(tokenizer) -> bool:
@@ -150,7 +181,7 @@ def _marks_text_starts(tokenizer) -> bool:
 
 def _build_without_offsets(tokenizer, before: str, text: str, after: str, chat: bool, source) -> Prompt:
     head = tokenizer(before, add_special_tokens=False, verbose=False)["input_ids"] if before else []
-    body = encode_text(tokenizer, text)["input_ids"] if text else []
+    body = encode_text(tokenizer, text).ids if text else []
     tail = tokenizer(after, add_special_tokens=False, verbose=False)["input_ids"] if after else []
     leading = added_around(tokenizer)[0] if not chat else []  # what the tokenizer puts before a text (a BOS)
     ids = leading + head + body + tail

@@ -12,6 +12,7 @@ each retrieving its own far tokens as it did while being generated.
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, replace
 
 import torch
@@ -21,7 +22,7 @@ from unlimisum.decoder_only import reading
 from unlimisum.decoder_only.plan import (
     RetrievalPlan, default_retrieval_k, default_window, plan_retrieval, store_bytes_per_token, store_devices,
 )
-from unlimisum.decoder_only.prompting import Prompt, build_prompt
+from unlimisum.decoder_only.prompting import Prompt, UnprotectedPromptWarning, build_prompt, unprotected_turn_end
 from unlimisum.decoder_only.token_mass import TokenMassRecorder, rows_per_forward
 from unlimisum.document import Document
 from unlimisum.errors import EmptyDocumentError
@@ -49,6 +50,9 @@ class DecoderOnlySummarizer:
         self.max_positions = loaded.architecture.max_positions(loaded.model.config)
         self.window = window if window is not None else default_window(self.max_positions)
         self.retrieval_k = retrieval_k if retrieval_k is not None else default_retrieval_k(self.window)
+        unprotected = unprotected_turn_end(loaded.tokenizer)
+        if unprotected is not None:
+            warnings.warn(unprotected, UnprotectedPromptWarning, stacklevel=4)  # the Summarizer's caller
 
     def summarize(self, document: Document, *, per_chapter: bool = False) -> Summary:
         """The whole document's summary; with ``per_chapter`` one per chapter too, each from its own prompt."""

@@ -10,7 +10,7 @@ was interrupted — so that a batch can be reproduced and audited::
       "engine": "local" | "ray",
       "versions": {"unlimisum": ..., "python": ..., "torch": ..., "transformers": ..., "faiss": ..., "ray": ...},
       "model": {"name": ..., "tokenizer": ..., "fingerprint": ..., "device": ..., "dtype": ...},  # null: not loaded
-      "options": {"max_new_tokens": 256, ...},            # every effective option (a password shows as "***")
+      "options": {"max_new_tokens": 256, ...},            # every option as it took effect (a password: "***")
       "option_sources": {"max_new_tokens": "commandline" | "config" | "environment" | "default", ...},
       "config_file": "run.toml" | null,
       "inputs": ["books/"],
@@ -22,6 +22,10 @@ was interrupted — so that a batch can be reproduced and audited::
          "input_tokens": 5000, "generated_tokens": 200, "timings": {"read": 0.1, "encode": ...}}
       ]
     }
+
+An option that another one given at a higher level set aside (``verbose = 1`` in the config file under
+``--quiet`` on the command line, ``temperature`` in the file under ``--no-sample``) shows the value the
+run used, with the source of the option that decided it.
 
 The manifest is marked like the summaries (``"written_by": "unlimisum"``): a file of that name
 that unlimisum did not write is never overwritten.

@@ -28,10 +28,17 @@ How it runs:
 - The driver hands one book at a time to each idle worker (bounded scheduling: never more
   books in flight than workers), prints the done / failed line of each book as it ends, and
   what goes to stdout (``--json`` lines or Markdown, without ``-o``) in input order.
-- A worker that dies mid-book (killed actor, lost node) is replaced and its book handed to
-  another worker, at most ``RaySettings.max_retries`` more times; the half-written temporary
-  file it may leave is removed, so an output is whole or absent. Ctrl-C kills the workers,
-  removes their temporary files and ends the run (exit 130); ``--skip-existing`` resumes.
+- A worker that dies mid-book (killed actor, lost node) or stops answering (Ray's
+  ``ActorUnavailableError``: it may still be running) is killed, without a restart, and once Ray
+  reports it ended the half-written temporary file it may leave is removed, so an output is whole
+  or absent, and its book is handed to another worker, at most ``RaySettings.max_retries`` more
+  times. One that is not seen to end within ``ACTOR_END_SECONDS`` (a node cut off) may still be
+  writing: its book fails rather than run twice. Ctrl-C kills the workers, removes their temporary
+  files and ends the run (exit 130); ``--skip-existing`` resumes. On the way out (Ctrl-C, an
+  error) the summaries already finished that wait for an earlier book are printed, in input order.
+- Ray's private APIs (the free resources per node, the loopback address of a local instance,
+  the address ``auto`` stands for) are each used with a fallback: a Ray release without one
+  still runs (pyproject.toml pins the range the tests run on).
 
 Why Ray core actors rather than Ray Data: a book is one heavy item (minutes of CPU, seconds of
 GPU), not a row of a dataset, and the run needs per-book control that Ray Data's streaming
@@ -45,6 +52,7 @@ small (Ray Data brings pyarrow and pandas).
 from __future__ import annotations
 
 import contextlib
+import glob
 import logging
 import os
 import shutil
@@ -65,6 +73,7 @@ from unlimisum.errors import UnlimisumError
 CRASH_HOOK_ENV = "UNLIMISUM_RAY_TEST_CRASH"  # tests only: "SOURCE::TOKEN_FILE", see CrashHook
 WAIT_SECONDS = 0.5  # how often the driver wakes to redraw the progress while books run
 KILL_WAIT_SECONDS = 10.0  # how long Ctrl-C waits for killed workers to be gone before cleaning up
+ACTOR_END_SECONDS = 60.0  # how long a worker that died or stopped answering may take to be reported ended
 PLACEMENT_SECONDS = 60.0  # how long a worker may wait for a node with room before it is given up
 SETTLE_SECONDS = 3.0  # how long planning waits for resources to come back when fewer workers fit than wanted
 LOOPBACK = "127.0.0.1"  # where a local instance started for a run listens
@@ -241,13 +250,17 @@ class RayEngine:
             pass
 
     def _free_nodes(self) -> list:
-        """What each live node has free now (Ray's developer API; without it, each node's totals)."""
+        """What each live node has free now (Ray's private developer API; without it, each node's totals)."""
         totals = {node["NodeID"]: node["Resources"] for node in self.ray.nodes() if node["Alive"]}
         try:
             from ray._private.state import available_resources_per_node
-        except ImportError:
+
+            free = available_resources_per_node()
+        except Exception:  # noqa: BLE001  (another Ray: moved, renamed or failing)
             return nodes_from_ray(totals)
-        return nodes_from_ray(available_resources_per_node(), totals)
+        if not isinstance(free, dict) or not all(isinstance(resources, dict) for resources in free.values()):
+            return nodes_from_ray(totals)
+        return nodes_from_ray(free, totals)
 
     def _plan_workers(self, books: int) -> WorkerPlan:
         """The run's workers from what the cluster has free; fewer than --workers is said on stderr."""
@@ -411,16 +424,21 @@ class RayEngine:
                         if ref in self._starting:
                             self._on_start(ref, idle)
                             continue
-                        actor, index, attempt = running.pop(ref)
+                        actor, index, attempt = running[ref]  # kept there until it is settled (Ctrl-C cleans up)
                         job = todo[index]
                         result = self._result(ref, job)
-                        if result is None:  # the worker died: replace it, hand the book on
+                        if result is None:  # the worker died or stopped answering: end it, hand the book on
+                            ended = self._end_actor(actor)
+                            if ended:
+                                _remove_partials(job)
+                            del running[ref]
                             self._actors.remove(actor)
                             self._start_worker()
-                            result = self._retry_or_fail(job, index, attempt, pending)
+                            result = self._retry_or_fail(job, index, attempt, pending, ended)
                             if result is None:
                                 continue
                         else:
+                            del running[ref]
                             idle.append(actor)
                         if attempt > 1:
                             result = replace(result, outcome=replace(result.outcome, attempts=attempt))
@@ -436,17 +454,29 @@ class RayEngine:
                             runner.emit(finished.pop(next_out))
                         next_out += 1
                 self._settle(working=True)  # every book ended: failures of other workers are warnings
-        except KeyboardInterrupt:
-            self._interrupt([todo[index] for _, index, _ in running.values()], list(running))
+        except BrokenPipeError:
+            raise
+        except BaseException as error:  # Ctrl-C, or an error that ends the run: what is finished is printed
+            self._emit_finished(finished)
+            if isinstance(error, KeyboardInterrupt):
+                self._interrupt([todo[index] for _, index, _ in running.values()], list(running))
             raise
 
+    def _emit_finished(self, finished: dict) -> None:
+        """Print the results that waited for an earlier book, in input order (the run is ending)."""
+        try:
+            for index in sorted(finished):
+                self.runner.emit(finished.pop(index))
+        except BrokenPipeError:  # the reader is gone: nothing more to print
+            self.runner.result.pipe_closed = True
+
     def _result(self, ref, job):
-        """The worker's JobResult, its lines printed; None when the worker died; the model's error ends the run."""
+        """The worker's JobResult, its lines printed; None when the worker died or stopped answering (Ray's
+        RayActorError covers both: ActorDiedError, ActorUnavailableError); the model's error ends the run."""
         ray = self.ray
         try:
             result, lines = ray.get(ref)
         except ray.exceptions.RayActorError:
-            _remove_partials(job)
             return None
         except ray.exceptions.RayTaskError as error:  # raised outside summarize_job
             cause = getattr(error, "cause", None)
@@ -457,9 +487,34 @@ class RayEngine:
             self.runner.reporter.note(line)
         return result
 
-    def _retry_or_fail(self, job, index: int, attempt: int, pending: deque):
-        """Hand a book whose worker died to another one, or (retries spent) its failed JobResult."""
+    def _end_actor(self, actor) -> bool:
+        """Kill ``actor`` (no restart) and wait until Ray reports it ended (a call to it fails as dead), at most
+        ACTOR_END_SECONDS: whether it did. One that stopped answering may still be running and writing."""
+        exceptions = self.ray.exceptions
+        unavailable = getattr(exceptions, "ActorUnavailableError", ())  # () matches nothing (a Ray without it)
+        timeout = getattr(exceptions, "GetTimeoutError", TimeoutError)
+        self._kill(actor)
+        deadline = time.monotonic() + ACTOR_END_SECONDS
+        while (left := deadline - time.monotonic()) > 0:
+            try:
+                self.ray.get(actor.ready.remote(), timeout=left)
+            except unavailable:  # not known to have ended yet: the node may be cut off
+                pass
+            except exceptions.RayActorError:
+                return True
+            except timeout:
+                return False
+            time.sleep(min(WAIT_SECONDS, max(left, 0)))  # it answered or was unreachable: the kill is under way
+        return False
+
+    def _retry_or_fail(self, job, index: int, attempt: int, pending: deque, ended: bool = True):
+        """Hand a book whose worker died to another one, or (retries spent, or the worker not seen to end)
+        its failed JobResult."""
         display = self.runner.reporter
+        if not ended:
+            return self.runner.failed_result(
+                job, f"its Ray worker stopped answering and was not seen to end within {ACTOR_END_SECONDS:g} s; "
+                     "not retried, since it may still be writing (--skip-existing resumes)", "WorkerLostError")
         if attempt <= self.settings.max_retries:
             display.note(f"unlimisum: the worker summarizing {job.source} died; retrying it on another worker "
                          f"(attempt {attempt + 1} of {self.settings.max_retries + 1})")
@@ -506,8 +561,7 @@ def init_outside_cwd(ray, **options) -> Path:
 def start_local_ray(ray=None, **options) -> Path:
     """Start a Ray instance for this machine alone: its servers on 127.0.0.1, no dashboard (``init_outside_cwd``)."""
     ray = ray or require_ray()
-    with _loopback_only():
-        return init_outside_cwd(ray, address="local", _node_ip_address=LOOPBACK, include_dashboard=False, **options)
+    return _init_on_loopback(ray, address="local", include_dashboard=False, **options)
 
 
 def join_ray(ray, address: str, **options) -> Path:
@@ -515,16 +569,30 @@ def join_ray(ray, address: str, **options) -> Path:
     (such as an instance another run started) is joined from 127.0.0.1."""
     if not _is_loopback(address):
         return init_outside_cwd(ray, address=address, **options)
+    return _init_on_loopback(ray, address=address, **options)
+
+
+def _init_on_loopback(ray, **options) -> Path:
+    """``init_outside_cwd`` with this node's address 127.0.0.1 (``ray.init``'s private ``_node_ip_address``; a
+    Ray without it is started without, and ``_loopback_only`` alone keeps it on the loopback)."""
     with _loopback_only():
-        return init_outside_cwd(ray, address=address, _node_ip_address=LOOPBACK, **options)
+        try:
+            return init_outside_cwd(ray, _node_ip_address=LOOPBACK, **options)
+        except (RuntimeError, TypeError, ValueError) as error:
+            if "_node_ip_address" not in str(error):  # "Unknown keyword argument(s): _node_ip_address"
+                raise
+        return init_outside_cwd(ray, **options)
 
 
 @contextlib.contextmanager
 def _loopback_only():
     """Ray turns an explicit 127.0.0.1 into the machine's network address unless it believes clusters are
-    off (as on macOS and Windows): that belief is held while it starts or joins."""
-    from ray._private import ray_constants
-
+    off (as on macOS and Windows): that belief (a private constant) is held while it starts or joins."""
+    try:
+        from ray._private import ray_constants
+    except ImportError:  # another Ray: nothing to hold
+        yield
+        return
     clusters = getattr(ray_constants, "ENABLE_RAY_CLUSTER", None)
     if clusters is not None:
         ray_constants.ENABLE_RAY_CLUSTER = False
@@ -542,8 +610,8 @@ def _is_loopback(address: str) -> bool:
             from ray._private.services import get_ray_address_from_environment
 
             address = get_ray_address_from_environment("auto", None) or ""
-        except Exception:  # noqa: BLE001  (another Ray: leave it to ray.init)
-            return False
+        except Exception:  # noqa: BLE001  (another Ray, or none found: the address Ray documents first)
+            address = os.environ.get("RAY_ADDRESS", "")
     if "://" in address:
         return False
     host = address.rsplit(":", 1)[0].strip("[]")
@@ -566,7 +634,7 @@ def _remove_partials(job) -> None:
     if job.output is None:
         return
     output = Path(job.output)
-    for partial in output.parent.glob(f".{output.name}.*.partial"):
+    for partial in output.parent.glob(f".{glob.escape(output.name)}.*.partial"):  # "Book [1].md" is no pattern
         try:
             partial.unlink()
         except OSError:

@@ -14,6 +14,7 @@ import stat
 import sys
 import time
 import traceback
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
@@ -197,6 +198,7 @@ class BatchRunner:
 
     def load_model(self) -> None:
         """Load the model (once) and make the Summarizer; UnlimisumError when it cannot be loaded."""
+        from unlimisum.decoder_only.prompting import UnprotectedPromptWarning, unprotected_turn_end
         from unlimisum.models import load_model
         from unlimisum.models.compat import quiet_hub
         from unlimisum.summarizer import Summarizer
@@ -224,11 +226,16 @@ class BatchRunner:
 
             cache = EncodedCache(settings.cache_dir, max_bytes=settings.cache_max_bytes,
                                  warn=lambda message: self.reporter.note(f"unlimisum: warning: {message}"))
-        self.summarizer = Summarizer(
-            loaded, encoding=settings.encoding, index=settings.index, retrieval=settings.retrieval,
-            generation=settings.generation, tensor_cache=settings.tensor_cache, cache=cache, progress=self.reporter,
-            prompt=settings.prompt, decoder=settings.decoder,
-        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UnprotectedPromptWarning)  # said below, in one line
+            self.summarizer = Summarizer(
+                loaded, encoding=settings.encoding, index=settings.index, retrieval=settings.retrieval,
+                generation=settings.generation, tensor_cache=settings.tensor_cache, cache=cache,
+                progress=self.reporter, prompt=settings.prompt, decoder=settings.decoder,
+            )
+        unprotected = unprotected_turn_end(loaded.tokenizer) if loaded.is_decoder_only else None
+        if unprotected is not None:
+            self.reporter.note(f"unlimisum: warning: {unprotected}")
         limit = self.summarizer.generation.max_new_tokens
         if settings.generation.max_new_tokens is None and limit < DEFAULT_MAX_NEW_TOKENS:
             self.reporter.log(f"--max-new-tokens: {limit}, not the default {DEFAULT_MAX_NEW_TOKENS}: the decoder of "

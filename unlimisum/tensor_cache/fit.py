@@ -130,7 +130,7 @@ def _blocks(model, tokenizer, architecture: Architecture, texts: list[str], sett
     encoder_tokens = min(settings.encoder_tokens, architecture.max_source_length(model.config, tokenizer))
     blocks = []
     for text in texts:
-        ids = encode_text(tokenizer, text).input_ids
+        ids = encode_text(tokenizer, text).ids
         source, rest = ids[:encoder_tokens], ids[encoder_tokens:]
         if not source or len(rest) < context:
             continue

@@ -158,13 +158,14 @@ def tokenize_rows(rows, tokenizer, config: TrainConfig, window: int, max_target_
 
     def features(batch):
         out = {"input_ids": [], "attention_mask": [], "labels": []}
-        targets = tokenizer(text_target=batch["summary"], truncation=False, split_special_tokens=True)["input_ids"]
+        targets = [encode_text(tokenizer, summary, add_special_tokens=True, target=True).ids
+                   for summary in batch["summary"]]
         for text, target, source, row in zip(batch["text"], targets, batch["source"], batch["row"]):
             if max_target_tokens is not None and len(target) > max_target_tokens:
                 raise TrainingDataError(
                     f"row {row}: the summary has {len(target)} tokens, more than the {max_target_tokens} "
                     "the model's decoder can produce", source=source)
-            content = encode_text(tokenizer, text, truncation=False)["input_ids"]
+            content = encode_text(tokenizer, text).ids
             if not content:
                 raise TrainingDataError(f"row {row}: the text has no tokens", source=source)
             if method == "chunked":

@@ -165,9 +165,9 @@ def validate(model, tokenizer, setup: MethodSetup, rows) -> dict:
         predicted = summarizer.summarize(text).text
         for name, score in scorer.score(summary, predicted).items():
             totals[name] += score.fmeasure
-        ids = encode_text(tokenizer, text, add_special_tokens=True, truncation=True, max_length=setup.max_input_tokens,
-                          return_tensors="pt")["input_ids"]
-        labels = tokenizer(text_target=summary, split_special_tokens=True, return_tensors="pt")["input_ids"]
+        ids = torch.tensor([encode_text(tokenizer, text, add_special_tokens=True,
+                                        max_length=setup.max_input_tokens).ids])
+        labels = torch.tensor([encode_text(tokenizer, summary, add_special_tokens=True, target=True).ids])
         with torch.no_grad(), training_attention(model, setup.architecture) as wrappers:
             session = long_session(model, setup, ids.to(device), torch.ones_like(ids).to(device), "retrieval")
             for wrapper in wrappers:

@@ -20,7 +20,7 @@ the entry is reported in one line, removed, and the book encoded again; an entry
 process while it is read is a miss. The states are memory-mapped, so a cached 500k-token book costs
 no copy. Least recently used entries go first when the cache exceeds its size cap, which counts the
 folders of stores under way too; those a killed writer left (older than an hour, or whose writer is
-gone) are removed on every store and eviction and by ``cache list``.
+gone) are removed on every store and eviction and by ``cache prune``.
 """
 
 from __future__ import annotations
@@ -41,8 +41,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-# 2: token end offsets, chapters mapped on loading; 4: the per-layer key store (keys.bin, meta "keys").
-# Bump when what an entry holds, or how states are computed, changes
+# Bump when what an entry holds, or how its tokens or states are computed, changes (tests/test_encoded_cache.py
+# holds a fingerprint of the tokens of a fixed text): 2: token end offsets, chapters mapped on loading;
+# 3: the strings of added tokens in a text (special or not) tokenized as text; 4: the per-layer key store
+# (keys.bin, meta "keys").
 STORE_FORMAT_VERSION = 4
 _NUMPY_DTYPES = {torch.bfloat16: np.uint16, torch.float16: np.float16, torch.float32: np.float32}
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}

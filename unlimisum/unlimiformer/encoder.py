@@ -82,15 +82,16 @@ class DocumentEncoder:
 
     def tokenize(self, document: Document) -> tuple[torch.Tensor, list[int] | None]:
         """All tokens, the tokenizer's own special tokens around the text included, no truncation: ([N]
-        int64, each token's end character or None for tokenizers without offsets). Special-token strings
-        in the text (``</s>``, ``<mask>``) are tokenized as text (unlimisum/models/tokens.py)."""
+        int64, each token's end character or None for tokenizers without offsets). The strings of added
+        tokens in the text (``</s>``, ``<mask>``, ``<tool_call>``) are tokenized as text
+        (unlimisum/models/tokens.py)."""
         text, tokenizer = document.text, self.loaded.tokenizer
         try:
-            encoding = encode_text(tokenizer, text, add_special_tokens=True, offsets=True, truncation=False)
-            ends = token_char_ends(encoding["offset_mapping"])
+            encoding = encode_text(tokenizer, text, add_special_tokens=True, offsets=True)
+            ends = token_char_ends(encoding.offsets)
         except NotImplementedError:  # slow (Python) tokenizers have no offsets
-            encoding, ends = encode_text(tokenizer, text, add_special_tokens=True, truncation=False), None
-        ids = encoding["input_ids"]
+            encoding, ends = encode_text(tokenizer, text, add_special_tokens=True), None
+        ids = encoding.ids
         unknown, special = tokenizer.unk_token_id, special_ids(tokenizer)
         checkpoint.check_encoding(len(ids), sum(i in special for i in ids),
                                   sum(i == unknown for i in ids) if unknown is not None else 0, text,
@@ -208,18 +209,21 @@ def model_identity(loaded: LoadedModel) -> str:
 
 
 def software_identity(loaded: LoadedModel, int8: bool = False) -> str:
-    """What else changes the states' last bits: the transformers and torch releases, the attention kernel and
-    the code path the encoder runs (the model's own, or unlimisum's blocked local attention for LED); the
-    unlimisum release is in every key too (CacheKey.unlimisum)."""
+    """What else changes the tokens or the states' last bits: the transformers, tokenizers and torch releases,
+    the attention kernel and the code path the encoder runs (the model's own, or unlimisum's blocked local
+    attention for LED; ``int8``: its linear layers in int8); the unlimisum release is in every key too
+    (CacheKey.unlimisum)."""
+    import tokenizers
     import transformers
 
     attention = getattr(loaded.model.config, "_attn_implementation", None) or "default"
     version = ".".join(transformers.__version__.split(".")[:2])
     fast = getattr(loaded.architecture, "fast_encoding", None)
     path = f"{fast.__module__}.{fast.__name__}" if fast is not None else "the model's own"
+    backend = ".".join(tokenizers.__version__.split(".")[:2])
     linears = "; linear layers int8" if int8 else ""
-    return (f"transformers {version}; torch {torch.__version__.split('+')[0]}; attention {attention}; "
-            f"encoder {path}{linears}")
+    return (f"transformers {version}; tokenizers {backend}; torch {torch.__version__.split('+')[0]}; "
+            f"attention {attention}; encoder {path}{linears}")
 
 
 def tokenizer_identity(loaded: LoadedModel) -> str:
