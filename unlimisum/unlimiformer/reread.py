@@ -110,8 +110,8 @@ class SummaryReader:
 
     def log_probs(self, reading: Reading, store: Datastore, first: int, last: int, hidden: torch.Tensor) -> torch.Tensor:
         """log p(token j) for j in [first, last) of ``reading.ids`` with the input tokens ``hidden`` ([N] bool)
-        out of retrieval: positions first-1 .. last-2 read again after the summary's first first-1 positions as
-        they were read. [last - first] float32, CPU."""
+        out of retrieval: positions first-1 .. last-2 read again, after the state the first reading left at
+        position first-1. [last - first] float32, CPU."""
         start = first - 1
         self._use(store, None, hidden=hidden)
         cache = reading.prefixes.at(start)
