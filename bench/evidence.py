@@ -25,7 +25,8 @@ text (outside the passages), and how often attention's first passage is the one 
 Writes bench/results/evidence_support.json.
 
 With ``--real``, instead: what the evidence pass and its support (each sentence read again with its passages
-hidden) cost at real sizes, against generate() on the same store: bart-base and bart-large shapes (random
+hidden) cost at real sizes, against generate() on the same store (greedy: the reading recorded while
+generating, whose cost is generation with recording against without; beams: the summary read again): bart-base and bart-large shapes (random
 weights), exact stores of ``--tokens`` synthetic states, summaries forced to ``--new-tokens`` (default 64), greedy
 and 4 beams. The summary is cut into sentences of 16 tokens, each with three 33-token passages, as the pass finds
 them. The store is built directly (encoding costs the same with any weights: bench/time_to_summary.py has it).
@@ -161,13 +162,17 @@ def real_cost(sizes: list[str], n_values: list[int], new_tokens: int, beams: lis
                 generation = GenerationOptions(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                                num_beams=num_beams, do_sample=False)
                 family = Summarizer(loaded, generation=generation).family
-                run = family.generate([store], coverage=False)
+                plain = family.generate([store], coverage=False)  # generation alone, for the recording's cost
+                run = family.generate([store], coverage=False, record=True)  # greedy: recorded; beams: not
                 row_ids = run.token_ids[0].tolist()
                 ids = row_ids[:returned_length(row_ids, end_tokens(loaded))]
                 sentences = [list(range(start, min(start + 16, len(ids)))) for start in range(1, len(ids), 16)]
                 started = time.perf_counter()
                 with SummaryReader(loaded, family.retrieval_k()) as reader:
-                    reading = reader.read(store, ids, starts=[rows_[0] - 1 for rows_ in sentences])
+                    if run.recorder is not None:
+                        reading = run.recorder.reading(0, reader, ids)
+                    else:
+                        reading = reader.read(store, ids, starts=[rows_[0] - 1 for rows_ in sentences])
                     read = time.perf_counter()
                     for rows_ in sentences:
                         peaks = [rng.randrange(16, n - 17) for _ in range(3)]
@@ -175,11 +180,13 @@ def real_cost(sizes: list[str], n_values: list[int], new_tokens: int, beams: lis
                         support_of(reader, reading, store, rows_, sources)
                 finished = time.perf_counter()
                 row = dict(size=size, n_tokens=n, num_beams=num_beams, new_tokens=len(ids) - 1,
-                           generate_seconds=run.seconds, evidence_seconds=read - started,
+                           generate_seconds=run.seconds, plain_generate_seconds=plain.seconds,
+                           recorded=run.recorder is not None, evidence_seconds=read - started,
                            support_seconds=finished - read, sentences=len(sentences))
                 row["evidence_share"] = row["evidence_seconds"] / row["generate_seconds"]
                 row["with_support_share"] = (row["evidence_seconds"] + row["support_seconds"]) / row["generate_seconds"]
-                print(f"  {size} N={n:,} beams={num_beams}: generate {run.seconds:.1f}s, evidence "
+                print(f"  {size} N={n:,} beams={num_beams}: generate {run.seconds:.1f}s (without recording "
+                      f"{plain.seconds:.1f}s), evidence "
                       f"{row['evidence_seconds']:.2f}s ({row['evidence_share']:.1%}), support "
                       f"{row['support_seconds']:.2f}s (with it {row['with_support_share']:.1%})", flush=True)
                 rows.append(row)
@@ -259,10 +266,12 @@ def report_support(result: dict) -> None:
 def report_real(result: dict) -> None:
     print(f"the evidence pass and its support against generate() at real sizes ({result['new_tokens']} summary tokens, "
           f"exact store, {result['threads']} threads):")
-    print_table(["model", "tokens", "beams", "generate s", "evidence s", "evidence / generate", "support s",
-                 "both / generate"],
+    print_table(["model", "tokens", "beams", "generate s", "without recording s", "evidence s",
+                 "evidence / generate", "support s", "both / generate"],
                 [[row["size"], f"{row['n_tokens']:,}", row["num_beams"], f"{row['generate_seconds']:.1f}",
-                  f"{row['evidence_seconds']:.2f}", f"{row['evidence_share']:.1%}", f"{row['support_seconds']:.2f}",
+                  f"{row['plain_generate_seconds']:.1f}" if row["recorded"] else "-",
+                  f"{row['evidence_seconds']:.2f}" + (" (recorded)" if row["recorded"] else ""),
+                  f"{row['evidence_share']:.1%}", f"{row['support_seconds']:.2f}",
                   f"{row['with_support_share']:.1%}"] for row in result["rows"]])
 
 

@@ -148,10 +148,11 @@ def clean_environment(cache_home: Path, code: Path | None) -> dict:
     return env
 
 
-def run_unlimisum(folder: Path, document: Path, new_tokens: int, cache_home: Path, code: Path | None) -> dict:
+def run_unlimisum(folder: Path, document: Path, new_tokens: int, cache_home: Path, code: Path | None,
+                  extra: list[str] = ()) -> dict:
     """One `unlimisum summarize --json -v` process: its wall time, and its stages from the JSON and the log."""
     command = [sys.executable, "-m", "unlimisum", "summarize", "-m", str(folder), str(document), "--json", "-v",
-               "--max-new-tokens", str(new_tokens), "--min-new-tokens", str(new_tokens)]
+               "--max-new-tokens", str(new_tokens), "--min-new-tokens", str(new_tokens), *extra]
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, env=clean_environment(cache_home, code),
                           cwd=tempfile.gettempdir())
@@ -217,6 +218,10 @@ def main(argv=None) -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--before", default=None, help="a git revision to run beside this tree, in turns")
     parser.add_argument("--quick", action="store_true", help="bart-base, the story only")
+    parser.add_argument("--variants", default="first,later",
+                        help="first: an empty cache folder (speed choices measured); later: the folder filled")
+    parser.add_argument("--extra", default="", help="more summarize options for every run, e.g. --encode-int8")
+    parser.add_argument("--name", default="time_to_summary", help="the result file's name (bench/results/NAME.json)")
     args = parser.parse_args(argv)
     sizes = ["bart-base"] if args.quick else args.sizes.split(",")
     names = ["story"] if args.quick else args.inputs.split(",")
@@ -233,9 +238,13 @@ def main(argv=None) -> None:
             for tree, code in trees.items():
                 home = Path(tempfile.mkdtemp(prefix="unlimisum-bench-home-"))
                 try:
-                    for variant in ("first run", "later runs"):
-                        run = run_unlimisum(folder, document, args.new_tokens, home, code)
-                        run.update(size=size, input=name, tree=tree, variant=variant, plain=plain)
+                    wanted = args.variants.split(",")
+                    if "first" not in wanted:  # the speed choices measured beforehand, as a reader's earlier run did
+                        run_unlimisum(folder, ROOT / "samples" / "story.txt", 4, home, code)
+                    for variant in [v for v in ("first run", "later runs") if v.split()[0] in wanted]:
+                        run = run_unlimisum(folder, document, args.new_tokens, home, code, args.extra.split())
+                        run.update(size=size, input=name, tree=tree + (f" {args.extra}" if args.extra else ""),
+                                   variant=variant, plain=plain)
                         run["encoder_floor"] = encoder_floor(folder, run["windows"])
                         run["ratio"] = run["wall"] / plain["wall"]
                         outside = run["wall"] - run["stages"].get("encode", 0.0) - run["stages"].get("generate", 0.0)
@@ -248,7 +257,7 @@ def main(argv=None) -> None:
                 finally:
                     shutil.rmtree(home, ignore_errors=True)
     report(rows, args.new_tokens)
-    path = write_result("time_to_summary", dict(rows=rows, new_tokens=args.new_tokens, seconds=time.perf_counter() - started,
+    path = write_result(args.name, dict(rows=rows, new_tokens=args.new_tokens, seconds=time.perf_counter() - started,
                                                 threads=torch.get_num_threads()))
     print(f"wrote {path}")
 

@@ -81,6 +81,9 @@ class RetrievalConfig:
     # only. False (--no-evidence): no evidence, and coverage counts every generation step of every row and beam.
     evidence: bool = True
     evidence_passages: int = 3  # passages of the book kept per summary sentence (--evidence-passages)
+    # Read each sentence with passages again with them hidden (SentenceEvidence.support): the one check of
+    # evidence by what removing it does; off (--no-support) saves about one more reading of the summary.
+    support: bool = True
 
 
 # The default k for models with long windows (LED: 16,384). bench/decode_speed.py, LED-base shape at 100k

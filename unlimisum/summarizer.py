@@ -144,7 +144,8 @@ def summarize(
     Keyword options: ``tokenizer, device, dtype`` (model); ``overlap, encode_batch, window, encode_int8``
     (encoding); ``index, index_device, exact_max_tokens, storage_dtype`` (datastore);
     ``retrieval_k`` (input tokens each cross-attention head retrieves per step), ``evidence`` (False: no
-    evidence pass) and ``evidence_passages`` (passages kept per summary sentence); for decoder-only
+    evidence pass), ``evidence_passages`` (passages kept per summary sentence) and ``support`` (False: no
+    ablation pass); for decoder-only
     models ``prompt`` (a template with ``{text}``), ``system``, ``window`` (the exact local window),
     ``sinks, block_size, block_representatives, prefill_selection``; and any ``generate()`` option,
     meaning what it means there: ``max_new_tokens``, ``num_beams``, ``no_repeat_ngram_size``,
@@ -170,7 +171,7 @@ def configs_from_options(model, options: dict) -> dict:
         raise ConfigError("top_k is sampling's top-k, as in generate(), and needs do_sample=True; the number of "
                           "input tokens each head retrieves is retrieval_k")
     retrieval_config = RetrievalConfig(**{name: options.pop(name) for name in
-                                          ("retrieval_k", "evidence", "evidence_passages") if name in options})
+                                          ("retrieval_k", "evidence", "evidence_passages", "support") if name in options})
     prompt = {name: options.pop(key) for key, name in {"prompt": "template", "system": "system"}.items()
               if key in options}
     decoder = {name: options.pop(name) for name in ("sinks", "block_size", "block_representatives", "prefill_selection")

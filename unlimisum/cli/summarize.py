@@ -305,6 +305,12 @@ def summarize(
         3, "--evidence-passages", metavar="N", min=1, help="Passages of the book kept per summary sentence.",
         rich_help_panel=OUTPUT_PANEL,
     ),
+    support: bool = typer.Option(
+        True, "--support/--no-support",
+        help="Read each sentence again with its passages hidden, to say how much it depends on them (its "
+        "support); --no-support saves that pass (about one more reading of the summary).",
+        rich_help_panel=OUTPUT_PANEL,
+    ),
     # -- cache of encoded books
     cache_dir: Optional[Path] = typer.Option(
         None, "--cache-dir", envvar="UNLIMISUM_CACHE_DIR", show_envvar=True, metavar="DIR", file_okay=False,
@@ -444,7 +450,8 @@ def summarize(
         encoding=EncodingConfig(overlap=overlap, batch_size=encode_batch, window=window, int8=encode_int8),
         index=IndexConfig(kind=index, device=index_device, storage_dtype=storage_dtype, key_store=key_store),
         retrieval=RetrievalConfig(retrieval_k=retrieval_k if retrieval_k is not None else retrieval_k_alias,
-                                  evidence=evidence is not False, evidence_passages=evidence_passages),
+                                  evidence=evidence is not False, evidence_passages=evidence_passages,
+                                  support=support),
         generation=GenerationOptions(
             max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, num_beams=num_beams,
             no_repeat_ngram_size=no_repeat_ngram_size, length_penalty=length_penalty,

@@ -30,7 +30,7 @@ import torch
 from unlimisum import evidence
 from unlimisum.models import LoadedModel, compat
 from unlimisum.unlimiformer.datastore import Datastore
-from unlimisum.unlimiformer.retrieval import EvidenceCollector, RetrievalSession, retrieval
+from unlimisum.unlimiformer.retrieval import EVIDENCE_TOP_POSITIONS, EvidenceCollector, RetrievalSession, retrieval
 
 
 @dataclass(frozen=True)
@@ -145,23 +145,48 @@ class GenerationRecorder:
     weights), as a stopping criterion that never stops (it sees each token chosen, and which rows have ended),
     and as a hook on the output embeddings (the raw logits, for each chosen token's log-probability)."""
 
-    def __init__(self, sizes: Sequence[int], max_positions: int, layers: int, eos: set[int]):
-        self.collector = EvidenceCollector([torch.ones(max_positions, dtype=torch.bool) for _ in sizes], sizes)
-        self.layers, self.eos = layers, eos
+    def __init__(self, sizes: Sequence[int], max_positions: int, layers: int, eos: set[int],
+                 top: int = EVIDENCE_TOP_POSITIONS):
+        self.sizes, self.layers, self.eos, self.top = list(sizes), layers, eos, top
         self.positions = [0] * len(sizes)  # decoder positions recorded per document
         self.finished = [False] * len(sizes)  # the row has written its end token: what follows is padding
         self.log_probs: list[list[float]] = [[] for _ in sizes]
         self._logits: torch.Tensor | None = None  # [rows, V] the last step's raw logits
         self.cache = None  # generate()'s self-attention cache at the end (set by the summarizer)
+        self._max_positions = max_positions
+        # per document, made on its store's device at the first step: the kept input positions and mass of every
+        # decoder position [max_positions, top], the coverage [N] float64, and this forward's mass [n, N]
+        self._kept: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(sizes)
+        self._coverage: list[torch.Tensor | None] = [None] * len(sizes)
+        self._step: list[torch.Tensor | None] = [None] * len(sizes)
 
     def add(self, doc: int, layer: int, ids: torch.Tensor, weights: torch.Tensor) -> None:
-        """Layer ``layer``'s retrieval for document ``doc``'s newest positions: ids, weights [n, heads * k]."""
+        """Layer ``layer``'s retrieval for document ``doc``'s newest positions: ids, weights [n, heads * k].
+
+        The mass of this forward's positions is summed over layers and heads into a dense [n, N] vector (an
+        index_add per layer), its ``top`` positions kept after the last layer: a step costs no sorting."""
         if self.finished[doc]:
             return
-        self.collector.first_row = self.positions[doc]
-        self.collector.add(doc, ids, weights)
+        n, device = ids.shape[0], ids.device
+        if self._kept[doc] is None:
+            self._kept[doc] = (torch.zeros(self._max_positions, self.top, dtype=torch.long, device=device),
+                               torch.zeros(self._max_positions, self.top, device=device))
+            self._coverage[doc] = torch.zeros(self.sizes[doc], dtype=torch.float64, device=device)
+        weights = weights.float()
+        step = self._step[doc]
+        if step is None or step.shape[0] != n:
+            step = self._step[doc] = torch.zeros(n, self.sizes[doc], device=device)
+        step.scatter_add_(1, ids, weights)
         if layer == self.layers - 1:
-            self.positions[doc] += ids.shape[0]
+            first = self.positions[doc]
+            rows = slice(first, min(first + n, self._max_positions))
+            top = min(self.top, self.sizes[doc])
+            mass, positions = step.topk(top, dim=1)  # [n, top]
+            positions_kept, mass_kept = self._kept[doc]
+            positions_kept[rows, :top], mass_kept[rows, :top] = positions[:rows.stop - first], mass[:rows.stop - first]
+            self._coverage[doc] += step.sum(dim=0, dtype=torch.float64)
+            step.zero_()
+            self.positions[doc] += n
 
     def on_logits(self, module, inputs, output) -> None:
         """Forward hook of the output embeddings: keep the newest position's raw logits."""
@@ -185,8 +210,12 @@ class GenerationRecorder:
         """Document ``doc``'s Reading of its returned sequence ``ids`` (through its end token), as recorded."""
         ids = tuple(int(i) for i in ids)
         steps = len(ids) - 1
-        positions, mass, coverage = self.collector.results(doc)
-        positions, mass = positions[:steps], mass[:steps]
+        if self._kept[doc] is None:  # nothing retrieved (no cross-attention layer was called)
+            positions, mass = torch.zeros(steps, 0, dtype=torch.long), torch.zeros(steps, 0)
+            coverage = torch.zeros(self.sizes[doc])
+        else:
+            positions, mass = (part[:steps].cpu() for part in self._kept[doc])
+            coverage = self._coverage[doc].float().cpu()
         token_mass = evidence.TokenMass(torch.cat([torch.zeros_like(positions[:1]), positions]),
                                         torch.cat([torch.zeros_like(mass[:1]), mass]))
         log_probs = torch.tensor([0.0, *self.log_probs[doc][:steps]])

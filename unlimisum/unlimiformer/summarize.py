@@ -332,7 +332,8 @@ class EncoderDecoderSummarizer:
             token_mass = reading.token_mass
             if part.start:  # a chapter's view numbers its tokens from its own start
                 token_mass = evidence.TokenMass(token_mass.positions + part.start, token_mass.mass)
-            support = lambda rows, sources: support_of(reader, reading, store, rows, sources, part.start)  # noqa: E731
+            support = ((lambda rows, sources: support_of(reader, reading, store, rows, sources, part.start))
+                       if self.retrieval.support else None)
             records = evidence.build(text, ids, decode, special_ids, token_mass, part.document,
                                      part.encoded.token_ends, part.encoded.n_tokens,
                                      self.retrieval.evidence_passages, support=support)
