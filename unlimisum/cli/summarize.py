@@ -171,7 +171,7 @@ def summarize(
     ),
     encode_int8: bool = typer.Option(
         False, "--encode-int8", help="Encode with the encoder's linear layers in dynamic int8 (CPU, float32 "
-        "weights): ~1.6x faster encoding without 16-bit units, encoder states within ~3% of float32's.",
+        "weights): encoding ~1.2x faster without 16-bit units, encoder states within ~3% of float32's.",
         rich_help_panel=INDEX_PANEL,
     ),
     # -- decoder-only models
