@@ -193,9 +193,11 @@ def encoder_floor(folder: Path, windows: int) -> float:
     encoder = model.get_encoder()
     with torch.inference_mode():
         encoder(input_ids=ids)
-        started = time.perf_counter()
-        encoder(input_ids=ids)
-        seconds = time.perf_counter() - started
+        seconds = float("inf")
+        for _ in range(3):  # the best of three: a busy moment is not the floor
+            started = time.perf_counter()
+            encoder(input_ids=ids)
+            seconds = min(seconds, time.perf_counter() - started)
     return seconds * windows / batch
 
 
