@@ -55,6 +55,16 @@ def _summarizer(loaded, index: IndexConfig, k: int = 100_000, beams: int = 1, st
                       cache=cache)
 
 
+needs_faiss_scan = pytest.mark.skipif(not head_kernels.faiss_available(torch.float32),
+                                      reason="this faiss cannot scan memory it does not own (faiss < 1.10)")
+
+
+def _scan_every_store(monkeypatch) -> None:
+    """Every key store selects with the faiss scan, whatever its length (the measured choice says from where)."""
+    scan = head_kernels.HeadKernelChoice("float32", 1024, faiss_min_rows=0, queries_per_head=10_000)
+    monkeypatch.setattr(head_kernels, "kernel_for", lambda *args, **kwargs: scan)
+
+
 # -- the keys ---------------------------------------------------------------------------------------
 
 
@@ -198,9 +208,12 @@ def test_many_windows_at_k_above_n_equal_the_decoder_reading_all_kept_states(tin
     assert torch.equal(got, expected)
 
 
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=needs_faiss_scan)])
 @pytest.mark.parametrize("beams", [1, 2])
-def test_per_layer_and_shared_give_the_same_summary_coverage_and_evidence(tiny_loaded, beams, monkeypatch):
+def test_per_layer_and_shared_give_the_same_summary_coverage_and_evidence(tiny_loaded, beams, scan, monkeypatch):
     monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", "float32")
+    if scan:
+        _scan_every_store(monkeypatch)
     loaded = tiny_loaded("bart")
     document = Document.from_text(SAMPLE_TEXT * 3)
     shared = _summarizer(loaded, SHARED, k=6, beams=beams).summarize(document)
@@ -212,10 +225,27 @@ def test_per_layer_and_shared_give_the_same_summary_coverage_and_evidence(tiny_l
     assert len(per_layer.evidence) == len(shared.evidence) > 0
     for mine, theirs in zip(per_layer.evidence, shared.evidence):
         assert [(s.start_char, s.end_char) for s in mine.sources] == [(s.start_char, s.end_char) for s in theirs.sources]
+        assert mine.support == pytest.approx(theirs.support, abs=1e-4)  # the ablation hides the same passages
 
 
-def test_chapter_summaries_read_views_of_the_keys(tiny_loaded, monkeypatch):
+def test_the_head_kernel_is_measured_for_the_runs_own_beams_and_k(tiny_loaded, monkeypatch):
+    """Measured before the first step for what the steps ask (a measurement for one query and k=1 would choose
+    for the wrong work, and each process kept the first it made for every later one)."""
+    asked = []
+    measured = head_kernels.kernel_for
+    monkeypatch.setattr(head_kernels, "kernel_for", lambda *args, **kwargs: asked.append(
+        (kwargs["queries_per_head"], kwargs["k"])) or measured(*args, **kwargs))
+    _summarizer(tiny_loaded("bart"), PER_LAYER, k=6, beams=2).summarize(Document.from_text(SAMPLE_TEXT * 3))
+    assert asked[0] == (2, 6) and {k for _, k in asked} == {6}  # prepared for the beams; the reread reads one row
+    assert measured("cpu", torch.float32, 16, 4, 4, queries_per_head=1, k=8) is not measured(
+        "cpu", torch.float32, 16, 4, 4, queries_per_head=3, k=8)  # kept apart within a process too
+
+
+@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=needs_faiss_scan)])
+def test_chapter_summaries_read_views_of_the_keys(tiny_loaded, scan, monkeypatch):
     monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", "float32")
+    if scan:  # a chapter's keys start inside the book's: the scan reads them at their offset
+        _scan_every_store(monkeypatch)
     loaded = tiny_loaded("bart")
     document = Document(title="Two", chapters=(Chapter("One", SAMPLE_TEXT * 2), Chapter("Two", SAMPLE_TEXT)), source="two.txt")
     shared = _summarizer(loaded, SHARED, k=6).summarize(document, per_chapter=True)
@@ -338,20 +368,43 @@ def test_per_layer_keys_are_exact_search_only():
 
 def test_the_measurement_chooses_the_fastest_head_kernel_and_says_its_speedup(monkeypatch):
     monkeypatch.delenv("UNLIMISUM_SCORE_KERNEL", raising=False)
+    monkeypatch.setattr(head_kernels, "faiss_available", lambda dtype: False)
     seconds = {"shared": 0.030, "float32/256": 0.020, "float32/1024": 0.010, "float32/4096": 0.015, "native": 0.5}
     timed = []
     shared = kernels.KernelChoice("float32", 512, False, 1e-9, 1e-9)
-    choice = head_kernels.calibrate_heads("cpu", torch.bfloat16, 32, 4, 8, rows=512, shared=shared,
+    choice = head_kernels.calibrate_heads("cpu", torch.bfloat16, 32, 4, 8, rows=512, long_rows=4096, shared=shared,
                                           time_one=lambda name, run: timed.append(name) or seconds[name])
-    assert (choice.scores, choice.block_rows) == ("float32", 1024)
+    assert (choice.scores, choice.block_rows, choice.faiss_min_rows) == ("float32", 1024, None)
     assert choice.speedup == pytest.approx(3.0) and "3.00x" in choice.reason
-    assert set(timed) == set(seconds)
+    assert set(timed) == set(seconds)  # without the faiss scan, nothing at a second length
     assert timed.count("native") == 1  # 50x the leader on its first call: clearly the loser, not timed again
     assert timed.count("float32/1024") == head_kernels.MEASURE_REPEATS + 1
     monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", "native")
-    forced = head_kernels.calibrate_heads("cpu", torch.bfloat16, 32, 4, 8, rows=512, shared=shared,
+    forced = head_kernels.calibrate_heads("cpu", torch.bfloat16, 32, 4, 8, rows=512, long_rows=4096, shared=shared,
                                           time_one=lambda name, run: seconds[name])
-    assert forced.scores == "native" and "forced" in forced.reason
+    assert forced.scores == "native" and "forced" in forced.reason and forced.faiss_min_rows is None
+
+
+@pytest.mark.parametrize("faiss, faiss_long, expected_from", [
+    (0.008, 0.060, 512),  # faster at the first length already: from there on
+    (0.020, 0.040, 2048),  # 2x slower at 512 tokens, 2x faster at 8 x 512: they meet at sqrt(8) x 512 = 1,448
+    # tokens, rounded up to a multiple of 1,024
+    (0.020, 0.100, None),  # slower at both lengths: never
+])
+def test_the_faiss_scan_takes_over_from_the_length_where_it_is_measured_faster(monkeypatch, faiss, faiss_long,
+                                                                               expected_from):
+    monkeypatch.delenv("UNLIMISUM_SCORE_KERNEL", raising=False)
+    monkeypatch.setattr(head_kernels, "faiss_available", lambda dtype: True)
+    seconds = {"shared": 0.030, "float32/256": 0.020, "float32/1024": 0.010, "float32/4096": 0.015, "native": 0.5,
+               "faiss": faiss, "float32/1024 long": 0.080, "faiss long": faiss_long}
+    shared = kernels.KernelChoice("float32", 512, False, 1e-9, 1e-9)
+    choice = head_kernels.calibrate_heads("cpu", torch.bfloat16, 32, 4, 8, rows=512, long_rows=4096, shared=shared,
+                                          time_one=lambda name, run: seconds[name])
+    assert choice.scores == "float32" and choice.faiss_min_rows == expected_from
+    assert choice.speedup == pytest.approx(0.030 / min(0.010, faiss))
+    keys, one, two = torch.zeros(4, 2000, 8), torch.zeros(4, 1, 8), torch.zeros(4, 2, 8)
+    assert choice.selects_with_faiss(keys, one) == (expected_from is not None and 2000 >= expected_from)
+    assert not choice.selects_with_faiss(keys, two)  # measured for one query per head: each more is a pass more
 
 
 def test_every_head_kernel_gives_the_brute_force_top_k_and_attention():
@@ -406,6 +459,33 @@ def test_info_says_which_key_store_and_its_bytes(tiny_model_dir):
     plan = json.loads(auto.stdout)["plan"]
     assert plan["key_store"] == "shared" and plan["key_store_bytes"] == 0
     assert f"{KEY_STORE_MIN_TOKENS:,}" in plan["key_store_reason"]
+
+
+@needs_faiss_scan
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_faiss_scan_gives_the_brute_force_top_k_of_the_keys_where_they_are(dtype):
+    generator = torch.Generator().manual_seed(6)
+    book = torch.randn(3, 2000, 8, generator=generator).to(dtype)  # [H, N, dh]
+    keys = book[:, 700:1900]  # a chapter's view: each head's rows contiguous, at an offset into the book's
+    queries = torch.randn(3, 2, 8, generator=generator)
+    reference = torch.einsum("hqd,hnd->hqn", queries, keys.float())
+    scores, ids = head_kernels.faiss_select(keys, queries, 9)
+    expected = reference.topk(9, dim=2)
+    assert torch.equal(ids, expected.indices)
+    torch.testing.assert_close(scores, expected.values)  # fp32 sums of the stored keys, in another order
+    assert head_kernels.faiss_select(keys, queries, 5000)[1].shape == (3, 2, 1200)  # k beyond N: every key
+    scan = head_kernels.HeadKernelChoice("float32", 256, faiss_min_rows=0, queries_per_head=2)
+    plain = head_kernels.HeadKernelChoice("float32", 256)
+    states = torch.randn(1200, 16, generator=generator)
+    shared = kernels.KernelChoice("float32", 128, False, 1e-9, 1e-9)
+    torch.testing.assert_close(head_kernels.head_attend(keys, states, queries, 9, scan, shared),
+                               head_kernels.head_attend(keys, states, queries, 9, plain, shared))
+    hidden = torch.zeros(1200, dtype=torch.bool)
+    hidden[ids[:, :, :4].reshape(-1)] = True  # the best of every query hidden
+    got = head_kernels.head_retrieve(keys, states, queries, 9, scan, shared, exclude=hidden)
+    want = head_kernels.head_retrieve(keys, states, queries, 9, plain, shared, exclude=hidden)
+    assert torch.equal(got[0], want[0]) and not hidden[got[0]].any()
+    torch.testing.assert_close(got[2], want[2])
 
 
 def test_a_search_beyond_the_scores_budget_goes_in_slices_with_the_same_top_k(monkeypatch):

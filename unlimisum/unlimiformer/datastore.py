@@ -99,9 +99,10 @@ class Datastore:
     def _search(self, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
 
-    def prepare(self) -> None:
+    def prepare(self, queries_per_head: int = 1, retrieval_k: int = 1024) -> None:
         """Make now what the first search would otherwise make inside the first decoding step (for the exact
-        store: the measured kernel choice and the packed kernel's copies); nothing to make for faiss indexes."""
+        store: the measured kernel choice and the packed kernel's copies; with per-layer keys, the head kernel
+        measured for ``queries_per_head`` (the beams) and ``retrieval_k``); nothing to make for faiss indexes."""
 
     def attend(self, queries: torch.Tensor, k: int, coverage: torch.Tensor | None = None) -> torch.Tensor:
         """Retrieval attention in hidden space: per query, softmax over its top-k scores times those states.
@@ -173,10 +174,10 @@ class TorchExactDatastore(Datastore):
         # the first calibration of the process times on this store's own rows where it has enough
         return kernels.kernel_for(self._states.device, self.storage_dtype, self.dim, sample=self._states)
 
-    def prepare(self) -> None:
+    def prepare(self, queries_per_head: int = 1, retrieval_k: int = 1024) -> None:
         if self.keys is not None:  # the heads score the keys: the states serve sums only, never packed
             self.kernel()
-            self.keys.choice(self.dim)
+            self.keys.choice(self.dim, queries_per_head=queries_per_head, k=retrieval_k)
             return
         self.packed()  # calibrates the kernels first (once per process), then packs when that kernel was chosen
 

@@ -9,23 +9,32 @@ model's scaling folded in), that layer's ``keys`` [H, N, dh] (unlimisum/unlimifo
   accumulation, the scores rounded to it: 2^-8 relative in bf16), for CPUs with 16-bit units and GPUs;
   ``float32``: blocks of every head's rows widened to fp32 into a reused buffer that stays in cache, then one
   batched matmul per block (exact fp32 scores of the stored keys), for CPUs without them.
-- top-k per head (``kernels.top_k`` over the [H * nq, N] rows), then the softmax of those scores;
+- top-k per head (``kernels.top_k`` over the [H * nq, N] rows), then the softmax of those scores; or, on a CPU
+  and for stores long enough that it is measured faster, both at once by ``faiss_select``: each head's keys are
+  searched in place by faiss' flat scalar-quantizer scan (the 16-bit keys widened in registers, a running top-k
+  heap, no [nq, N] scores in memory), the heads spread over the threads;
 - the weighted sum over the shared states, as the shared store does it (``kernels.gathered_attention``, or a
   dense values pass where measured cheaper); k >= N: one pass, each block scored and summed under an online
   softmax, which equals full cross-attention.
 
-Which kernel and block size run, and whether the key store is faster than the shared store at all, are
-measured on the machine that runs (``calibrate_heads``, once per machine through ``kernel_for``, kept in the
-user's cache folder: unlimisum/measurements.py).
+Which kernel and block size run, from how many tokens the faiss scan takes over, and whether the key store is
+faster than the shared store at all, are measured on the machine that runs (``calibrate_heads``, once per
+machine through ``kernel_for``, kept in the user's cache folder: unlimisum/measurements.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import os
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from unlimisum import measurements
@@ -35,6 +44,11 @@ from unlimisum.unlimiformer import packed as packing
 HEAD_KERNELS = ("native", "float32")
 BLOCK_CHOICES = (256, 1_024, 4_096)  # rows of every head widened at once (12 x 1,024 x 64 fp32 = 3 MiB)
 MEASURE_ROWS = 16_384  # synthetic rows of the measurement: both stores at least 2 MiB at d=64, out of the L2
+# the faiss scan against the best torch kernel again at this many rows (its heap's cost fades with length, a torch
+# kernel's scores do not): where it wins only here, it takes over from the length where the two meet
+LONG_MEASURE_ROWS = 131_072
+# what the measurements of this module are called in the user's cache folder: a new version measures again
+MEASUREMENT_VERSION = 2
 MEASURE_REPEATS = 3
 # a top-k of each query's scores is selected from at least this many rows per measured k (k = rows / 16)
 MEASURE_ROWS_PER_K = 16
@@ -49,6 +63,17 @@ class HeadKernelChoice:
     block_rows: int  # rows of every head per widened block (float32) or per block of the dense pass
     speedup: float = 1.0  # the shared store's scores and top-k time over the key store's, measured
     reason: str = ""  # what was measured, for `unlimisum info` and the benchmarks
+    # selection by the faiss scan (``faiss_select``) from this many keys per head on (CPU); None: never
+    faiss_min_rows: int | None = None
+    queries_per_head: int = 1  # as measured: the scan serves at most this many (each more is one more pass)
+
+    def selects_with_faiss(self, keys: torch.Tensor, queries: torch.Tensor) -> bool:
+        """Whether ``head_select`` searches ``keys`` [H, n, dh] for ``queries`` [H, nq, dh] with faiss under this
+        choice: on a CPU, from ``faiss_min_rows`` keys, for no more queries per head than were measured (a
+        reading of a whole summary at once keeps the torch kernels)."""
+        return (self.faiss_min_rows is not None and keys.shape[1] >= self.faiss_min_rows
+                and queries.shape[1] <= self.queries_per_head
+                and keys.device.type == "cpu" and faiss_available(keys.dtype))
 
 
 _MEASURED: dict[tuple, HeadKernelChoice] = {}
@@ -56,16 +81,18 @@ _MEASURED: dict[tuple, HeadKernelChoice] = {}
 
 def kernel_for(device: torch.device | str, dtype: torch.dtype, dim: int, heads: int, head_dim: int, *,
                queries_per_head: int = 1, k: int = 1024) -> HeadKernelChoice:
-    """The measured choice for this device, dtype and shape: measured on the first call of the process (with
-    its ``queries_per_head`` and ``k``), then reused. The one seam through which the policy and the kernels
-    read the measurement."""
+    """The measured choice for this device, dtype, shape, queries per head and k: measured once per machine
+    (kept in the user's cache folder), then reused. The one seam through which the policy and the kernels read
+    the measurement."""
     device = torch.device(device)
     forced = kernels.forced_kernel()
-    key = (str(device), dtype, dim, heads, head_dim, forced)
+    k = max(1, min(k, MEASURE_ROWS // MEASURE_ROWS_PER_K))  # as measured: a larger k is timed as this one
+    key = (str(device), dtype, dim, heads, head_dim, queries_per_head, k, forced)
     if key not in _MEASURED:
         where = "cpu" if device.type == "cpu" else f"{device.type} {kernels._device_model(device)}"
-        name = (f"key store kernel {where} {str(dtype).removeprefix('torch.')} d={dim} {heads}x{head_dim} heads, "
-                f"{queries_per_head} per head, k={k}" + (f" {forced} forced" if forced else ""))
+        name = (f"key store kernel v{MEASUREMENT_VERSION} {where} {str(dtype).removeprefix('torch.')} d={dim} "
+                f"{heads}x{head_dim} heads, {queries_per_head} per head, k={k}"
+                + (f" {forced} forced" if forced else ""))
 
         def measured() -> tuple[dict, str]:
             choice = calibrate_heads(device, dtype, dim, heads, head_dim, queries_per_head=queries_per_head, k=k)
@@ -90,14 +117,19 @@ def measure(candidates: dict[str, Callable], time_one: Callable[[str, Callable],
 
 def calibrate_heads(device: torch.device | str, dtype: torch.dtype, dim: int, heads: int, head_dim: int, *,
                     queries_per_head: int = 1, k: int = 1024, rows: int = MEASURE_ROWS,
-                    time_one: Callable[[str, Callable], float] | None = None,
+                    long_rows: int = LONG_MEASURE_ROWS, time_one: Callable[[str, Callable], float] | None = None,
                     shared: kernels.KernelChoice | None = None) -> HeadKernelChoice:
     """Time the shared store's scores and top-k (its measured kernel, ``shared``: ``kernels.kernel_for`` when
-    None) against the key store's, each head kernel and block size, on synthetic stores of ``rows`` tokens;
-    choose the fastest head kernel, and say how much faster than the shared store it is (``speedup``).
+    None) against the key store's, each head kernel and block size and (on a CPU, where faiss can) the faiss
+    scan, on synthetic stores of ``rows`` tokens; choose the fastest head kernel, and say how much faster than the
+    shared store the key store is there (``speedup``: its fastest, the scan included). Where the faiss scan
+    loses at ``rows``, it races the fastest head kernel again at ``long_rows`` (the keys tiled, each copy scaled
+    apart) and, if it wins there, takes over from the length where the two meet (``faiss_min_rows``,
+    interpolated in log length).
 
     ``time_one(name, run)`` -> seconds (default: the wall clock around one run); UNLIMISUM_SCORE_KERNEL=native
-    forces the native head kernel, float32 or packed the float32 one (there is no packed head kernel)."""
+    forces the native head kernel, float32 or packed the float32 one (there is no packed head kernel; neither
+    uses faiss)."""
     device = torch.device(device)
     time_one = time_one or (lambda name, run: kernels._timed(run, device))  # the wall clock around one run
     generator = torch.Generator(device="cpu").manual_seed(0)
@@ -120,18 +152,129 @@ def calibrate_heads(device: torch.device | str, dtype: torch.dtype, dim: int, he
     if sixteen_bit and forced in (None, "native"):
         candidates["native"] = lambda c=HeadKernelChoice("native", BLOCK_CHOICES[1]): head_select(keys, head_queries,
                                                                                                  k, c)
+    scans = forced is None and device.type == "cpu" and faiss_available(dtype)
+    if scans:
+        candidates["faiss"] = lambda: faiss_select(keys, head_queries, k)
     seconds = measure(candidates, time_one)
-    fastest = min((name for name in candidates if name != "shared"), key=seconds.get)
+    fastest = min((name for name in candidates if name not in ("shared", "faiss")), key=seconds.get)
     kernel, _, block = fastest.partition("/")
-    speedup = seconds["shared"] / max(seconds[fastest], 1e-12)
+    choice = HeadKernelChoice(kernel, int(block) if block else BLOCK_CHOICES[1])
+    del packed, states
+    faiss_min_rows = None
+    if scans and seconds["faiss"] <= seconds[fastest]:
+        faiss_min_rows = rows
+    elif scans and long_rows > rows:  # again at long_rows: the scan's fixed costs fade with length
+        copies = -(-long_rows // rows)
+        long_keys = keys.repeat(1, copies, 1)  # [H, copies * rows, dh]
+        for copy in range(1, copies):  # scaled apart (exact in 16 bits): no copy's scores tie another's
+            long_keys[:, copy * rows:(copy + 1) * rows] *= 1 + copy / 64
+        seconds.update(measure({f"{fastest} long": lambda: head_select(long_keys, head_queries, k, choice),
+                                "faiss long": lambda: faiss_select(long_keys, head_queries, k)}, time_one))
+        del long_keys
+        short_ratio = seconds["faiss"] / max(seconds[fastest], 1e-12)  # > 1: faiss loses at rows
+        long_ratio = seconds["faiss long"] / max(seconds[f"{fastest} long"], 1e-12)
+        if long_ratio < 1:  # it wins at long_rows: from where the two meet, interpolated in log length
+            where = math.log(short_ratio) / (math.log(short_ratio) - math.log(long_ratio))  # 0..1 of the way
+            faiss_min_rows = int(math.ceil(rows * copies ** where / 1024) * 1024)
+    key_seconds = min(seconds[fastest], seconds["faiss"]) if scans else seconds[fastest]
+    speedup = seconds["shared"] / max(key_seconds, 1e-12)
     measured = ", ".join(f"{name} {value * 1e3:.2f} ms" for name, value in seconds.items())
+    scan = "" if faiss_min_rows is None else f", the faiss scan selecting from {faiss_min_rows:,} tokens on"
     reason = (f"per-head {kernel} scores{' (forced)' if forced else ''}"
-              f"{f', blocks of {int(block):,} rows' if block else ''}: {speedup:.2f}x the shared store's "
+              f"{f', blocks of {int(block):,} rows' if block else ''}{scan}: {speedup:.2f}x the shared store's "
               f"{shared.scores} scores; measured on {rows:,} tokens x {heads} heads x {head_dim} for "
               f"{queries_per_head} quer{'y' if queries_per_head == 1 else 'ies'} per head, k={k:,}: {measured}")
-    del packed
     kernels._SCRATCH.buffers = {}  # the races' buffers: the chosen kernel makes its own again
-    return HeadKernelChoice(kernel, int(block) if block else BLOCK_CHOICES[1], speedup, reason)
+    return dataclasses.replace(choice, speedup=speedup, reason=reason, faiss_min_rows=faiss_min_rows,
+                               queries_per_head=queries_per_head)
+
+
+# --- the faiss scan -----------------------------------------------------------------------------
+
+_FAISS_QUANTIZERS = {torch.bfloat16: "QT_bf16", torch.float16: "QT_fp16"}  # 16-bit keys as faiss codes, bit for bit
+
+
+def _faiss_index(rows: torch.Tensor):
+    """A faiss flat inner-product index over ``rows`` [n, dh] (CPU, contiguous) that reads them where they are:
+    its code buffer made a view of the tensor's memory (faiss >= 1.10's MaybeOwnedVector), nothing copied. The
+    tensor must outlive the index."""
+    import faiss
+
+    n, head_dim = rows.shape
+    if rows.dtype == torch.float32:
+        index = faiss.IndexFlatIP(head_dim)
+    else:
+        quantizer = getattr(faiss.ScalarQuantizer, _FAISS_QUANTIZERS[rows.dtype])
+        index = faiss.IndexScalarQuantizer(head_dim, quantizer, faiss.METRIC_INNER_PRODUCT)
+    codes = index.codes
+    if not isinstance(codes, getattr(faiss, "MaybeOwnedVectorUInt8", ())):  # faiss < 1.10: a plain std::vector
+        raise TypeError("this faiss's indexes own their codes")
+    codes.is_owned = False
+    codes.view_data = codes.c_ptr = faiss.cast_integer_to_uint8_ptr(rows.data_ptr())
+    codes.view_size = codes.c_size = rows.numel() * rows.element_size()
+    index.ntotal = n
+    return index
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+os.register_at_fork(after_in_child=_POOLS.clear)  # a forked child has none of the parent's threads
+
+
+def _pool(workers: int) -> ThreadPoolExecutor:
+    """Threads that search one head each; faiss runs single-threaded in each (its OpenMP setting is per thread)."""
+    with _POOLS_LOCK:
+        if workers not in _POOLS:
+            import faiss
+
+            _POOLS[workers] = ThreadPoolExecutor(workers, thread_name_prefix="unlimisum-heads",
+                                                 initializer=faiss.omp_set_num_threads, initargs=(1,))
+        return _POOLS[workers]
+
+
+def faiss_select(keys: torch.Tensor, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores [H, nq, k'] fp32, ids [H, nq, k'] int64) of each head's top-k, k' = min(k, n), sorted descending:
+    keys [H, n, dh] (CPU; bfloat16, float16 or float32) searched in place by faiss, queries [H, nq, dh].
+
+    One pass over each head's keys, widened to fp32 in registers, each score an fp32 dot product (the float32
+    kernel's scores within fp32 rounding: the sums run in another order), a running top-k heap per query; the
+    heads spread over ``torch.get_num_threads()`` threads (faiss lets go of the GIL). Bandwidth-bound for one
+    query per head, where a torch kernel writes and reads back [nq, n] scores; each further query is another
+    pass, which is why beams keep the torch kernels (measured: ``calibrate_heads``)."""
+    heads, n, _ = keys.shape
+    k = min(k, n)
+    queries = queries.to(torch.float32).contiguous()  # [H, nq, dh]
+    if k == 0 or queries.shape[1] == 0:
+        return queries.new_empty(heads, queries.shape[1], k), torch.empty(heads, queries.shape[1], k,
+                                                                          dtype=torch.long)
+    head_queries = queries.numpy()
+
+    def search(head: int):
+        rows = keys[head] if keys[head].is_contiguous() else keys[head].contiguous()  # [n, dh], alive till returned
+        return _faiss_index(rows).search(head_queries[head], k)
+
+    workers = min(torch.get_num_threads(), heads)
+    found = list(_pool(workers).map(search, range(heads))) if workers > 1 else [search(h) for h in range(heads)]
+    scores = torch.from_numpy(np.stack([distances for distances, _ in found]))
+    ids = torch.from_numpy(np.stack([labels for _, labels in found]))
+    return scores, ids
+
+
+@functools.lru_cache(maxsize=None)
+def faiss_available(dtype: torch.dtype) -> bool:
+    """Whether faiss can scan keys of ``dtype`` in place here: checked once per process against torch on a
+    small store (an older faiss without views, or a layout that changed, is left out, never trusted)."""
+    if dtype not in (torch.float32, *_FAISS_QUANTIZERS):
+        return False
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(2, 300, 8, generator=generator).to(dtype)  # [H, n, dh]
+    queries = torch.randn(2, 3, 8, generator=generator)
+    try:
+        scores, ids = faiss_select(keys, queries, 5)
+    except (ImportError, AttributeError, KeyError, RuntimeError, TypeError):
+        return False
+    expected = torch.einsum("hqd,hnd->hqn", queries, keys.float()).topk(5, dim=2)
+    return bool(torch.equal(ids, expected.indices) and torch.allclose(scores, expected.values, atol=1e-4))
 
 
 # --- the kernels ------------------------------------------------------------------------------
@@ -162,7 +305,10 @@ def head_select(keys: torch.Tensor, queries: torch.Tensor, k: int,
                 choice: HeadKernelChoice) -> tuple[torch.Tensor, torch.Tensor]:
     """(scores, ids) [H, nq, k] of each head's top-k by the kernel's scores, in no particular order.
 
-    One pass over the keys; beyond MAX_SCORE_BYTES of scores it goes in slices with a running top-k."""
+    One pass over the keys: the faiss scan where the choice says (``selects_with_faiss``); otherwise its scores,
+    beyond MAX_SCORE_BYTES of them in slices with a running top-k."""
+    if choice.selects_with_faiss(keys, queries):
+        return faiss_select(keys, queries, k)
     heads, n, _ = keys.shape
     nq = queries.shape[1]
     queries = queries.to(keys.device, torch.float32)
@@ -246,7 +392,8 @@ def head_attend(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tensor,
     shared = shared.unpacked()
     if k >= n:
         return head_dense_attention(keys, states, queries, choice, shared, coverage)
-    if dense_measured and rows * n * 4 <= kernels.MAX_SCORE_BYTES and shared.dense_is_cheaper(rows, k, n):
+    dense_scores = rows * n * 4 <= kernels.MAX_SCORE_BYTES and not choice.selects_with_faiss(keys, queries)
+    if dense_measured and dense_scores and shared.dense_is_cheaper(rows, k, n):
         logits = head_scores(keys, queries, choice).view(rows, n)
         top, ids = kernels.top_k(logits, k, ordered=False)
         kept = torch.softmax(top, dim=1, dtype=torch.float32)  # [rows, k]

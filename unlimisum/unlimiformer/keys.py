@@ -70,7 +70,7 @@ class KeyStore:
         view._owner = self
         return view
 
-    def choice(self, dim: int, queries_per_head: int = 1, k: int = 1) -> head_kernels.HeadKernelChoice:
+    def choice(self, dim: int, queries_per_head: int = 1, k: int = 1024) -> head_kernels.HeadKernelChoice:
         """The measured per-head kernel for this store's device and dtype (the shared states are ``dim`` wide)."""
         return head_kernels.kernel_for(self.device, self.dtype, dim, self.heads, self.head_dim,
                                        queries_per_head=queries_per_head, k=k)

@@ -196,7 +196,7 @@ class EncoderDecoderSummarizer:
         preparing = time.perf_counter()
         self.progress(ProgressEvent("prepare", 0, batch, name))
         for store in stores:  # kernels measured and stores packed here, not silently inside the first step
-            store.prepare()
+            store.prepare(queries_per_head=self._rows_per_document(kwargs), retrieval_k=self.retrieval_k())
         prepared = {"packed_bytes": sum(store.packed_nbytes for store in stores),
                     "seconds": time.perf_counter() - preparing}
         if batch == 1:  # views of one book (a batch of chapters) share its store: their sum would count it again
