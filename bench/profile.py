@@ -25,10 +25,12 @@ PARTS = [
     ("scores matmul", "kernels.py", "native_scores"),
     ("scores matmul", "kernels.py", "native_scores_tokens_major"),
     ("scores matmul", "kernels.py", "float32_scores"),
+    ("scores matmul", "packed.py", "slice_scores"),  # the packed kernel (its ``scores`` reads these slices)
     ("top-k selection", "kernels.py", "top_k"),
     ("top-k selection", "kernels.py", "top_k_tokens_major"),
     ("weighted sum (gather)", "kernels.py", "gathered_attention"),
     ("weighted sum (dense pass)", "kernels.py", "dense_values"),
+    ("weighted sum (dense pass)", "packed.py", "slice_values"),
     ("dense attention, one pass (k >= N)", "kernels.py", "dense_attention"),
     ("retrieval attention, total", "retrieval.py", "attend"),  # the wrapper: projections and the kernels
     ("generate, total", "summarizer.py", "generate"),
