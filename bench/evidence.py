@@ -26,8 +26,8 @@ Writes bench/results/evidence_support.json.
 
 With ``--real``, instead: what the evidence pass and its support (each sentence read again with its passages
 hidden) cost at real sizes, against generate() on the same store (greedy: the reading recorded while
-generating, whose cost is generation with recording against without; beams: the summary read again): bart-base and bart-large shapes (random
-weights), exact stores of ``--tokens`` synthetic states, summaries forced to ``--new-tokens`` (default 64), greedy
+generating, whose cost is generation with recording against without; beams: the summary read again):
+bart-base and bart-large shapes (random weights), exact stores of ``--tokens`` synthetic states, summaries forced to ``--new-tokens`` (default 64), greedy
 and 4 beams. The summary is cut into sentences of 16 tokens, each with three 33-token passages, as the pass finds
 them. The store is built directly (encoding costs the same with any weights: bench/time_to_summary.py has it).
 Writes bench/results/evidence_real.json.

@@ -21,8 +21,9 @@ class EncodingConfig:
     # Windows per encoder forward pass; None picks from the window length and the device.
     batch_size: int | None = None
     # The encoder's linear layers as dynamic int8 on a CPU (unlimisum/models/quantized.py): a book encoded ~1.2x
-    # faster at bart-base size without 16-bit units (the linear layers 1.8x), states within ~3 % relative error. Off: results then equal the
-    # float32 (or 16-bit) model's, and a quantized encoder is a choice the reader makes knowingly.
+    # faster at bart-base size without 16-bit units (the linear layers 1.8x), states within ~3 % relative error.
+    # Off: results then equal the float32 (or 16-bit) model's, and a quantized encoder is a choice the reader
+    # makes knowingly.
     int8: bool = False
     # Window length in tokens; None reads the model's own maximum source length. For a decoder-only model it is
     # the exact local window (the end of the text, the request and everything generated): None is

@@ -170,8 +170,8 @@ def configs_from_options(model, options: dict) -> dict:
     if "top_k" in options and not options.get("do_sample"):
         raise ConfigError("top_k is sampling's top-k, as in generate(), and needs do_sample=True; the number of "
                           "input tokens each head retrieves is retrieval_k")
-    retrieval_config = RetrievalConfig(**{name: options.pop(name) for name in
-                                          ("retrieval_k", "evidence", "evidence_passages", "support") if name in options})
+    retrieval_names = ("retrieval_k", "evidence", "evidence_passages", "support")
+    retrieval_config = RetrievalConfig(**{name: options.pop(name) for name in retrieval_names if name in options})
     prompt = {name: options.pop(key) for key, name in {"prompt": "template", "system": "system"}.items()
               if key in options}
     decoder = {name: options.pop(name) for name in ("sinks", "block_size", "block_representatives", "prefill_selection")

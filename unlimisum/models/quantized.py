@@ -3,7 +3,8 @@
 Encoding is most of a book's time on a CPU (every token is encoded twice with the default overlap). torch's
 dynamic int8 linear (weights int8 per tensor, activations quantized per batch, int32 accumulation) runs the
 linear layers of a bart-base encoder 1.8x faster than float32 on an AVX2 CPU, a whole book's encoding 1.22x
-(Moby-Dick: 479 s to 392 s, BENCHMARKS.md), its states within ~3 % relative error (random weights); the trained needle model gives the same answer with it on 30 of 30 inputs 50 windows long.
+(Moby-Dick: 479 s to 392 s, BENCHMARKS.md), its states within ~3 % relative error (random weights); the
+trained needle model gives the same answer with it on 30 of 30 inputs 50 windows long.
 The result is not the float32 encoder's bit for bit, so it is never chosen for the user. Within
 ``int8_linears`` each ``nn.Linear`` of the module is swapped (setattr) for its int8 version, made once and kept
 in ``made``; the originals are put back on leaving, and nothing else of the model changes.
