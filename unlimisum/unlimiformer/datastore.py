@@ -349,7 +349,7 @@ class DatastoreBuilder:
             self._codes_owner = faiss.downcast_index(self._index.storage)
             _reserve(self._codes_owner.codes, nbytes)  # storage.add appends without ever reallocating
         else:  # ivf: a flat faiss buffer filled in place, the states the lists are built from
-            self._index = _new_flat_index(dim, self.dtype)
+            self._index = new_flat_index(dim, self.dtype)
             self._codes_owner = self._index
             self._index.codes.resize(nbytes)
             self._states = _codes_view(self._index.codes, n_tokens, dim, self.dtype)  # [N, d]
@@ -450,7 +450,9 @@ def attention_mass_recall(exact: Datastore, approx: Datastore, queries: torch.Te
 # --- faiss plumbing -----------------------------------------------------------------------------
 
 
-def _new_flat_index(dim: int, dtype: torch.dtype) -> faiss.Index:
+def new_flat_index(dim: int, dtype: torch.dtype) -> faiss.Index:
+    """An empty exact inner-product index of ``dim``-wide vectors stored as ``dtype`` (float32: flat; 16-bit:
+    a scalar quantizer whose codes are the numbers bit for bit); KeyError for another dtype."""
     if dtype == torch.float32:
         return faiss.IndexFlatIP(dim)
     return faiss.IndexScalarQuantizer(dim, _SCALAR_QUANTIZER[dtype], faiss.METRIC_INNER_PRODUCT)

@@ -191,21 +191,17 @@ def calibrate_heads(device: torch.device | str, dtype: torch.dtype, dim: int, he
 
 # --- the faiss scan -----------------------------------------------------------------------------
 
-_FAISS_QUANTIZERS = {torch.bfloat16: "QT_bf16", torch.float16: "QT_fp16"}  # 16-bit keys as faiss codes, bit for bit
-
 
 def _faiss_index(rows: torch.Tensor):
-    """A faiss flat inner-product index over ``rows`` [n, dh] (CPU, contiguous) that reads them where they are:
-    its code buffer made a view of the tensor's memory (faiss >= 1.10's MaybeOwnedVector), nothing copied. The
-    tensor must outlive the index."""
+    """The exact store's flat inner-product index (``datastore.new_flat_index``) over ``rows`` [n, dh] (CPU,
+    contiguous), reading them where they are: its code buffer made a view of the tensor's memory (faiss >= 1.10's
+    MaybeOwnedVector), nothing copied. The tensor must outlive the index."""
     import faiss
 
+    from unlimisum.unlimiformer.datastore import new_flat_index
+
     n, head_dim = rows.shape
-    if rows.dtype == torch.float32:
-        index = faiss.IndexFlatIP(head_dim)
-    else:
-        quantizer = getattr(faiss.ScalarQuantizer, _FAISS_QUANTIZERS[rows.dtype])
-        index = faiss.IndexScalarQuantizer(head_dim, quantizer, faiss.METRIC_INNER_PRODUCT)
+    index = new_flat_index(head_dim, rows.dtype)
     codes = index.codes
     if not isinstance(codes, getattr(faiss, "MaybeOwnedVectorUInt8", ())):  # faiss < 1.10: a plain std::vector
         raise TypeError("this faiss's indexes own their codes")
@@ -250,7 +246,7 @@ def faiss_select(keys: torch.Tensor, queries: torch.Tensor, k: int) -> tuple[tor
     head_queries = queries.numpy()
 
     def search(head: int):
-        rows = keys[head] if keys[head].is_contiguous() else keys[head].contiguous()  # [n, dh], alive till returned
+        rows = keys[head].contiguous()  # [n, dh] (a view where it already is), alive till returned
         return _faiss_index(rows).search(head_queries[head], k)
 
     workers = min(torch.get_num_threads(), heads)
@@ -263,9 +259,8 @@ def faiss_select(keys: torch.Tensor, queries: torch.Tensor, k: int) -> tuple[tor
 @functools.lru_cache(maxsize=None)
 def faiss_available(dtype: torch.dtype) -> bool:
     """Whether faiss can scan keys of ``dtype`` in place here: checked once per process against torch on a
-    small store (an older faiss without views, or a layout that changed, is left out, never trusted)."""
-    if dtype not in (torch.float32, *_FAISS_QUANTIZERS):
-        return False
+    small store (an older faiss without views, a dtype faiss does not store, or a layout that changed, is left
+    out, never trusted)."""
     generator = torch.Generator().manual_seed(0)
     keys = torch.randn(2, 300, 8, generator=generator).to(dtype)  # [H, n, dh]
     queries = torch.randn(2, 3, 8, generator=generator)
