@@ -18,7 +18,7 @@ from unlimisum.document import Chapter, Document
 from unlimisum.errors import ConfigError
 from unlimisum.models import compat
 from unlimisum.summarizer import Summarizer
-from unlimisum.unlimiformer import head_kernels, kernels
+from unlimisum.unlimiformer import head_kernels, compiled, kernels
 from unlimisum.unlimiformer.cache import EncodedCache
 from unlimisum.unlimiformer.datastore import DatastoreBuilder, plan_index
 from unlimisum.unlimiformer.keys import build_key_store, key_weights
@@ -57,11 +57,12 @@ def _summarizer(loaded, index: IndexConfig, k: int = 100_000, beams: int = 1, st
 
 needs_faiss_scan = pytest.mark.skipif(not head_kernels.faiss_available(torch.float32),
                                       reason="this faiss cannot scan memory it does not own (faiss < 1.10)")
+SCANS = [pytest.param("faiss", marks=needs_faiss_scan), "compiled"]  # numba is a dependency: the compiled scan runs
 
 
-def _scan_every_store(monkeypatch) -> None:
-    """Every key store selects with the faiss scan, whatever its length (the measured choice says from where)."""
-    scan = head_kernels.HeadKernelChoice("float32", 1024, faiss_min_rows=0, queries_per_head=10_000)
+def _scan_every_store(monkeypatch, scanner: str) -> None:
+    """Every key store selects with ``scanner``, whatever its length (the measured choice says from where)."""
+    scan = head_kernels.HeadKernelChoice("float32", 1024, scanner=scanner, scan_min_rows=0, queries_per_head=10_000)
     monkeypatch.setattr(head_kernels, "kernel_for", lambda *args, **kwargs: scan)
 
 
@@ -208,12 +209,12 @@ def test_many_windows_at_k_above_n_equal_the_decoder_reading_all_kept_states(tin
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=needs_faiss_scan)])
+@pytest.mark.parametrize("scan", [None, *SCANS])
 @pytest.mark.parametrize("beams", [1, 2])
 def test_per_layer_and_shared_give_the_same_summary_coverage_and_evidence(tiny_loaded, beams, scan, monkeypatch):
     monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", "float32")
     if scan:
-        _scan_every_store(monkeypatch)
+        _scan_every_store(monkeypatch, scan)
     loaded = tiny_loaded("bart")
     document = Document.from_text(SAMPLE_TEXT * 3)
     shared = _summarizer(loaded, SHARED, k=6, beams=beams).summarize(document)
@@ -241,11 +242,11 @@ def test_the_head_kernel_is_measured_for_the_runs_own_beams_and_k(tiny_loaded, m
         "cpu", torch.float32, 16, 4, 4, queries_per_head=3, k=8)  # kept apart within a process too
 
 
-@pytest.mark.parametrize("scan", [False, pytest.param(True, marks=needs_faiss_scan)])
+@pytest.mark.parametrize("scan", [None, *SCANS])
 def test_chapter_summaries_read_views_of_the_keys(tiny_loaded, scan, monkeypatch):
     monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", "float32")
     if scan:  # a chapter's keys start inside the book's: the scan reads them at their offset
-        _scan_every_store(monkeypatch)
+        _scan_every_store(monkeypatch, scan)
     loaded = tiny_loaded("bart")
     document = Document(title="Two", chapters=(Chapter("One", SAMPLE_TEXT * 2), Chapter("Two", SAMPLE_TEXT)), source="two.txt")
     shared = _summarizer(loaded, SHARED, k=6).summarize(document, per_chapter=True)
@@ -366,45 +367,79 @@ def test_per_layer_keys_are_exact_search_only():
     assert plan_index(2_000_000, 8, IndexConfig(device="cpu", key_store="per-layer")).kind == "exact"
 
 
+def _scanners_available(monkeypatch, *scanners: str) -> None:
+    """Only ``scanners`` can read the keys in the measurement (``calibrate_heads``)."""
+    monkeypatch.setattr(head_kernels, "faiss_available", lambda dtype: "faiss" in scanners)
+    monkeypatch.setattr(compiled, "usable", lambda keys: "compiled" in scanners)
+
+
 def test_the_measurement_chooses_the_fastest_head_kernel_and_says_its_speedup(monkeypatch):
     monkeypatch.delenv("UNLIMISUM_SCORE_KERNEL", raising=False)
-    monkeypatch.setattr(head_kernels, "faiss_available", lambda dtype: False)
+    _scanners_available(monkeypatch)
     seconds = {"shared": 0.030, "float32/256": 0.020, "float32/1024": 0.010, "float32/4096": 0.015, "native": 0.5}
     timed = []
     shared = kernels.KernelChoice("float32", 512, False, 1e-9, 1e-9)
     choice = head_kernels.calibrate_heads("cpu", torch.bfloat16, 32, 4, 8, rows=512, long_rows=4096, shared=shared,
                                           time_one=lambda name, run: timed.append(name) or seconds[name])
-    assert (choice.scores, choice.block_rows, choice.faiss_min_rows) == ("float32", 1024, None)
+    assert (choice.scores, choice.block_rows, choice.scanner, choice.scan_min_rows) == ("float32", 1024, None, None)
     assert choice.speedup == pytest.approx(3.0) and "3.00x" in choice.reason
-    assert set(timed) == set(seconds)  # without the faiss scan, nothing at a second length
+    assert set(timed) == set(seconds)  # without a scan, nothing at a second length
     assert timed.count("native") == 1  # 50x the leader on its first call: clearly the loser, not timed again
     assert timed.count("float32/1024") == head_kernels.MEASURE_REPEATS + 1
     monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", "native")
     forced = head_kernels.calibrate_heads("cpu", torch.bfloat16, 32, 4, 8, rows=512, long_rows=4096, shared=shared,
                                           time_one=lambda name, run: seconds[name])
-    assert forced.scores == "native" and "forced" in forced.reason and forced.faiss_min_rows is None
+    assert forced.scores == "native" and "forced" in forced.reason and forced.scanner is None
 
 
-@pytest.mark.parametrize("faiss, faiss_long, expected_from", [
+def test_the_compiled_head_kernel_is_chosen_where_it_is_fastest(monkeypatch):
+    monkeypatch.delenv("UNLIMISUM_SCORE_KERNEL", raising=False)
+    _scanners_available(monkeypatch, "compiled")
+    seconds = {"shared": 0.030, "float32/256": 0.020, "float32/1024": 0.010, "float32/4096": 0.015, "native": 0.5,
+               "compiled": 0.006, "compiled scan": 0.012, "float32/1024 long": 0.08, "compiled long": 0.048,
+               "compiled scan long": 0.1}
+    shared = kernels.KernelChoice("float32", 512, False, 1e-9, 1e-9)
+    choice = head_kernels.calibrate_heads("cpu", torch.bfloat16, 32, 4, 8, rows=512, long_rows=4096, shared=shared,
+                                          time_one=lambda name, run: seconds[name])
+    assert (choice.scores, choice.block_rows, choice.scanner) == ("compiled", 4096, None)  # the scan lost twice
+    assert choice.speedup == pytest.approx(5.0) and "per-head compiled scores" in choice.reason
+
+
+@pytest.mark.parametrize("scanner", ["faiss", "compiled"])
+@pytest.mark.parametrize("scan, scan_long, expected_from", [
     (0.008, 0.060, 512),  # faster at the first length already: from there on
     (0.020, 0.040, 2048),  # 2x slower at 512 tokens, 2x faster at 8 x 512: they meet at sqrt(8) x 512 = 1,448
     # tokens, rounded up to a multiple of 1,024
     (0.020, 0.100, None),  # slower at both lengths: never
 ])
-def test_the_faiss_scan_takes_over_from_the_length_where_it_is_measured_faster(monkeypatch, faiss, faiss_long,
-                                                                               expected_from):
+def test_a_scan_takes_over_from_the_length_where_it_is_measured_faster(monkeypatch, scanner, scan, scan_long,
+                                                                       expected_from):
     monkeypatch.delenv("UNLIMISUM_SCORE_KERNEL", raising=False)
-    monkeypatch.setattr(head_kernels, "faiss_available", lambda dtype: True)
+    _scanners_available(monkeypatch, scanner)
     seconds = {"shared": 0.030, "float32/256": 0.020, "float32/1024": 0.010, "float32/4096": 0.015, "native": 0.5,
-               "faiss": faiss, "float32/1024 long": 0.080, "faiss long": faiss_long}
+               "compiled": 0.5, f"{scanner} scan": scan, "float32/1024 long": 0.080, f"{scanner} scan long": scan_long}
     shared = kernels.KernelChoice("float32", 512, False, 1e-9, 1e-9)
     choice = head_kernels.calibrate_heads("cpu", torch.bfloat16, 32, 4, 8, rows=512, long_rows=4096, shared=shared,
                                           time_one=lambda name, run: seconds[name])
-    assert choice.scores == "float32" and choice.faiss_min_rows == expected_from
-    assert choice.speedup == pytest.approx(0.030 / min(0.010, faiss))
+    assert choice.scores == "float32" and choice.scan_min_rows == expected_from
+    assert choice.scanner == (scanner if expected_from else None)
+    assert choice.speedup == pytest.approx(0.030 / min(0.010, scan))
+    assert (f"the {scanner} scan selecting" in choice.reason) == (expected_from is not None)
     keys, one, two = torch.zeros(4, 2000, 8), torch.zeros(4, 1, 8), torch.zeros(4, 2, 8)
-    assert choice.selects_with_faiss(keys, one) == (expected_from is not None and 2000 >= expected_from)
-    assert not choice.selects_with_faiss(keys, two)  # measured for one query per head: each more is a pass more
+    assert choice.selects_with_scan(keys, one) == (expected_from is not None and 2000 >= expected_from)
+    assert not choice.selects_with_scan(keys, two)  # measured for one query per head: each more costs more
+
+
+def test_the_faster_of_the_two_scans_is_raced(monkeypatch):
+    monkeypatch.delenv("UNLIMISUM_SCORE_KERNEL", raising=False)
+    _scanners_available(monkeypatch, "faiss", "compiled")
+    seconds = {"shared": 0.030, "float32/256": 0.020, "float32/1024": 0.010, "float32/4096": 0.015, "native": 0.5,
+               "compiled": 0.5, "faiss scan": 0.009, "compiled scan": 0.007}
+    shared = kernels.KernelChoice("float32", 512, False, 1e-9, 1e-9)
+    choice = head_kernels.calibrate_heads("cpu", torch.bfloat16, 32, 4, 8, rows=512, long_rows=4096, shared=shared,
+                                          time_one=lambda name, run: seconds[name])
+    assert (choice.scanner, choice.scan_min_rows) == ("compiled", 512)
+    assert choice.speedup == pytest.approx(0.030 / 0.007)
 
 
 def test_every_head_kernel_gives_the_brute_force_top_k_and_attention():
@@ -414,7 +449,8 @@ def test_every_head_kernel_gives_the_brute_force_top_k_and_attention():
     queries = torch.randn(3, 2, 8, generator=generator)
     reference = torch.einsum("hqd,hnd->hqn", queries, keys)
     shared = kernels.KernelChoice("float32", 128, False, 1e-9, 1e-9)
-    for choice in (head_kernels.HeadKernelChoice("float32", 64), head_kernels.HeadKernelChoice("native", 256)):
+    for choice in (head_kernels.HeadKernelChoice("float32", 64), head_kernels.HeadKernelChoice("native", 256),
+                   head_kernels.HeadKernelChoice("compiled", 256)):
         torch.testing.assert_close(head_kernels.head_scores(keys, queries, choice), reference)
         scores, ids = head_kernels.head_search(keys, queries, 5, choice)
         expected_scores, expected_ids = reference.topk(5, dim=2)
@@ -474,18 +510,61 @@ def test_the_faiss_scan_gives_the_brute_force_top_k_of_the_keys_where_they_are(d
     assert torch.equal(ids, expected.indices)
     torch.testing.assert_close(scores, expected.values)  # fp32 sums of the stored keys, in another order
     assert head_kernels.faiss_select(keys, queries, 5000)[1].shape == (3, 2, 1200)  # k beyond N: every key
-    scan = head_kernels.HeadKernelChoice("float32", 256, faiss_min_rows=0, queries_per_head=2)
+    _assert_the_scan_attends_as_the_kernels_do("faiss", keys, queries, ids, generator)
+
+
+def _assert_the_scan_attends_as_the_kernels_do(scanner: str, keys, queries, ids, generator) -> None:
+    """head_attend and head_retrieve (with each query's best ``ids`` hidden) give the same with ``scanner`` as with
+    the float32 kernel."""
+    n = keys.shape[1]
+    scan = head_kernels.HeadKernelChoice("float32", 256, scanner=scanner, scan_min_rows=0,
+                                         queries_per_head=queries.shape[1])
     plain = head_kernels.HeadKernelChoice("float32", 256)
-    states = torch.randn(1200, 16, generator=generator)
+    states = torch.randn(n, 16, generator=generator)
     shared = kernels.KernelChoice("float32", 128, False, 1e-9, 1e-9)
     torch.testing.assert_close(head_kernels.head_attend(keys, states, queries, 9, scan, shared),
                                head_kernels.head_attend(keys, states, queries, 9, plain, shared))
-    hidden = torch.zeros(1200, dtype=torch.bool)
+    hidden = torch.zeros(n, dtype=torch.bool)
     hidden[ids[:, :, :4].reshape(-1)] = True  # the best of every query hidden
     got = head_kernels.head_retrieve(keys, states, queries, 9, scan, shared, exclude=hidden)
     want = head_kernels.head_retrieve(keys, states, queries, 9, plain, shared, exclude=hidden)
     assert torch.equal(got[0], want[0]) and not hidden[got[0]].any()
     torch.testing.assert_close(got[2], want[2])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("queries_per_head", [1, 6])  # 6: four queries at a time, then two one by one
+def test_the_compiled_scan_gives_the_brute_force_top_k_and_scores(dtype, queries_per_head):
+    generator = torch.Generator().manual_seed(7)
+    book = torch.randn(3, 6000, 16, generator=generator).to(dtype)  # [H, N, dh]
+    keys = book[:, 700:5900]  # a chapter's view at an offset: 5,200 rows, several blocks and many cuts at k=9
+    queries = torch.randn(3, queries_per_head, 16, generator=generator)
+    reference = torch.einsum("hqd,hnd->hqn", queries, keys.float())
+    torch.testing.assert_close(compiled.scores(keys, queries), reference)
+    scores, ids = compiled.select(keys, queries, 9)
+    scores, order = scores.sort(dim=2, descending=True)  # the scan's top-k comes in no order
+    expected = reference.topk(9, dim=2)
+    assert torch.equal(ids.gather(2, order), expected.indices)
+    torch.testing.assert_close(scores, expected.values)  # fp32 sums of the stored keys, in another order
+    every_score, every_id = compiled.select(keys, queries, 10_000)  # k beyond N: every key once
+    assert every_id.shape == (3, queries_per_head, 5200)
+    assert torch.equal(every_id.sort(dim=2).values, torch.arange(5200).expand(3, queries_per_head, -1))
+    torch.testing.assert_close(every_score.sort(dim=2).values, reference.sort(dim=2).values)
+    _assert_the_scan_attends_as_the_kernels_do("compiled", keys, queries, expected.indices, generator)
+
+
+def test_the_compiled_scan_leaves_keys_it_cannot_read_to_torch():
+    odd = torch.randn(2, 50, 7).to(torch.bfloat16)  # [H, n, dh]: an odd dh has no whole 32-bit words
+    assert compiled.usable(torch.randn(2, 50, 8).to(torch.bfloat16)) and compiled.usable(torch.randn(2, 50, 7))
+    assert not compiled.usable(odd) and not compiled.usable(torch.randn(2, 50, 8).half())
+    queries = torch.randn(2, 3, 7)
+    choice = head_kernels.HeadKernelChoice("compiled", 16, scanner="compiled", scan_min_rows=0, queries_per_head=3)
+    assert not choice.selects_with_scan(odd, queries)
+    reference = torch.einsum("hqd,hnd->hqn", queries, odd.float())
+    torch.testing.assert_close(head_kernels.head_scores(odd, queries, choice), reference)  # the float32 kernel
+    assert torch.equal(head_kernels.head_search(odd, queries, 4, choice)[1], reference.topk(4, dim=2).indices)
+    empty = compiled.select(torch.randn(2, 0, 8), torch.randn(2, 3, 8), 4)
+    assert empty[0].shape == empty[1].shape == (2, 3, 0)
 
 
 def test_a_search_beyond_the_scores_budget_goes_in_slices_with_the_same_top_k(monkeypatch):

@@ -69,6 +69,7 @@ def collect_versions() -> dict:
         "tokenizers": _package_version("tokenizers"),
         "huggingface_hub": _package_version("huggingface_hub"),
         "faiss": _faiss_version(),
+        "numba": _package_version("numba"),  # compiles the CPU retrieval kernels (unlimiformer/compiled.py)
         "typer": _package_version("typer"),
         "rich": _package_version("rich"),
     }

@@ -78,6 +78,7 @@ def render_report(report: dict) -> str:
             ("transformers", versions["transformers"]),
             ("tokenizers", versions["tokenizers"]),
             ("faiss", versions["faiss"] or "not installed"),
+            ("numba", versions["numba"] or "not installed (the torch kernels serve)"),
         ]),
         "devices",
         *_rows([

@@ -9,15 +9,20 @@ model's scaling folded in), that layer's ``keys`` [H, N, dh] (unlimisum/unlimifo
   accumulation, the scores rounded to it: 2^-8 relative in bf16), for CPUs with 16-bit units and GPUs;
   ``float32``: blocks of every head's rows widened to fp32 into a reused buffer that stays in cache, then one
   batched matmul per block (exact fp32 scores of the stored keys), for CPUs without them.
+  ``compiled``: numba's kernels of unlimisum/unlimiformer/compiled.py (CPU, bfloat16 or fp32 keys), every
+  query of a head against each row while it is in cache, the keys widened in registers (the float32 kernel's
+  numbers);
 - top-k per head (``kernels.top_k`` over the [H * nq, N] rows), then the softmax of those scores; or, on a CPU
-  and for stores long enough that it is measured faster, both at once by ``faiss_select``: each head's keys are
-  searched in place by faiss' flat scalar-quantizer scan (the 16-bit keys widened in registers, a running top-k
-  heap, no [nq, N] scores in memory), the heads spread over the threads;
+  and for stores long enough that it is measured faster, both at once by a scan (``scan_select``): the compiled
+  one (compiled.select: scores and a running top-k in one pass over each head's keys, all its queries at once)
+  or faiss' flat scalar-quantizer scan (``faiss_select``, a pass per query), no [nq, N] scores in memory, the
+  heads spread over the threads;
 - the weighted sum over the shared states, as the shared store does it (``kernels.gathered_attention``, or a
-  dense values pass where measured cheaper); k >= N: one pass, each block scored and summed under an online
-  softmax, which equals full cross-attention.
+  dense values pass where measured cheaper), in fp32 by compiled.weighted_sum where the scores run compiled;
+  k >= N: every score's softmax times the states (on a CPU, one compiled pass over them; elsewhere each block
+  scored and summed under an online softmax), which equals full cross-attention.
 
-Which kernel and block size run, from how many tokens the faiss scan takes over, and whether the key store is
+Which kernel and block size run, which scan takes over and from how many tokens, and whether the key store is
 faster than the shared store at all, are measured on the machine that runs (``calibrate_heads``, once per
 machine through ``kernel_for``, kept in the user's cache folder: unlimisum/measurements.py).
 """
@@ -29,7 +34,6 @@ import functools
 import math
 import os
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
@@ -38,17 +42,18 @@ import numpy as np
 import torch
 
 from unlimisum import measurements
-from unlimisum.unlimiformer import kernels
+from unlimisum.unlimiformer import compiled, kernels
 from unlimisum.unlimiformer import packed as packing
 
-HEAD_KERNELS = ("native", "float32")
+HEAD_KERNELS = ("native", "float32", "compiled")
+SCANNERS = ("compiled", "faiss")  # the scans that select each head's top-k in one pass (CPU)
 BLOCK_CHOICES = (256, 1_024, 4_096)  # rows of every head widened at once (12 x 1,024 x 64 fp32 = 3 MiB)
 MEASURE_ROWS = 16_384  # synthetic rows of the measurement: both stores at least 2 MiB at d=64, out of the L2
-# the faiss scan against the best torch kernel again at this many rows (its heap's cost fades with length, a torch
-# kernel's scores do not): where it wins only here, it takes over from the length where the two meet
+# a scan against the best head kernel again at this many rows (its top-k's cost fades with length, a kernel's
+# scores do not): where it wins only here, it takes over from the length where the two meet
 LONG_MEASURE_ROWS = 131_072
 # what the measurements of this module are called in the user's cache folder: a new version measures again
-MEASUREMENT_VERSION = 2
+MEASUREMENT_VERSION = 3
 MEASURE_REPEATS = 3
 # a top-k of each query's scores is selected from at least this many rows per measured k (k = rows / 16)
 MEASURE_ROWS_PER_K = 16
@@ -59,21 +64,21 @@ RESCORE_BYTES = 256 * 2**20  # fp32 keys gathered at once to rescore a search's 
 class HeadKernelChoice:
     """How the per-head scores run on one device for one dtype and shape (see ``calibrate_heads``)."""
 
-    scores: str  # "native" | "float32"
+    scores: str  # "native" | "float32" | "compiled"
     block_rows: int  # rows of every head per widened block (float32) or per block of the dense pass
     speedup: float = 1.0  # the shared store's scores and top-k time over the key store's, measured
     reason: str = ""  # what was measured, for `unlimisum info` and the benchmarks
-    # selection by the faiss scan (``faiss_select``) from this many keys per head on (CPU); None: never
-    faiss_min_rows: int | None = None
-    queries_per_head: int = 1  # as measured: the scan serves at most this many (each more is one more pass)
+    scanner: str | None = None  # "compiled" | "faiss": the scan that selects each head's top-k (CPU); None: none
+    scan_min_rows: int | None = None  # ... from this many keys per head on
+    queries_per_head: int = 1  # as measured: a scan serves at most this many (a reading of a summary keeps
+    # the kernels: the faiss scan makes a pass per query, the compiled one's work grows with them)
 
-    def selects_with_faiss(self, keys: torch.Tensor, queries: torch.Tensor) -> bool:
-        """Whether ``head_select`` searches ``keys`` [H, n, dh] for ``queries`` [H, nq, dh] with faiss under this
-        choice: on a CPU, from ``faiss_min_rows`` keys, for no more queries per head than were measured (a
-        reading of a whole summary at once keeps the torch kernels)."""
-        return (self.faiss_min_rows is not None and keys.shape[1] >= self.faiss_min_rows
-                and queries.shape[1] <= self.queries_per_head
-                and keys.device.type == "cpu" and faiss_available(keys.dtype))
+    def selects_with_scan(self, keys: torch.Tensor, queries: torch.Tensor) -> bool:
+        """Whether ``head_select`` searches ``keys`` [H, n, dh] for ``queries`` [H, nq, dh] with the scan under
+        this choice: on a CPU, from ``scan_min_rows`` keys, for no more queries per head than were measured."""
+        return (self.scanner is not None and self.scan_min_rows is not None and keys.shape[1] >= self.scan_min_rows
+                and queries.shape[1] <= self.queries_per_head and keys.device.type == "cpu"
+                and _scan_usable(self.scanner, keys))
 
 
 _MEASURED: dict[tuple, HeadKernelChoice] = {}
@@ -120,16 +125,16 @@ def calibrate_heads(device: torch.device | str, dtype: torch.dtype, dim: int, he
                     long_rows: int = LONG_MEASURE_ROWS, time_one: Callable[[str, Callable], float] | None = None,
                     shared: kernels.KernelChoice | None = None) -> HeadKernelChoice:
     """Time the shared store's scores and top-k (its measured kernel, ``shared``: ``kernels.kernel_for`` when
-    None) against the key store's, each head kernel and block size and (on a CPU, where faiss can) the faiss
-    scan, on synthetic stores of ``rows`` tokens; choose the fastest head kernel, and say how much faster than the
-    shared store the key store is there (``speedup``: its fastest, the scan included). Where the faiss scan
-    loses at ``rows``, it races the fastest head kernel again at ``long_rows`` (the keys tiled, each copy scaled
-    apart) and, if it wins there, takes over from the length where the two meet (``faiss_min_rows``,
+    None) against the key store's, each head kernel and block size and (on a CPU, where they run) the two scans,
+    on synthetic stores of ``rows`` tokens; choose the fastest head kernel and the faster scan, and say how much
+    faster than the shared store the key store is there (``speedup``: its fastest, a scan included). Where the
+    scan loses at ``rows``, it races the fastest head kernel again at ``long_rows`` (the keys tiled, each copy
+    scaled apart) and, if it wins there, takes over from the length where the two meet (``scan_min_rows``,
     interpolated in log length).
 
     ``time_one(name, run)`` -> seconds (default: the wall clock around one run); UNLIMISUM_SCORE_KERNEL=native
     forces the native head kernel, float32 or packed the float32 one (there is no packed head kernel; neither
-    uses faiss)."""
+    uses a scan)."""
     device = torch.device(device)
     time_one = time_one or (lambda name, run: kernels._timed(run, device))  # the wall clock around one run
     generator = torch.Generator(device="cpu").manual_seed(0)
@@ -152,41 +157,63 @@ def calibrate_heads(device: torch.device | str, dtype: torch.dtype, dim: int, he
     if sixteen_bit and forced in (None, "native"):
         candidates["native"] = lambda c=HeadKernelChoice("native", BLOCK_CHOICES[1]): head_select(keys, head_queries,
                                                                                                  k, c)
-    scans = forced is None and device.type == "cpu" and faiss_available(dtype)
-    if scans:
-        candidates["faiss"] = lambda: faiss_select(keys, head_queries, k)
+    scanners = [name for name in SCANNERS if forced is None and device.type == "cpu" and _scan_usable(name, keys)]
+    if "compiled" in scanners:
+        candidates["compiled"] = lambda c=HeadKernelChoice("compiled", BLOCK_CHOICES[2]): head_select(
+            keys, head_queries, k, c)
+    for name in scanners:
+        candidates[f"{name} scan"] = lambda name=name: scan_select(name, keys, head_queries, k)
     seconds = measure(candidates, time_one)
-    fastest = min((name for name in candidates if name not in ("shared", "faiss")), key=seconds.get)
+    fastest = min((name for name in candidates if name != "shared" and not name.endswith(" scan")), key=seconds.get)
     kernel, _, block = fastest.partition("/")
-    choice = HeadKernelChoice(kernel, int(block) if block else BLOCK_CHOICES[1])
+    choice = HeadKernelChoice(kernel, int(block) if block else (BLOCK_CHOICES[2] if kernel == "compiled"
+                                                                  else BLOCK_CHOICES[1]))
     del packed, states
-    faiss_min_rows = None
-    if scans and seconds["faiss"] <= seconds[fastest]:
-        faiss_min_rows = rows
-    elif scans and long_rows > rows:  # again at long_rows: the scan's fixed costs fade with length
+    scanner = min(scanners, key=lambda name: seconds[f"{name} scan"]) if scanners else None
+    scan_min_rows = None
+    if scanner is not None and seconds[f"{scanner} scan"] <= seconds[fastest]:
+        scan_min_rows = rows
+    elif scanner is not None and long_rows > rows:  # again at long_rows: a scan's fixed costs fade with length
         copies = -(-long_rows // rows)
         long_keys = keys.repeat(1, copies, 1)  # [H, copies * rows, dh]
         for copy in range(1, copies):  # scaled apart (exact in 16 bits): no copy's scores tie another's
             long_keys[:, copy * rows:(copy + 1) * rows] *= 1 + copy / 64
         seconds.update(measure({f"{fastest} long": lambda: head_select(long_keys, head_queries, k, choice),
-                                "faiss long": lambda: faiss_select(long_keys, head_queries, k)}, time_one))
+                                f"{scanner} scan long": lambda: scan_select(scanner, long_keys, head_queries, k)},
+                               time_one))
         del long_keys
-        short_ratio = seconds["faiss"] / max(seconds[fastest], 1e-12)  # > 1: faiss loses at rows
-        long_ratio = seconds["faiss long"] / max(seconds[f"{fastest} long"], 1e-12)
+        short_ratio = seconds[f"{scanner} scan"] / max(seconds[fastest], 1e-12)  # > 1: the scan loses at rows
+        long_ratio = seconds[f"{scanner} scan long"] / max(seconds[f"{fastest} long"], 1e-12)
         if long_ratio < 1:  # it wins at long_rows: from where the two meet, interpolated in log length
             where = math.log(short_ratio) / (math.log(short_ratio) - math.log(long_ratio))  # 0..1 of the way
-            faiss_min_rows = int(math.ceil(rows * copies ** where / 1024) * 1024)
-    key_seconds = min(seconds[fastest], seconds["faiss"]) if scans else seconds[fastest]
+            scan_min_rows = int(math.ceil(rows * copies ** where / 1024) * 1024)
+    if scan_min_rows is None:
+        scanner = None
+    key_seconds = min([seconds[fastest]] + [seconds[f"{name} scan"] for name in scanners])
     speedup = seconds["shared"] / max(key_seconds, 1e-12)
     measured = ", ".join(f"{name} {value * 1e3:.2f} ms" for name, value in seconds.items())
-    scan = "" if faiss_min_rows is None else f", the faiss scan selecting from {faiss_min_rows:,} tokens on"
+    scan = "" if scanner is None else f", the {scanner} scan selecting from {scan_min_rows:,} tokens on"
     reason = (f"per-head {kernel} scores{' (forced)' if forced else ''}"
               f"{f', blocks of {int(block):,} rows' if block else ''}{scan}: {speedup:.2f}x the shared store's "
               f"{shared.scores} scores; measured on {rows:,} tokens x {heads} heads x {head_dim} for "
               f"{queries_per_head} quer{'y' if queries_per_head == 1 else 'ies'} per head, k={k:,}: {measured}")
     kernels._SCRATCH.buffers = {}  # the races' buffers: the chosen kernel makes its own again
-    return dataclasses.replace(choice, speedup=speedup, reason=reason, faiss_min_rows=faiss_min_rows,
+    return dataclasses.replace(choice, speedup=speedup, reason=reason, scanner=scanner, scan_min_rows=scan_min_rows,
                                queries_per_head=queries_per_head)
+
+
+def _scan_usable(scanner: str, keys: torch.Tensor) -> bool:
+    """Whether the scan ``scanner`` can read ``keys`` [H, n, dh] here."""
+    if scanner == "compiled":
+        return compiled.usable(keys)
+    return keys.device.type == "cpu" and faiss_available(keys.dtype)
+
+
+def scan_select(scanner: str, keys: torch.Tensor, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores [H, nq, k'] fp32, ids [H, nq, k'] int64) of each head's top-k by the scan ``scanner``."""
+    if scanner == "compiled":
+        return compiled.select(keys, queries, k)
+    return faiss_select(keys, queries, k)
 
 
 # --- the faiss scan -----------------------------------------------------------------------------
@@ -279,6 +306,8 @@ def head_scores(keys: torch.Tensor, queries: torch.Tensor, choice: HeadKernelCho
     """[H, nq, n] fp32 scores of each head's queries [H, nq, dh] (fp32) against its keys [H, n, dh]."""
     if choice.scores == "native" and keys.dtype != torch.float32:
         return torch.bmm(queries.to(keys.dtype), keys.transpose(1, 2)).float()
+    if choice.scores == "compiled" and compiled.usable(keys):
+        return compiled.scores(keys, queries)
     heads, n, head_dim = keys.shape
     nq = queries.shape[1]
     out = queries.new_empty(heads, nq, n)
@@ -300,10 +329,10 @@ def head_select(keys: torch.Tensor, queries: torch.Tensor, k: int,
                 choice: HeadKernelChoice) -> tuple[torch.Tensor, torch.Tensor]:
     """(scores, ids) [H, nq, k] of each head's top-k by the kernel's scores, in no particular order.
 
-    One pass over the keys: the faiss scan where the choice says (``selects_with_faiss``); otherwise its scores,
-    beyond MAX_SCORE_BYTES of them in slices with a running top-k."""
-    if choice.selects_with_faiss(keys, queries):
-        return faiss_select(keys, queries, k)
+    One pass over the keys: the scan where the choice says (``selects_with_scan``); otherwise its scores, beyond
+    MAX_SCORE_BYTES of them in slices with a running top-k."""
+    if choice.selects_with_scan(keys, queries):
+        return scan_select(choice.scanner, keys, queries, k)
     heads, n, _ = keys.shape
     nq = queries.shape[1]
     queries = queries.to(keys.device, torch.float32)
@@ -364,9 +393,8 @@ def head_retrieve(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tenso
     scores, order = scores.sort(dim=2, descending=True)
     scores, ids = scores[:, :, :wanted], ids.gather(2, order)[:, :, :wanted]
     weights = torch.softmax(scores, dim=2, dtype=torch.float32).nan_to_num(0.0)  # [H, nq, k']
-    shared = shared.unpacked()
-    attended = kernels.gathered_attention(states, ids.reshape(heads * nq, -1), weights.reshape(heads * nq, -1),
-                                          shared.widens, shared.fused_gather)
+    attended = _sum_chosen(states, ids.reshape(heads * nq, -1), weights.reshape(heads * nq, -1), choice,
+                           shared.unpacked())
     return ids, weights, attended.view(heads, nq, -1)
 
 
@@ -387,7 +415,7 @@ def head_attend(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tensor,
     shared = shared.unpacked()
     if k >= n:
         return head_dense_attention(keys, states, queries, choice, shared, coverage)
-    dense_scores = rows * n * 4 <= kernels.MAX_SCORE_BYTES and not choice.selects_with_faiss(keys, queries)
+    dense_scores = rows * n * 4 <= kernels.MAX_SCORE_BYTES and not choice.selects_with_scan(keys, queries)
     if dense_measured and dense_scores and shared.dense_is_cheaper(rows, k, n):
         logits = head_scores(keys, queries, choice).view(rows, n)
         top, ids = kernels.top_k(logits, k, ordered=False)
@@ -401,13 +429,31 @@ def head_attend(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tensor,
     ids = ids.view(rows, -1)
     if coverage is not None:
         coverage.index_add_(0, ids.reshape(-1), weights.reshape(-1))
-    return kernels.gathered_attention(states, ids, weights, shared.widens, shared.fused_gather).view(heads, nq, dim)
+    return _sum_chosen(states, ids, weights, choice, shared).view(heads, nq, dim)
+
+
+def _compiled_sums(choice: HeadKernelChoice, states: torch.Tensor) -> bool:
+    """Whether the fp32 sums over ``states`` run compiled here: where the choice's scores or scan do (their
+    kernels are compiled by then), or where the shared store's would (``kernels._compiled_sums``)."""
+    return ((choice.scores == "compiled" or choice.scanner == "compiled") and compiled.usable_states(states)
+            or kernels._compiled_sums(states))
+
+
+def _sum_chosen(states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, choice: HeadKernelChoice,
+                shared: kernels.KernelChoice) -> torch.Tensor:
+    """[rows, d] fp32: each row's weights [rows, k] over its chosen states ids [rows, k], summed as the shared
+    store sums them (``kernels.gathered_attention``), compiled where ``_compiled_sums`` says."""
+    if (shared.widens or states.dtype == torch.float32) and _compiled_sums(choice, states):
+        return compiled.weighted_sum(states, ids, weights)
+    return kernels.gathered_attention(states, ids, weights, shared.widens, shared.fused_gather)
 
 
 def head_dense_attention(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tensor, choice: HeadKernelChoice,
                          shared: kernels.KernelChoice, coverage: torch.Tensor | None = None) -> torch.Tensor:
-    """Softmax over every key of each head times the shared states, in one pass: each block of rows scored per
-    head and summed while it is in cache, under running maxima and sums (``kernels._online_softmax``).
+    """Softmax over every key of each head times the shared states. On a CPU, where the scores fit
+    MAX_SCORE_BYTES: every score, their softmax, then one pass of the compiled sum over the states. Elsewhere in
+    one pass: each block of rows scored per head and summed while it is in cache, under running maxima and sums
+    (``kernels._online_softmax``).
 
     queries [H, nq, dh] fp32 -> [H, nq, d] fp32; ``coverage`` [N] gets every query's weights added."""
     heads, n, _ = keys.shape
@@ -417,6 +463,12 @@ def head_dense_attention(keys: torch.Tensor, states: torch.Tensor, queries: torc
         return flat.new_zeros(heads, nq, dim)
     block = choice.block_rows
     native_values = not shared.widens and states.dtype != torch.float32
+    if not native_values and _compiled_sums(choice, states) and heads * nq * n * 4 <= kernels.MAX_SCORE_BYTES:
+        # on a CPU: every score at once, then one compiled pass over the states for all the weights
+        weights = torch.softmax(head_scores(keys, queries, choice).view(heads * nq, n), dim=1)  # [H * nq, N]
+        if coverage is not None:
+            coverage += weights.sum(0)
+        return compiled.dense_sum(states, weights).view(heads, nq, dim)
 
     def parts():
         for start in range(0, n, block):

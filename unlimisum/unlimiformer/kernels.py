@@ -8,7 +8,8 @@ weighted sum of its top-k stored states. How the store is read:
   still in cache, summed into the output under an online softmax (running maxima and sums).
 - k < N: one pass scores every query against the whole store, the top-k are selected, then
   either the k winners are gathered (k small next to N; with the native kernel one fused
-  ``embedding_bag`` call, no gathered copy, where measured faster) or a second dense pass sums the
+  ``embedding_bag`` call, no gathered copy, where measured faster; in fp32 on a CPU, the compiled sum of
+  unlimisum/unlimiformer/compiled.py, no gathered copy either) or a second dense pass sums the
   masked softmax over every state (k a large share of N).
 
 Three score kernels, the same result within the documented precision:
@@ -49,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from unlimisum import measurements
+from unlimisum.unlimiformer import compiled
 from unlimisum.unlimiformer import packed as packing
 from unlimisum.unlimiformer.packed import PackedStates
 
@@ -63,6 +65,11 @@ BLOCK_CHOICES = (512, 2_048, 8_192)  # rows per block of the blocked passes (wid
 MAX_SCORE_BYTES = 256 * 2**20
 # Rows gathered at a time (16-bit rows plus their fp32 widening stay in a reused buffer of a few MB).
 GATHER_ROWS = 2_048
+# from this many states, the fp32 sums over them run compiled on a CPU (unlimisum/unlimiformer/compiled.py); below,
+# torch's: the first compile (about 10 s per dtype, once per machine) would cost more than a short store saves
+COMPILED_MIN_STATES = 16_384
+# what the measurements of this module are called in the user's cache folder: a new version measures again
+MEASUREMENT_VERSION = 2  # 2: the compiled fp32 gather (unlimisum/unlimiformer/compiled.py)
 # top_k: the block-maxima pre-selection runs with blocks of at least this many columns (about sqrt(N / k));
 # shorter rows save too little against torch.topk over the whole row.
 TOPK_MIN_BLOCK = 8
@@ -136,7 +143,8 @@ def _remembered_choice(device: torch.device, dtype: torch.dtype, dim: int, force
                        sample: torch.Tensor | None) -> KernelChoice:
     """This machine's kept calibration for (device, dtype, width, forced kernel), else ``calibrate`` now."""
     where = "cpu" if device.type == "cpu" else f"{device.type} {_device_model(device)}"
-    name = f"retrieval kernel {where} {str(dtype).removeprefix('torch.')} d={dim}" + (f" {force} forced" if force else "")
+    name = (f"retrieval kernel v{MEASUREMENT_VERSION} {where} {str(dtype).removeprefix('torch.')} d={dim}"
+            + (f" {force} forced" if force else ""))
 
     def measure() -> tuple[dict, str]:
         choice = calibrate(device, dtype, dim, force=force, sample=sample)
@@ -170,6 +178,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
     sixteen_bit = dtype != torch.float32
     can_pack = sixteen_bit and device.type == "cpu" and packing.available()
     states = _calibration_states(sample, rows, dim, dtype, device, generator, can_pack)  # [rows, d]
+    _compiled_sums(states)  # the compiled sums, where they run, compiled (or loaded) before anything is timed
     queries = torch.randn(CALIBRATION_QUERIES, dim, generator=generator).to(device)  # [nq, d] fp32
     plain = {kernel: KernelChoice(kernel, BLOCK_CHOICES[1], False, 0.0, 0.0) for kernel in SCORE_KERNELS}
     score_runs = {f"float32/{block}": (lambda b=block: float32_scores(states, queries, b)) for block in BLOCK_CHOICES}
@@ -375,11 +384,13 @@ def gathered_attention(states: torch.Tensor, ids: torch.Tensor, weights: torch.T
                        fused: bool = True) -> torch.Tensor:
     """sum_j weights[i, j] * states[ids[i, j]]: ids, weights [nq, k] -> [nq, d] fp32.
 
-    ``widen`` sums in fp32 (float32 kernel and the approximate stores); otherwise the 16-bit states are
-    summed in their dtype with fp32 accumulation: ``fused``, in one ``embedding_bag`` call (fbgemm's
-    kernel on CPUs: no gathered copy; the sums rounded to the storage dtype, as a 16-bit bmm rounds them),
-    else gathering at most GATHER_ROWS states at a time into reused buffers (whole queries while they
-    fit, slices of one query's k beyond), one bmm each.
+    ``widen`` sums in fp32 (float32 kernel and the approximate stores): on a CPU, for a store of at least
+    COMPILED_MIN_STATES, by the compiled kernel (compiled.weighted_sum: each chosen state read once and widened in
+    registers), elsewhere as below;
+    otherwise the 16-bit states are summed in their dtype with fp32 accumulation: ``fused``, in one
+    ``embedding_bag`` call (fbgemm's kernel on CPUs: no gathered copy; the sums rounded to the storage dtype,
+    as a 16-bit bmm rounds them), else gathering at most GATHER_ROWS states at a time into reused buffers
+    (whole queries while they fit, slices of one query's k beyond), one bmm each.
     """
     nq, k = ids.shape
     d = states.shape[1]
@@ -389,6 +400,8 @@ def gathered_attention(states: torch.Tensor, ids: torch.Tensor, weights: torch.T
         # [nq, k] ids are nq bags of k rows; weights in the storage dtype, as the bmm below rounds them
         return F.embedding_bag(ids, states, mode="sum", per_sample_weights=weights.to(states.dtype)).float()
     widen = widen or states.dtype == torch.float32
+    if widen and _compiled_sums(states):  # one read of each chosen state, no gathered copy
+        return compiled.weighted_sum(states, ids, weights)
     out = torch.zeros(nq, d, dtype=torch.float32, device=states.device)
     queries_per_step = max(1, GATHER_ROWS // k)
     k_step = min(k, GATHER_ROWS)
@@ -455,10 +468,18 @@ def _top_k_of_blocks(logits: torch.Tensor, blocks: torch.Tensor, block: int, k: 
     return values, columns.gather(1, order)
 
 
+def _compiled_sums(states: torch.Tensor) -> bool:
+    """Whether the fp32 sums over ``states`` [N, d] run compiled: a CPU store of COMPILED_MIN_STATES or more."""
+    return states.shape[0] >= COMPILED_MIN_STATES and compiled.usable_states(states)
+
+
 def dense_values(states: torch.Tensor, weights: torch.Tensor, choice: KernelChoice) -> torch.Tensor:
-    """weights [nq, N] @ states [N, d] -> [nq, d] fp32: the second dense pass."""
+    """weights [nq, N] @ states [N, d] -> [nq, d] fp32: the second dense pass (fp32 sums on a CPU, from
+    COMPILED_MIN_STATES states: the compiled one of unlimisum/unlimiformer/compiled.py, widened in registers)."""
     if not choice.widens and states.dtype != torch.float32:
         return (weights.to(states.dtype) @ states).float()
+    if _compiled_sums(states):
+        return compiled.dense_sum(states, weights)
     out = weights.new_zeros(weights.shape[0], states.shape[1])  # [nq, d]
     for start in range(0, states.shape[0], choice.block_rows):
         block = _widened(states[start:start + choice.block_rows])  # [b, d]

@@ -1,0 +1,512 @@
+"""Compiled CPU kernels (numba) of exact retrieval: each head's scan of its keys, and the sums over the states.
+
+torch has no kernel that reads 16-bit numbers at the memory's speed on a CPU without 16-bit units: a bfloat16
+matrix-vector product there runs at about 7 GB/s on one thread, and widening blocks to fp32 first reads and writes
+them again. These kernels, compiled by numba for the machine that runs (AVX2, AVX-512 or NEON, whatever LLVM
+finds), read each number once:
+
+- a bfloat16 number is the upper half of an fp32 one, so each 32-bit word of a bfloat16 tensor holds two of them:
+  the word shifted left by 16 bits is the even dimension, the word with its lower half cleared the odd one; the
+  queries are split the same way (even and odd dimensions), so the widening costs one integer operation per two
+  numbers and no shuffles;
+- ``select``: every query of a head (its beams) meets each key while it is in cache, one pass however many
+  beams; the top-k of each query is kept as it goes: a score above the current threshold is appended to a
+  buffer of ``2 k`` candidates, and a full buffer is cut to little more than its k largest (``_cut``: a sample
+  says where, one branch-free pass keeps them), which raises the threshold; ``scores``: the same pass, every
+  score written;
+- ``weighted_sum``: each query's chosen states read once (four at a time, their reads in flight together) and
+  summed in fp32, no gathered copy; ``dense_sum``: weights [nq, N] times every state, each block of states met
+  by every query while it is in cache.
+
+Every score and sum is fp32 arithmetic on the stored numbers, widened exactly (the ``float32`` kernels'
+numbers, summed in another order: within fp32 rounding of them); ties at the k-th score are broken arbitrarily,
+as ``torch.topk`` breaks them. The heads (or queries, or blocks of states) are spread over
+``torch.get_num_threads()`` threads by numba's OpenMP layer, which shares torch's OpenMP runtime where both load
+it (the same ``libgomp.so.1``): the threads torch's last operation left spinning take the work at once, where
+a pool of other threads would share the cores with them. Compiled once per machine: numba caches the machine
+code beside this file, or in its user cache folder where that is read-only. Without numba, or where a kernel
+disagrees with torch on a small store (checked once per process), ``available`` says False and the torch
+kernels and faiss serve (head_kernels.py, kernels.py).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from typing import Callable
+
+import numpy as np
+import torch
+
+SCAN_DTYPES = (torch.bfloat16, torch.float32)  # float16 keys keep the torch kernels and faiss
+BLOCK_ROWS = 1024  # rows scored before their scores are filtered: every query's block of scores stays in L1
+
+try:
+    import numba
+    from llvmlite import ir as _llvm
+    from numba.extending import intrinsic as _intrinsic
+except ImportError:  # pragma: no cover - numba is a dependency; a broken install leaves the torch kernels
+    numba = None
+
+if numba is not None and "NUMBA_THREADING_LAYER" not in os.environ:
+    # OpenMP first: torch's own runtime where torch loaded it (see above); numba's thread pool where it cannot
+    numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
+
+# the fp32 rules the kernels may bend: reassociation (to sum with vector registers) and fused multiply-adds,
+# never the ones that assume no infinities or NaNs (the threshold starts at -inf)
+_FAST = {"reassoc", "contract", "nsz"}
+
+
+def _compile(function: Callable) -> Callable:
+    return numba.njit(nogil=True, cache=True, fastmath=_FAST)(function)
+
+
+def _compile_parallel(function: Callable) -> Callable:
+    return numba.njit(nogil=True, cache=True, fastmath=_FAST, parallel=True)(function)
+
+
+if numba is not None:
+
+    @_intrinsic
+    def _as_float(typingctx, bits):
+        """The fp32 number whose bits are the uint32 ``bits`` (a reinterpretation, no conversion)."""
+        signature = numba.types.float32(numba.types.uint32)
+
+        def codegen(context, builder, _signature, args):
+            return builder.bitcast(args[0], _llvm.FloatType())
+
+        return signature, codegen
+
+    _SHIFT = np.uint32(16)
+    _UPPER = np.uint32(0xFFFF0000)
+
+    @numba.njit(nogil=True, cache=True, inline="always")
+    def _largest_first(scores, ids, n, k):
+        """Reorder scores[:n] (and ids with them) so that their k largest come first, in no order (quickselect)."""
+        low, high = 0, n - 1
+        while low < high:
+            pivot = scores[(low + high) // 2]
+            i, j = low, high
+            while i <= j:
+                while scores[i] > pivot:
+                    i += 1
+                while scores[j] < pivot:
+                    j -= 1
+                if i <= j:
+                    scores[i], scores[j] = scores[j], scores[i]
+                    ids[i], ids[j] = ids[j], ids[i]
+                    i += 1
+                    j -= 1
+            if k - 1 <= j:
+                high = j
+            elif k - 1 >= i:
+                low = i
+            else:
+                break
+
+    @numba.njit(nogil=True, cache=True, inline="always")
+    def _cut(scores, ids, n, k):
+        """Drop most of scores[:n] (and their ids) below their k largest: -> (how many are left, a floor that at
+        least k of them reach). A sample of the scores says where about 5k/4 of them lie above, a count checks
+        it, and one pass keeps those (no branch to mispredict); where the sample misjudged, a quickselect cuts
+        to exactly k. Whatever is dropped has at least k kept scores above it: not one of the top k is lost."""
+        sample = np.empty(64, np.float32)
+        for i in range(64):
+            sample[i] = scores[(i * n) // 64]
+        sample.sort()
+        floor = sample[max(0, 64 - (80 * k + n - 1) // n)]  # 64 - ceil(64 * 1.25 k / n) of 64, ascending
+        reaching = 0
+        for i in range(n):
+            reaching += scores[i] >= floor
+        if reaching < k:
+            _largest_first(scores, ids, n, k)
+            floor = scores[0]
+            for j in range(1, k):
+                floor = min(floor, scores[j])
+            return k, floor
+        left = 0
+        for i in range(n):
+            score = scores[i]
+            scores[left] = score
+            ids[left] = ids[i]
+            left += score >= floor
+        return left, floor
+
+    @numba.njit(nogil=True, cache=True, inline="always")
+    def _keep(block, start, count, kept, kept_ids, held, threshold, k):
+        """Append the block's scores above each query's threshold to its candidates; cut a full buffer down to
+        little more than the k largest (``_cut``), and raise the threshold."""
+        queries, capacity = kept.shape
+        for q in range(queries):
+            floor = threshold[q]
+            n = held[q]
+            for r in range(count):
+                if block[q, r] > floor:
+                    kept[q, n] = block[q, r]
+                    kept_ids[q, n] = start + r
+                    n += 1
+            if n > capacity - block.shape[1]:
+                n, threshold[q] = _cut(kept[q], kept_ids[q], n, k)
+            held[q] = n
+
+    @numba.njit(nogil=True, cache=True, inline="always")
+    def _finish(kept, kept_ids, held, k, out_scores, out_ids):
+        for q in range(kept.shape[0]):
+            n = held[q]
+            if n > k:
+                _largest_first(kept[q], kept_ids[q], n, k)
+            for j in range(k):
+                out_scores[q, j] = kept[q, j]
+                out_ids[q, j] = kept_ids[q, j]
+
+    @_compile
+    def _scores_bf16(words, even, odd, out):
+        """out [nq, n] = fp32 scores of queries (``even``/``odd`` [nq, dh/2] dimensions) against bfloat16 keys
+        ``words`` [n, dh/2] uint32 (two keys' numbers a word: the even one in the lower half)."""
+        n, half = words.shape
+        queries = even.shape[0]
+        first = 0
+        while first + 4 <= queries:  # four queries at a time: each word widened once for the four
+            for r in range(n):
+                t0 = np.float32(0.0)
+                t1 = np.float32(0.0)
+                t2 = np.float32(0.0)
+                t3 = np.float32(0.0)
+                for d in range(half):
+                    word = words[r, d]
+                    low = _as_float(word << _SHIFT)
+                    high = _as_float(word & _UPPER)
+                    t0 += low * even[first, d] + high * odd[first, d]
+                    t1 += low * even[first + 1, d] + high * odd[first + 1, d]
+                    t2 += low * even[first + 2, d] + high * odd[first + 2, d]
+                    t3 += low * even[first + 3, d] + high * odd[first + 3, d]
+                out[first, r] = t0
+                out[first + 1, r] = t1
+                out[first + 2, r] = t2
+                out[first + 3, r] = t3
+            first += 4
+        for q in range(first, queries):
+            for r in range(n):
+                total = np.float32(0.0)
+                for d in range(half):
+                    word = words[r, d]
+                    total += _as_float(word << _SHIFT) * even[q, d] + _as_float(word & _UPPER) * odd[q, d]
+                out[q, r] = total
+
+    @_compile
+    def _scores_f32(keys, queries, out):
+        """out [nq, n] = fp32 scores of queries [nq, dh] against fp32 keys [n, dh]."""
+        n, dim = keys.shape
+        for q in range(queries.shape[0]):
+            for r in range(n):
+                total = np.float32(0.0)
+                for d in range(dim):
+                    total += keys[r, d] * queries[q, d]
+                out[q, r] = total
+
+    @numba.njit(nogil=True, cache=True, inline="always")
+    def _candidates(queries, k):
+        """A block's scores [nq, BLOCK_ROWS], the candidates and their ids [nq, 2 k + BLOCK_ROWS], how many each
+        query holds, and each query's threshold (none yet)."""
+        return (np.empty((queries, BLOCK_ROWS), np.float32), np.empty((queries, 2 * k + BLOCK_ROWS), np.float32),
+                np.empty((queries, 2 * k + BLOCK_ROWS), np.int64), np.zeros(queries, np.int64),
+                np.full(queries, -np.inf, np.float32))
+
+    @_compile
+    def _select_bf16(words, even, odd, k, out_scores, out_ids):
+        """out_scores/out_ids [nq, k] = each query's k best bfloat16 keys (``_scores_bf16``'s layout), no order."""
+        n = words.shape[0]
+        block, kept, kept_ids, held, threshold = _candidates(even.shape[0], k)
+        for start in range(0, n, BLOCK_ROWS):
+            count = min(BLOCK_ROWS, n - start)
+            _scores_bf16(words[start:start + count], even, odd, block[:, :count])
+            _keep(block, start, count, kept, kept_ids, held, threshold, k)
+        _finish(kept, kept_ids, held, k, out_scores, out_ids)
+
+    @_compile
+    def _select_f32(keys, queries, k, out_scores, out_ids):
+        """``_select_bf16`` for fp32 keys [n, dh]."""
+        n = keys.shape[0]
+        block, kept, kept_ids, held, threshold = _candidates(queries.shape[0], k)
+        for start in range(0, n, BLOCK_ROWS):
+            count = min(BLOCK_ROWS, n - start)
+            _scores_f32(keys[start:start + count], queries, block[:, :count])
+            _keep(block, start, count, kept, kept_ids, held, threshold, k)
+        _finish(kept, kept_ids, held, k, out_scores, out_ids)
+
+    @numba.njit(nogil=True, cache=True, inline="always", fastmath=_FAST)
+    def _add_four_bf16(total_even, total_odd, w0, w1, w2, w3, r0, r1, r2, r3):
+        """total_even, total_odd [d/2] += w0 r0 + w1 r1 + w2 r2 + w3 r3 for bfloat16 rows r0..r3 [d/2] uint32."""
+        for i in range(total_even.shape[0]):
+            x0, x1, x2, x3 = r0[i], r1[i], r2[i], r3[i]
+            total_even[i] += ((w0 * _as_float(x0 << _SHIFT) + w1 * _as_float(x1 << _SHIFT))
+                              + (w2 * _as_float(x2 << _SHIFT) + w3 * _as_float(x3 << _SHIFT)))
+            total_odd[i] += ((w0 * _as_float(x0 & _UPPER) + w1 * _as_float(x1 & _UPPER))
+                             + (w2 * _as_float(x2 & _UPPER) + w3 * _as_float(x3 & _UPPER)))
+
+    @numba.njit(nogil=True, cache=True, inline="always", fastmath=_FAST)
+    def _add_one_bf16(total_even, total_odd, weight, row):
+        for i in range(total_even.shape[0]):
+            total_even[i] += weight * _as_float(row[i] << _SHIFT)
+            total_odd[i] += weight * _as_float(row[i] & _UPPER)
+
+    @numba.njit(nogil=True, cache=True, inline="always", fastmath=_FAST)
+    def _add_four_f32(total, w0, w1, w2, w3, r0, r1, r2, r3):
+        """total [d] += w0 r0 + w1 r1 + w2 r2 + w3 r3 for fp32 rows r0..r3 [d]."""
+        for i in range(total.shape[0]):
+            total[i] += (w0 * r0[i] + w1 * r1[i]) + (w2 * r2[i] + w3 * r3[i])
+
+    @numba.njit(nogil=True, cache=True, inline="always", fastmath=_FAST)
+    def _add_one_f32(total, weight, row):
+        for i in range(total.shape[0]):
+            total[i] += weight * row[i]
+
+    @_compile
+    def _sums_bf16(words, ids, weights, even, odd):
+        """even, odd [nq, d/2] = sum_j weights[q, j] * state ids[q, j] of bfloat16 states ``words`` [N, d/2] uint32
+        (``_scores_bf16``'s layout), its even and odd dimensions, summed in fp32: four states at a time (their
+        reads in flight together), into one query's sums in cache."""
+        count = ids.shape[1]
+        for q in range(ids.shape[0]):
+            total_even, total_odd = even[q], odd[q]
+            total_even[:] = 0.0
+            total_odd[:] = 0.0
+            j = 0
+            while j + 4 <= count:
+                _add_four_bf16(total_even, total_odd, weights[q, j], weights[q, j + 1], weights[q, j + 2],
+                               weights[q, j + 3], words[ids[q, j]], words[ids[q, j + 1]], words[ids[q, j + 2]],
+                               words[ids[q, j + 3]])
+                j += 4
+            for j in range(j, count):
+                _add_one_bf16(total_even, total_odd, weights[q, j], words[ids[q, j]])
+
+    @_compile
+    def _sums_f32(states, ids, weights, out):
+        """out [nq, d] = sum_j weights[q, j] * states[ids[q, j]] for fp32 states [N, d] (``_sums_bf16``'s order)."""
+        count = ids.shape[1]
+        for q in range(ids.shape[0]):
+            total = out[q]
+            total[:] = 0.0
+            j = 0
+            while j + 4 <= count:
+                _add_four_f32(total, weights[q, j], weights[q, j + 1], weights[q, j + 2], weights[q, j + 3],
+                              states[ids[q, j]], states[ids[q, j + 1]], states[ids[q, j + 2]], states[ids[q, j + 3]])
+                j += 4
+            for j in range(j, count):
+                _add_one_f32(total, weights[q, j], states[ids[q, j]])
+
+    @_compile
+    def _dense_sums_bf16(words, weights, even, odd):
+        """even, odd [nq, d/2] = weights [nq, n] @ the bfloat16 states ``words`` [n, d/2] (``_sums_bf16``'s
+        layout): four states at a time, every query's sums taken while they are in cache."""
+        n = words.shape[0]
+        even[:] = 0.0
+        odd[:] = 0.0
+        for r in range(0, n - n % 4, 4):
+            for q in range(weights.shape[0]):
+                _add_four_bf16(even[q], odd[q], weights[q, r], weights[q, r + 1], weights[q, r + 2],
+                               weights[q, r + 3], words[r], words[r + 1], words[r + 2], words[r + 3])
+        for r in range(n - n % 4, n):
+            for q in range(weights.shape[0]):
+                _add_one_bf16(even[q], odd[q], weights[q, r], words[r])
+
+    @_compile
+    def _dense_sums_f32(states, weights, out):
+        """out [nq, d] = weights [nq, n] @ fp32 states [n, d] (``_dense_sums_bf16``'s order)."""
+        n = states.shape[0]
+        out[:] = 0.0
+        for r in range(0, n - n % 4, 4):
+            for q in range(weights.shape[0]):
+                _add_four_f32(out[q], weights[q, r], weights[q, r + 1], weights[q, r + 2], weights[q, r + 3],
+                              states[r], states[r + 1], states[r + 2], states[r + 3])
+        for r in range(n - n % 4, n):
+            for q in range(weights.shape[0]):
+                _add_one_f32(out[q], weights[q, r], states[r])
+
+    # the drivers: one call for all heads (or queries, or blocks of states), spread over the threads by prange;
+    # head h's keys are rows[h * pitch:h * pitch + n] (``_head_rows``)
+
+    @_compile_parallel
+    def _select_heads_bf16(words, heads, pitch, n, even, odd, k, out_scores, out_ids):
+        for h in numba.prange(heads):
+            _select_bf16(words[h * pitch:h * pitch + n], even[h], odd[h], k, out_scores[h], out_ids[h])
+
+    @_compile_parallel
+    def _select_heads_f32(keys, heads, pitch, n, queries, k, out_scores, out_ids):
+        for h in numba.prange(heads):
+            _select_f32(keys[h * pitch:h * pitch + n], queries[h], k, out_scores[h], out_ids[h])
+
+    @_compile_parallel
+    def _scores_heads_bf16(words, heads, pitch, n, even, odd, out):
+        for h in numba.prange(heads):
+            _scores_bf16(words[h * pitch:h * pitch + n], even[h], odd[h], out[h])
+
+    @_compile_parallel
+    def _scores_heads_f32(keys, heads, pitch, n, queries, out):
+        for h in numba.prange(heads):
+            _scores_f32(keys[h * pitch:h * pitch + n], queries[h], out[h])
+
+    @_compile_parallel
+    def _sums_queries_bf16(words, ids, weights, even, odd):
+        for q in numba.prange(ids.shape[0]):
+            _sums_bf16(words, ids[q:q + 1], weights[q:q + 1], even[q:q + 1], odd[q:q + 1])
+
+    @_compile_parallel
+    def _sums_queries_f32(states, ids, weights, out):
+        for q in numba.prange(ids.shape[0]):
+            _sums_f32(states, ids[q:q + 1], weights[q:q + 1], out[q:q + 1])
+
+    @_compile_parallel
+    def _dense_sums_parts_bf16(words, weights, bounds, even, odd):
+        for part in numba.prange(len(bounds) - 1):
+            rows = slice(bounds[part], bounds[part + 1])
+            _dense_sums_bf16(words[rows], weights[:, rows], even[part], odd[part])
+
+    @_compile_parallel
+    def _dense_sums_parts_f32(states, weights, bounds, out):
+        for part in numba.prange(len(bounds) - 1):
+            rows = slice(bounds[part], bounds[part + 1])
+            _dense_sums_f32(states[rows], weights[:, rows], out[part])
+
+
+def _threads() -> int:
+    """torch's thread count, as numba may run it (numba's pool is sized once, from the CPU count)."""
+    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(threads)
+    return threads
+
+
+# --- the public functions ------------------------------------------------------------------------
+
+
+def _head_rows(keys: torch.Tensor) -> tuple[np.ndarray, int]:
+    """(rows [(H - 1) * pitch + n, w], pitch): keys [H, n, dh] as the kernels read them, head h's keys being
+    rows[h * pitch:h * pitch + n]: bfloat16 as [.., dh/2] uint32 words, fp32 as they are. Each head's rows where
+    they lie when they are contiguous (a chapter's view of a book's keys: its rows at an offset into each
+    head's block), else a copy."""
+    heads, n, head_dim = keys.shape
+    if not (keys.stride(2) == 1 and keys.stride(1) == head_dim and keys.stride(0) % head_dim == 0
+            and (heads == 1 or keys.stride(0) >= n * head_dim)):
+        keys = keys.contiguous()
+    pitch = keys.stride(0) // head_dim if heads > 1 else n
+    rows = torch.as_strided(keys, ((heads - 1) * pitch + n, head_dim), (head_dim, 1))  # no copy
+    if keys.dtype == torch.bfloat16:
+        return rows.view(torch.int32).numpy().view(np.uint32), pitch
+    return rows.numpy(), pitch
+
+
+def _split_queries(queries: torch.Tensor, dtype: torch.dtype) -> tuple[np.ndarray, ...]:
+    """queries [H, nq, dh] as the kernels read them: fp32, for bfloat16 keys split in even and odd dimensions."""
+    queries = queries.detach().to("cpu", torch.float32)
+    if dtype == torch.bfloat16:
+        return queries[..., 0::2].contiguous().numpy(), queries[..., 1::2].contiguous().numpy()
+    return (queries.contiguous().numpy(),)
+
+
+def select(keys: torch.Tensor, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores [H, nq, k'] fp32, ids [H, nq, k'] int64) of each head's top-k, k' = min(k, n), in no order:
+    keys [H, n, dh] (CPU, ``SCAN_DTYPES``; bfloat16 needs an even dh) scanned once for every query [H, nq, dh]."""
+    heads, n, _ = keys.shape
+    nq = queries.shape[1]
+    k = min(k, n)
+    scores = torch.empty(heads, nq, k, dtype=torch.float32)
+    ids = torch.empty(heads, nq, k, dtype=torch.long)
+    if k == 0 or nq == 0:
+        return scores, ids
+    rows, pitch = _head_rows(keys)
+    kernel = _select_heads_bf16 if keys.dtype == torch.bfloat16 else _select_heads_f32
+    _threads()
+    kernel(rows, heads, pitch, n, *_split_queries(queries, keys.dtype), k, scores.numpy(), ids.numpy())
+    return scores, ids
+
+
+def scores(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """[H, nq, n] fp32 scores of queries [H, nq, dh] against keys [H, n, dh] (CPU, ``SCAN_DTYPES``)."""
+    heads, n, _ = keys.shape
+    out = torch.empty(heads, queries.shape[1], n, dtype=torch.float32)
+    if n == 0 or queries.shape[1] == 0:
+        return out
+    rows, pitch = _head_rows(keys)
+    kernel = _scores_heads_bf16 if keys.dtype == torch.bfloat16 else _scores_heads_f32
+    _threads()
+    kernel(rows, heads, pitch, n, *_split_queries(queries, keys.dtype), out.numpy())
+    return out
+
+
+def weighted_sum(states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[nq, d] fp32 = sum_j weights[q, j] * states[ids[q, j]], summed in fp32 from the stored numbers: states
+    [N, d] (CPU, ``SCAN_DTYPES``; bfloat16 needs an even d), ids [nq, k] int64, weights [nq, k]. One read of each
+    chosen state, widened in registers: no gathered copy (``usable_states``)."""
+    nq, dim = ids.shape[0], states.shape[1]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= states.shape[0]):  # the kernels do not check
+        raise IndexError(f"state ids outside 0..{states.shape[0] - 1}")
+    ids = ids.to(torch.long).contiguous().numpy()
+    weights = weights.detach().to(torch.float32).contiguous().numpy()
+    _threads()
+    if states.dtype == torch.bfloat16:
+        words = states.contiguous().view(torch.int32).numpy().view(np.uint32)  # [N, d/2]
+        even = np.empty((nq, dim // 2), np.float32)
+        odd = np.empty((nq, dim // 2), np.float32)
+        _sums_queries_bf16(words, ids, weights, even, odd)
+        return torch.from_numpy(np.stack((even, odd), axis=2).reshape(nq, dim))
+    out = np.empty((nq, dim), np.float32)
+    _sums_queries_f32(states.contiguous().numpy(), ids, weights, out)
+    return torch.from_numpy(out)
+
+
+def dense_sum(states: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[nq, d] fp32 = weights [nq, N] @ states [N, d], summed in fp32 from the stored numbers (``weighted_sum``'s
+    states): one read of the states, each block of rows met by every query while it is in cache; the rows split
+    among the threads, their partial sums added at the end."""
+    nq, dim = weights.shape[0], states.shape[1]
+    n = states.shape[0]
+    weights = weights.detach().to(torch.float32).contiguous().numpy()
+    parts = max(1, min(_threads(), n // 1024))  # at least a few hundred KiB of states each
+    bounds = np.linspace(0, n, parts + 1).round().astype(np.int64)
+    if states.dtype == torch.bfloat16:
+        words = states.contiguous().view(torch.int32).numpy().view(np.uint32)  # [N, d/2]
+        even = np.empty((parts, nq, dim // 2), np.float32)
+        odd = np.empty((parts, nq, dim // 2), np.float32)
+        _dense_sums_parts_bf16(words, weights, bounds, even, odd)
+        return torch.from_numpy(np.stack((even.sum(0), odd.sum(0)), axis=2).reshape(nq, dim))
+    out = np.empty((parts, nq, dim), np.float32)
+    _dense_sums_parts_f32(states.contiguous().numpy(), weights, bounds, out)
+    return torch.from_numpy(out.sum(0))
+
+
+def usable_states(states: torch.Tensor) -> bool:
+    """Whether ``weighted_sum`` can read these states [N, d] here."""
+    return usable(states.unsqueeze(0))
+
+
+def usable(keys: torch.Tensor) -> bool:
+    """Whether ``select`` and ``scores`` can read these keys [H, n, dh] here."""
+    return (keys.device.type == "cpu" and keys.dtype in SCAN_DTYPES
+            and (keys.dtype != torch.bfloat16 or keys.shape[2] % 2 == 0) and available(keys.dtype))
+
+
+@functools.lru_cache(maxsize=None)
+def available(dtype: torch.dtype) -> bool:
+    """Whether the compiled kernels run here for keys and states of ``dtype``: numba imports, every kernel
+    compiles (or loads from numba's cache: so that no measurement times a compile), and on a small store they
+    find torch's top-k, scores and sums; checked once per process."""
+    if numba is None or dtype not in SCAN_DTYPES:
+        return False
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(3, 700, 8, generator=generator).to(dtype)  # [H, n, dh]: 700 rows, several blocks and cuts
+    queries = torch.randn(3, 2, 8, generator=generator)
+    weights = torch.rand(2, 5, generator=generator)
+    try:
+        found, ids = select(keys, queries, 5)
+        scored = scores(keys, queries)
+        summed = weighted_sum(keys[0], ids[0, :, :5], weights)  # [2, 8]
+        dense = dense_sum(keys[0], scored[0])  # [2, 8]
+    except Exception:  # noqa: BLE001 - a compiler or loader failure of any kind leaves the torch kernels
+        return False
+    expected = torch.einsum("hqd,hnd->hqn", queries, keys.float())
+    top = expected.topk(5, dim=2)
+    expected_sums = torch.einsum("qk,qkd->qd", weights, keys[0].float()[ids[0]])
+    found, order = found.sort(dim=2, descending=True)
+    return bool(torch.equal(ids.gather(2, order), top.indices) and torch.allclose(found, top.values, atol=1e-4)
+                and torch.allclose(scored, expected, atol=1e-4) and torch.allclose(summed, expected_sums, atol=1e-4)
+                and torch.allclose(dense, expected[0] @ keys[0].float(), rtol=1e-4, atol=1e-3))
