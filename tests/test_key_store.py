@@ -553,6 +553,22 @@ def test_the_compiled_scan_gives_the_brute_force_top_k_and_scores(dtype, queries
     _assert_the_scan_attends_as_the_kernels_do("compiled", keys, queries, expected.indices, generator)
 
 
+@pytest.mark.parametrize("k", [1, 9, 700])
+def test_the_compiled_scan_keeps_the_top_k_when_every_cut_misjudges(k):
+    """Scores that grow along the store (every block beats the running floor: a cut at every block), and scores
+    that all tie (the sampled floor equals every candidate)."""
+    rows = torch.arange(6000, dtype=torch.float32)
+    growing = torch.stack([rows, rows.flip(0)]).unsqueeze(2) * torch.tensor([1.0, 0.0])  # [H=2, N, dh=2]
+    queries = torch.tensor([[[1.0, 0.0]], [[1.0, 0.0]]])  # [H, 1, dh]: head 0's best keys last, head 1's first
+    scores, ids = compiled.select(growing, queries, k)
+    assert torch.equal(ids[0, 0].sort().values, torch.arange(6000 - k, 6000))
+    assert torch.equal(ids[1, 0].sort().values, torch.arange(k))
+    assert torch.equal(scores[0, 0].sort().values, torch.arange(6000 - k, 6000, dtype=torch.float32))
+    tied = torch.ones(1, 6000, 2)
+    scores, ids = compiled.select(tied, queries[:1], k)
+    assert ids[0, 0].unique().numel() == k and torch.equal(scores, torch.ones(1, 1, k))
+
+
 def test_the_compiled_scan_leaves_keys_it_cannot_read_to_torch():
     odd = torch.randn(2, 50, 7).to(torch.bfloat16)  # [H, n, dh]: an odd dh has no whole 32-bit words
     assert compiled.usable(torch.randn(2, 50, 8).to(torch.bfloat16)) and compiled.usable(torch.randn(2, 50, 7))

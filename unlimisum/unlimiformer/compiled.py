@@ -105,11 +105,12 @@ if numba is not None:
                 break
 
     @numba.njit(nogil=True, cache=True, inline="always")
-    def _cut(scores, ids, n, k):
-        """Drop most of scores[:n] (and their ids) below their k largest: -> (how many are left, a floor that at
-        least k of them reach). A sample of the scores says where about 5k/4 of them lie above, a count checks
-        it, and one pass keeps those (no branch to mispredict); where the sample misjudged, a quickselect cuts
-        to exactly k. Whatever is dropped has at least k kept scores above it: not one of the top k is lost."""
+    def _cut(scores, ids, n, k, room):
+        """Drop most of scores[:n] (and their ids) below their k largest: -> (how many are left, k to ``room``; a
+        floor that at least k of them reach). A sample of the scores says where about 5k/4 of them lie above, a
+        count checks it, and one pass keeps those (no branch to mispredict); where the sample misjudged (fewer
+        than k, or more than ``room``: ties), a quickselect cuts to exactly k. Whatever is dropped has at least k
+        kept scores at or above it: not one of the top k is lost."""
         sample = np.empty(64, np.float32)
         for i in range(64):
             sample[i] = scores[(i * n) // 64]
@@ -118,7 +119,7 @@ if numba is not None:
         reaching = 0
         for i in range(n):
             reaching += scores[i] >= floor
-        if reaching < k:
+        if reaching < k or reaching > room:
             _largest_first(scores, ids, n, k)
             floor = scores[0]
             for j in range(1, k):
@@ -145,8 +146,9 @@ if numba is not None:
                     kept[q, n] = block[q, r]
                     kept_ids[q, n] = start + r
                     n += 1
-            if n > capacity - block.shape[1]:
-                n, threshold[q] = _cut(kept[q], kept_ids[q], n, k)
+            room = capacity - block.shape[1]  # a full block more must fit
+            if n > room:
+                n, threshold[q] = _cut(kept[q], kept_ids[q], n, k, room)
             held[q] = n
 
     @numba.njit(nogil=True, cache=True, inline="always")
