@@ -265,37 +265,28 @@ if numba is not None:
 
     @_compile
     def _sums_bf16(words, ids, weights, even, odd):
-        """even, odd [nq, d/2] = sum_j weights[q, j] * state ids[q, j] of bfloat16 states ``words`` [N, d/2] uint32
+        """even, odd [d/2] = sum_j weights[j] * state ids[j] of bfloat16 states ``words`` [N, d/2] uint32
         (``_scores_bf16``'s layout), its even and odd dimensions, summed in fp32: four states at a time (their
         reads in flight together), into one query's sums in cache."""
-        count = ids.shape[1]
-        for q in range(ids.shape[0]):
-            total_even, total_odd = even[q], odd[q]
-            total_even[:] = 0.0
-            total_odd[:] = 0.0
-            j = 0
-            while j + 4 <= count:
-                _add_four_bf16(total_even, total_odd, weights[q, j], weights[q, j + 1], weights[q, j + 2],
-                               weights[q, j + 3], words[ids[q, j]], words[ids[q, j + 1]], words[ids[q, j + 2]],
-                               words[ids[q, j + 3]])
-                j += 4
-            for j in range(j, count):
-                _add_one_bf16(total_even, total_odd, weights[q, j], words[ids[q, j]])
+        count = ids.shape[0]
+        even[:] = 0.0
+        odd[:] = 0.0
+        for j in range(0, count - count % 4, 4):
+            _add_four_bf16(even, odd, weights[j], weights[j + 1], weights[j + 2], weights[j + 3], words[ids[j]],
+                           words[ids[j + 1]], words[ids[j + 2]], words[ids[j + 3]])
+        for j in range(count - count % 4, count):
+            _add_one_bf16(even, odd, weights[j], words[ids[j]])
 
     @_compile
     def _sums_f32(states, ids, weights, out):
-        """out [nq, d] = sum_j weights[q, j] * states[ids[q, j]] for fp32 states [N, d] (``_sums_bf16``'s order)."""
-        count = ids.shape[1]
-        for q in range(ids.shape[0]):
-            total = out[q]
-            total[:] = 0.0
-            j = 0
-            while j + 4 <= count:
-                _add_four_f32(total, weights[q, j], weights[q, j + 1], weights[q, j + 2], weights[q, j + 3],
-                              states[ids[q, j]], states[ids[q, j + 1]], states[ids[q, j + 2]], states[ids[q, j + 3]])
-                j += 4
-            for j in range(j, count):
-                _add_one_f32(total, weights[q, j], states[ids[q, j]])
+        """out [d] = sum_j weights[j] * states[ids[j]] for fp32 states [N, d] (``_sums_bf16``'s order)."""
+        count = ids.shape[0]
+        out[:] = 0.0
+        for j in range(0, count - count % 4, 4):
+            _add_four_f32(out, weights[j], weights[j + 1], weights[j + 2], weights[j + 3], states[ids[j]],
+                          states[ids[j + 1]], states[ids[j + 2]], states[ids[j + 3]])
+        for j in range(count - count % 4, count):
+            _add_one_f32(out, weights[j], states[ids[j]])
 
     @_compile
     def _dense_sums_bf16(words, weights, even, odd):
@@ -351,12 +342,12 @@ if numba is not None:
     @_compile_parallel
     def _sums_queries_bf16(words, ids, weights, even, odd):
         for q in numba.prange(ids.shape[0]):
-            _sums_bf16(words, ids[q:q + 1], weights[q:q + 1], even[q:q + 1], odd[q:q + 1])
+            _sums_bf16(words, ids[q], weights[q], even[q], odd[q])
 
     @_compile_parallel
     def _sums_queries_f32(states, ids, weights, out):
         for q in numba.prange(ids.shape[0]):
-            _sums_f32(states, ids[q:q + 1], weights[q:q + 1], out[q:q + 1])
+            _sums_f32(states, ids[q], weights[q], out[q])
 
     @_compile_parallel
     def _dense_sums_parts_bf16(words, weights, bounds, even, odd):

@@ -393,8 +393,9 @@ def head_retrieve(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tenso
     scores, order = scores.sort(dim=2, descending=True)
     scores, ids = scores[:, :, :wanted], ids.gather(2, order)[:, :, :wanted]
     weights = torch.softmax(scores, dim=2, dtype=torch.float32).nan_to_num(0.0)  # [H, nq, k']
-    attended = _sum_chosen(states, ids.reshape(heads * nq, -1), weights.reshape(heads * nq, -1), choice,
-                           shared.unpacked())
+    shared = shared.unpacked()
+    attended = kernels.gathered_attention(states, ids.reshape(heads * nq, -1), weights.reshape(heads * nq, -1),
+                                          shared.widens, shared.fused_gather, _compiled(choice))
     return ids, weights, attended.view(heads, nq, -1)
 
 
@@ -429,23 +430,13 @@ def head_attend(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tensor,
     ids = ids.view(rows, -1)
     if coverage is not None:
         coverage.index_add_(0, ids.reshape(-1), weights.reshape(-1))
-    return _sum_chosen(states, ids, weights, choice, shared).view(heads, nq, dim)
+    return kernels.gathered_attention(states, ids, weights, shared.widens, shared.fused_gather,
+                                      _compiled(choice)).view(heads, nq, dim)
 
 
-def _compiled_sums(choice: HeadKernelChoice, states: torch.Tensor) -> bool:
-    """Whether the fp32 sums over ``states`` run compiled here: where the choice's scores or scan do (their
-    kernels are compiled by then), or where the shared store's would (``kernels._compiled_sums``)."""
-    return ((choice.scores == "compiled" or choice.scanner == "compiled") and compiled.usable_states(states)
-            or kernels._compiled_sums(states))
-
-
-def _sum_chosen(states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, choice: HeadKernelChoice,
-                shared: kernels.KernelChoice) -> torch.Tensor:
-    """[rows, d] fp32: each row's weights [rows, k] over its chosen states ids [rows, k], summed as the shared
-    store sums them (``kernels.gathered_attention``), compiled where ``_compiled_sums`` says."""
-    if (shared.widens or states.dtype == torch.float32) and _compiled_sums(choice, states):
-        return compiled.weighted_sum(states, ids, weights)
-    return kernels.gathered_attention(states, ids, weights, shared.widens, shared.fused_gather)
+def _compiled(choice: HeadKernelChoice) -> bool:
+    """Whether the choice's scores or scan run compiled (the sums over the states may then too, however short)."""
+    return choice.scores == "compiled" or choice.scanner == "compiled"
 
 
 def head_dense_attention(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tensor, choice: HeadKernelChoice,
@@ -463,7 +454,8 @@ def head_dense_attention(keys: torch.Tensor, states: torch.Tensor, queries: torc
         return flat.new_zeros(heads, nq, dim)
     block = choice.block_rows
     native_values = not shared.widens and states.dtype != torch.float32
-    if not native_values and _compiled_sums(choice, states) and heads * nq * n * 4 <= kernels.MAX_SCORE_BYTES:
+    if (not native_values and kernels._compiled_sums(states, _compiled(choice))
+            and heads * nq * n * 4 <= kernels.MAX_SCORE_BYTES):
         # on a CPU: every score at once, then one compiled pass over the states for all the weights
         weights = torch.softmax(head_scores(keys, queries, choice).view(heads * nq, n), dim=1)  # [H * nq, N]
         if coverage is not None:

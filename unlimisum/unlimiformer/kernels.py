@@ -381,12 +381,12 @@ def scores(states: torch.Tensor, queries: torch.Tensor, choice: KernelChoice) ->
 
 
 def gathered_attention(states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, widen: bool,
-                       fused: bool = True) -> torch.Tensor:
+                       fused: bool = True, compiled_kernels: bool = False) -> torch.Tensor:
     """sum_j weights[i, j] * states[ids[i, j]]: ids, weights [nq, k] -> [nq, d] fp32.
 
     ``widen`` sums in fp32 (float32 kernel and the approximate stores): on a CPU, for a store of at least
-    COMPILED_MIN_STATES, by the compiled kernel (compiled.weighted_sum: each chosen state read once and widened in
-    registers), elsewhere as below;
+    COMPILED_MIN_STATES or where the caller's kernels are compiled already (``compiled_kernels``), by the compiled
+    kernel (compiled.weighted_sum: each chosen state read once and widened in registers), elsewhere as below;
     otherwise the 16-bit states are summed in their dtype with fp32 accumulation: ``fused``, in one
     ``embedding_bag`` call (fbgemm's kernel on CPUs: no gathered copy; the sums rounded to the storage dtype,
     as a 16-bit bmm rounds them), else gathering at most GATHER_ROWS states at a time into reused buffers
@@ -400,7 +400,7 @@ def gathered_attention(states: torch.Tensor, ids: torch.Tensor, weights: torch.T
         # [nq, k] ids are nq bags of k rows; weights in the storage dtype, as the bmm below rounds them
         return F.embedding_bag(ids, states, mode="sum", per_sample_weights=weights.to(states.dtype)).float()
     widen = widen or states.dtype == torch.float32
-    if widen and _compiled_sums(states):  # one read of each chosen state, no gathered copy
+    if widen and _compiled_sums(states, compiled_kernels):  # one read of each chosen state, no gathered copy
         return compiled.weighted_sum(states, ids, weights)
     out = torch.zeros(nq, d, dtype=torch.float32, device=states.device)
     queries_per_step = max(1, GATHER_ROWS // k)
@@ -468,9 +468,10 @@ def _top_k_of_blocks(logits: torch.Tensor, blocks: torch.Tensor, block: int, k: 
     return values, columns.gather(1, order)
 
 
-def _compiled_sums(states: torch.Tensor) -> bool:
-    """Whether the fp32 sums over ``states`` [N, d] run compiled: a CPU store of COMPILED_MIN_STATES or more."""
-    return states.shape[0] >= COMPILED_MIN_STATES and compiled.usable_states(states)
+def _compiled_sums(states: torch.Tensor, compiled_kernels: bool = False) -> bool:
+    """Whether the fp32 sums over ``states`` [N, d] run compiled: on a CPU, for a store of COMPILED_MIN_STATES or
+    more, or any where the caller's kernels are compiled already (``compiled_kernels``)."""
+    return (compiled_kernels or states.shape[0] >= COMPILED_MIN_STATES) and compiled.usable_states(states)
 
 
 def dense_values(states: torch.Tensor, weights: torch.Tensor, choice: KernelChoice) -> torch.Tensor:
