@@ -415,7 +415,7 @@ class ProgressDisplay(DrawnOnLiveArea):
 
     def _on_prepare(self, event: ProgressEvent) -> None:
         if event.completed == 0:
-            self._stage("preparing retrieval (measuring and compiling kernels, packing the store)")
+            self._stage("preparing retrieval (compiling and measuring kernels, packing the store)")
             return
         if event.info.get("bytes"):
             self._datastore_bytes = event.info["bytes"]
