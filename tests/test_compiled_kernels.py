@@ -1,5 +1,6 @@
 """The compiled sums over the states (unlimisum/unlimiformer/compiled.py): the fp32 sums of the stored numbers,
-as torch takes them from the widened states, for the gather of each query's top-k and for the dense pass."""
+as torch takes them from the widened states, for the gather of each query's top-k and for the dense pass (over
+the states, or per head over a layer's values)."""
 
 from __future__ import annotations
 
@@ -47,6 +48,18 @@ def test_the_dense_sum_is_the_weights_times_the_widened_states(dtype, n):
     torch.testing.assert_close(compiled.dense_sum(states, weights), expected)
     choice = kernels.KernelChoice("float32", 256, False, 1e-9, 1e-9)
     torch.testing.assert_close(kernels.dense_values(states, weights, choice), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [3, 1027])
+def test_the_dense_sum_per_head_is_each_heads_weights_times_its_widened_values(dtype, n):
+    generator = torch.Generator().manual_seed(3)
+    book = torch.randn(5, n + 200, 8, generator=generator).to(dtype)  # [H, N, dh]
+    values = book[:, 100:100 + n]  # a chapter's view: each head's rows at an offset into its block
+    weights = torch.softmax(torch.randn(5, 3, n, generator=generator), dim=2)  # [H, nq, N]
+    expected = torch.bmm(weights, values.float())
+    torch.testing.assert_close(compiled.head_dense_sum(values, weights), expected)
+    assert compiled.head_dense_sum(values, weights[:, :0]).shape == (5, 0, 8)
 
 
 def test_the_states_it_cannot_read_stay_with_torch():

@@ -7,7 +7,11 @@ attend to the same k tokens. With one query head per key-value head it is every 
 - ``token_ids``: every query its own top-k (brute force over the far tokens; prefill in token
   mode, the exact reference).
 - ``decode_ids``: the same rule for one step's queries (every beam), scored by unlimisum's
-  measured exact kernel (unlimiformer/kernels.py) in one streaming pass per key-value head.
+  measured exact kernel (unlimiformer/kernels.py) in one streaming pass per key-value head; on a
+  CPU, where measured faster on this machine (``grouped_scan_wins``, kept in the user's cache
+  folder: unlimisum/measurements.py), by the compiled grouped scan instead
+  (unlimiformer/compiled.py ``select_grouped``: scores, the max over the group and a running
+  top-k in one pass over each key-value head's keys, widened in registers, exact fp32 scores).
 - ``BlockIndex``: prefill in block mode. Far tokens are grouped into blocks when they leave the
   local window, each represented by the few keys that drew the most attention while they were
   local (InfLLM's representative tokens); one chunk of queries selects whole blocks per key-value
@@ -17,13 +21,24 @@ attend to the same k tokens. With one query head per key-value head it is every 
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
-from unlimisum.unlimiformer import kernels
+from unlimisum import measurements
+from unlimisum.unlimiformer import compiled, kernels
 
 SCORE_BYTES = 64 * 2**20  # float32 block or token scores of one slice
+# the compiled grouped scan serves stores from this many far keys: below, the first compile (tens of seconds per
+# dtype, once per machine) and the measurement would cost more than a short store saves (kernels.py alike)
+GROUPED_SCAN_MIN_KEYS = kernels.COMPILED_MIN_STATES
+# ... and at most this many query rows per key-value head (B * g: a step's beams and query heads); more (the
+# evidence pass's hundreds of queries) make scoring a matmul, which the torch kernels keep
+GROUPED_SCAN_MAX_ROWS = 64
+GROUPED_MEASURE_KEYS = 65_536  # keys per key-value head of the measurement's synthetic store
+# what the measurement is called in the user's cache folder: a new version measures again
+GROUPED_MEASUREMENT_VERSION = 1
 
 
 def token_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -33,7 +48,73 @@ def token_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 def decode_ids(keys: torch.Tensor, queries: torch.Tensor, k: int, choice: kernels.KernelChoice) -> torch.Tensor:
     """keys [G, n, D] (storage dtype), queries [B, G, g, D] float32 -> ids [B, G, k] of the top-k per row and
-    KV head (sorted by score), one pass over the keys per KV head in slices of bounded scores."""
+    KV head (sorted by score), one pass over the keys per KV head: compiled where ``grouped_scan_serves``, else
+    ``choice``'s kernel in slices of bounded scores."""
+    if grouped_scan_serves(keys, queries, k):
+        return _compiled_decode_ids(keys, queries, k)
+    return _torch_decode_ids(keys, queries, k, choice)
+
+
+def grouped_scan_serves(keys: torch.Tensor, queries: torch.Tensor, k: int) -> bool:
+    """Whether ``decode_ids`` selects with the compiled grouped scan: keys [G, n, D] on the CPU that it reads
+    (``compiled.usable``), from GROUPED_SCAN_MIN_KEYS of them and for up to GROUPED_SCAN_MAX_ROWS queries [B, G,
+    g, D] per KV head, no score kernel forced (UNLIMISUM_SCORE_KERNEL), and measured faster here."""
+    rows, heads, group, head_dim = queries.shape
+    return (keys.device.type == "cpu" and keys.shape[1] >= GROUPED_SCAN_MIN_KEYS and k > 0
+            and 0 < rows * group <= GROUPED_SCAN_MAX_ROWS and kernels.forced_kernel() is None
+            and compiled.usable(keys) and grouped_scan_wins(keys.dtype, heads, rows, group, head_dim, k))
+
+
+@functools.lru_cache(maxsize=None)
+def grouped_scan_wins(dtype: torch.dtype, kv_heads: int, rows: int, group: int, head_dim: int, k: int) -> bool:
+    """Whether the compiled grouped scan selects faster than the torch kernels (``kernels.kernel_for``'s choice)
+    on this machine for this dtype, shape and k: raced once on a synthetic store of GROUPED_MEASURE_KEYS keys per
+    KV head, kept in the user's cache folder (unlimisum/measurements.py), memoised per process. ``rows`` (B) is
+    measured at the next power of two (at most GROUPED_SCAN_MAX_ROWS // group), k at most a 16th of the keys."""
+    rows = max(rows, min(1 << (rows - 1).bit_length(), GROUPED_SCAN_MAX_ROWS // group))
+    k = max(1, min(k, GROUPED_MEASURE_KEYS // 16))
+    name = (f"decoder-only grouped scan v{GROUPED_MEASUREMENT_VERSION} cpu {str(dtype).removeprefix('torch.')} "
+            f"{kv_heads} KV heads x {rows} rows x {group} queries, d={head_dim}, k={k}")
+
+    def measured() -> tuple[dict, str]:
+        return _race_grouped_scan(dtype, kv_heads, rows, group, head_dim, k)
+
+    found = measurements.remembered(name, measured)
+    try:
+        return bool(found.value["compiled_wins"])
+    except (TypeError, KeyError):  # an entry another release wrote: measured again, for this process
+        return bool(measured()[0]["compiled_wins"])
+
+
+def _race_grouped_scan(dtype: torch.dtype, kv_heads: int, rows: int, group: int, head_dim: int,
+                       k: int) -> tuple[dict, str]:
+    """({"compiled_wins", "compiled_seconds", "torch_seconds"}, reason): both ways of ``decode_ids`` raced
+    (measurements.race) on a synthetic store."""
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.empty(kv_heads, GROUPED_MEASURE_KEYS, head_dim, dtype=dtype)  # [G, n, D]
+    for head in range(kv_heads):  # one head at a time: no fp32 copy of the whole store
+        keys[head] = torch.randn(GROUPED_MEASURE_KEYS, head_dim, generator=generator)
+    queries = torch.randn(rows, kv_heads, group, head_dim, generator=generator)  # [B, G, g, D]
+    choice = kernels.kernel_for(torch.device("cpu"), dtype, head_dim)
+    seconds = measurements.race({"compiled": lambda: _compiled_decode_ids(keys, queries, k),
+                                 "torch": lambda: _torch_decode_ids(keys, queries, k, choice)})
+    wins = seconds["compiled"] < seconds["torch"]
+    torch_kernel = "native" if choice.scores == "native" and dtype != torch.float32 else "float32"  # kernels.scores
+    reason = (f"{'compiled grouped scan' if wins else f'torch {torch_kernel} kernel'} selects far tokens: "
+              f"compiled {seconds['compiled'] * 1e3:.2f} ms, torch {torch_kernel} {seconds['torch'] * 1e3:.2f} ms "
+              f"on {GROUPED_MEASURE_KEYS:,} keys x {kv_heads} KV heads x {head_dim}, {rows} rows x {group} queries "
+              f"each, k={k:,}")
+    return {"compiled_wins": wins, "compiled_seconds": seconds["compiled"], "torch_seconds": seconds["torch"]}, reason
+
+
+def _compiled_decode_ids(keys: torch.Tensor, queries: torch.Tensor, k: int) -> torch.Tensor:
+    """``decode_ids`` by the compiled grouped scan: ids [B, G, k] sorted by score."""
+    scores, ids = compiled.select_grouped(keys, queries, k)  # [B, G, k], in no order
+    return ids.gather(2, scores.argsort(dim=2, descending=True))
+
+
+def _torch_decode_ids(keys: torch.Tensor, queries: torch.Tensor, k: int, choice: kernels.KernelChoice) -> torch.Tensor:
+    """``decode_ids`` by ``choice``'s torch kernel: per KV head, slices of bounded scores and a running top-k."""
     b, heads, group, _ = queries.shape
     n = keys.shape[1]
     k = min(k, n)

@@ -14,9 +14,12 @@ finds), read each number once:
   buffer of ``2 k`` candidates, and a full buffer is cut to little more than its k largest (``_cut``: a sample
   says where, one branch-free pass keeps them), which raises the threshold; ``scores``: the same pass, every
   score written;
+- ``select_grouped``: ``select`` for grouped-query attention (decoder-only generation): every query head of a
+  key-value head scores each block of its keys, and each row's (beam's) g scores of a key are reduced to their
+  largest before the running top-k keeps them: one selection per row and key-value head, one pass;
 - ``weighted_sum``: each query's chosen states read once (four at a time, their reads in flight together) and
   summed in fp32, no gathered copy; ``dense_sum``: weights [nq, N] times every state, each block of states met
-  by every query while it is in cache.
+  by every query while it is in cache; ``head_dense_sum``: the same per head over its own values [H, N, dh].
 
 Every score and sum is fp32 arithmetic on the stored numbers, widened exactly (the ``float32`` kernels'
 numbers, summed in another order: within fp32 rounding of them); ties at the k-th score are broken arbitrarily,
@@ -236,6 +239,48 @@ if numba is not None:
             _keep(block, start, count, kept, kept_ids, held, threshold, k)
         _finish(kept, kept_ids, held, k, out_scores, out_ids)
 
+    # --- the grouped select (decoder-only generation, grouped-query attention): the g query heads that share a
+    # key-value head make one selection for it, each key scored by the largest of their g scores
+
+    @numba.njit(nogil=True, cache=True, inline="always")
+    def _group_max(scored, group, count, out):
+        """out [B, :count] = the largest of each row's ``group`` scores: scored [B * group, :count], row b's
+        queries b * group .. b * group + group - 1."""
+        for b in range(out.shape[0]):
+            first = b * group
+            for r in range(count):
+                out[b, r] = scored[first, r]
+            for j in range(first + 1, first + group):
+                for r in range(count):
+                    out[b, r] = max(out[b, r], scored[j, r])
+
+    @_compile
+    def _select_grouped_bf16(words, even, odd, group, k, out_scores, out_ids):
+        """out_scores/out_ids [B, k] = each row's k best bfloat16 keys (``_scores_bf16``'s layout) by the largest
+        score of its ``group`` queries (``even``/``odd`` [B * group, dh/2], ``_group_max``'s order), no order."""
+        n = words.shape[0]
+        scored = np.empty((even.shape[0], BLOCK_ROWS), np.float32)  # [B * group, BLOCK_ROWS]
+        block, kept, kept_ids, held, threshold = _candidates(even.shape[0] // group, k)
+        for start in range(0, n, BLOCK_ROWS):
+            count = min(BLOCK_ROWS, n - start)
+            _scores_bf16(words[start:start + count], even, odd, scored[:, :count])
+            _group_max(scored, group, count, block)
+            _keep(block, start, count, kept, kept_ids, held, threshold, k)
+        _finish(kept, kept_ids, held, k, out_scores, out_ids)
+
+    @_compile
+    def _select_grouped_f32(keys, queries, group, k, out_scores, out_ids):
+        """``_select_grouped_bf16`` for fp32 keys [n, dh], queries [B * group, dh]."""
+        n = keys.shape[0]
+        scored = np.empty((queries.shape[0], BLOCK_ROWS), np.float32)  # [B * group, BLOCK_ROWS]
+        block, kept, kept_ids, held, threshold = _candidates(queries.shape[0] // group, k)
+        for start in range(0, n, BLOCK_ROWS):
+            count = min(BLOCK_ROWS, n - start)
+            _scores_f32(keys[start:start + count], queries, scored[:, :count])
+            _group_max(scored, group, count, block)
+            _keep(block, start, count, kept, kept_ids, held, threshold, k)
+        _finish(kept, kept_ids, held, k, out_scores, out_ids)
+
     @numba.njit(nogil=True, cache=True, inline="always", fastmath=_FAST)
     def _add_four_bf16(total_even, total_odd, w0, w1, w2, w3, r0, r1, r2, r3):
         """total_even, total_odd [d/2] += w0 r0 + w1 r1 + w2 r2 + w3 r3 for bfloat16 rows r0..r3 [d/2] uint32."""
@@ -316,6 +361,19 @@ if numba is not None:
             for q in range(weights.shape[0]):
                 _add_one_f32(out[q], weights[q, r], states[r])
 
+    @_compile_parallel
+    def _dense_sums_heads_bf16(words, heads, pitch, n, weights, even, odd):
+        """even, odd [H, nq, dh/2] = weights [H, nq, n] @ each head's bfloat16 values (head h's are
+        words[h * pitch:h * pitch + n], ``_head_rows``), the heads spread over the threads."""
+        for h in numba.prange(heads):
+            _dense_sums_bf16(words[h * pitch:h * pitch + n], weights[h], even[h], odd[h])
+
+    @_compile_parallel
+    def _dense_sums_heads_f32(values, heads, pitch, n, weights, out):
+        """``_dense_sums_heads_bf16`` for fp32 values: out [H, nq, dh]."""
+        for h in numba.prange(heads):
+            _dense_sums_f32(values[h * pitch:h * pitch + n], weights[h], out[h])
+
     # the drivers: one call for all heads (or queries, or blocks of states), spread over the threads by prange;
     # head h's keys are rows[h * pitch:h * pitch + n] (``_head_rows``)
 
@@ -360,6 +418,19 @@ if numba is not None:
         for part in numba.prange(len(bounds) - 1):
             rows = slice(bounds[part], bounds[part + 1])
             _dense_sums_f32(states[rows], weights[:, rows], out[part])
+
+    # the grouped select's drivers: out_scores/out_ids [G, B, k], each key-value head's on a thread
+
+    @_compile_parallel
+    def _select_grouped_heads_bf16(words, heads, pitch, n, even, odd, group, k, out_scores, out_ids):
+        for h in numba.prange(heads):
+            _select_grouped_bf16(words[h * pitch:h * pitch + n], even[h], odd[h], group, k, out_scores[h],
+                                 out_ids[h])
+
+    @_compile_parallel
+    def _select_grouped_heads_f32(keys, heads, pitch, n, queries, group, k, out_scores, out_ids):
+        for h in numba.prange(heads):
+            _select_grouped_f32(keys[h * pitch:h * pitch + n], queries[h], group, k, out_scores[h], out_ids[h])
 
 
 def _threads() -> int:
@@ -411,6 +482,26 @@ def select(keys: torch.Tensor, queries: torch.Tensor, k: int) -> tuple[torch.Ten
     _threads()
     kernel(rows, heads, pitch, n, *_split_queries(queries, keys.dtype), k, scores.numpy(), ids.numpy())
     return scores, ids
+
+
+def select_grouped(keys: torch.Tensor, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores [B, G, k'] fp32, ids [B, G, k'] int64) of each row's and key-value head's top-k, k' = min(k, n),
+    in no order, each key scored by the largest of its group's g scores (grouped-query attention): keys
+    [G, n, D] (CPU, ``SCAN_DTYPES``; bfloat16 needs an even D; a view [:, a:b] of a larger store read in place),
+    queries [B, G, g, D], all B * g of a head met by each key while it is in cache, one pass over its keys."""
+    heads, n, _ = keys.shape
+    rows, _, group, dim = queries.shape
+    k = min(k, n)
+    scores = torch.empty(heads, rows, k, dtype=torch.float32)  # [G, B, k]: each head's rows together
+    ids = torch.empty(heads, rows, k, dtype=torch.long)
+    if k == 0 or rows == 0 or group == 0:
+        return scores.transpose(0, 1), ids.transpose(0, 1)
+    per_head = queries.transpose(0, 1).reshape(heads, rows * group, dim)  # [G, B * g, D]: row b's g together
+    key_rows, pitch = _head_rows(keys)
+    kernel = _select_grouped_heads_bf16 if keys.dtype == torch.bfloat16 else _select_grouped_heads_f32
+    _threads()
+    kernel(key_rows, heads, pitch, n, *_split_queries(per_head, keys.dtype), group, k, scores.numpy(), ids.numpy())
+    return scores.transpose(0, 1), ids.transpose(0, 1)  # [B, G, k]
 
 
 def scores(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
@@ -467,13 +558,34 @@ def dense_sum(states: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(out.sum(0))
 
 
+def head_dense_sum(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[H, nq, dh] fp32 = weights [H, nq, N] @ values [H, N, dh] for each head (CPU, ``SCAN_DTYPES``; bfloat16
+    needs an even dh): one read of each head's values where they lie (``_head_rows``), widened in registers and
+    summed in fp32; the heads spread over the threads."""
+    heads, n, head_dim = values.shape
+    nq = weights.shape[1]
+    if n == 0 or nq == 0:
+        return torch.zeros(heads, nq, head_dim)
+    rows, pitch = _head_rows(values)
+    weights = weights.detach().to(torch.float32).contiguous().numpy()  # [H, nq, N]
+    _threads()
+    if values.dtype == torch.bfloat16:
+        even = np.empty((heads, nq, head_dim // 2), np.float32)
+        odd = np.empty((heads, nq, head_dim // 2), np.float32)
+        _dense_sums_heads_bf16(rows, heads, pitch, n, weights, even, odd)
+        return torch.from_numpy(np.stack((even, odd), axis=3).reshape(heads, nq, head_dim))
+    out = np.empty((heads, nq, head_dim), np.float32)
+    _dense_sums_heads_f32(rows, heads, pitch, n, weights, out)
+    return torch.from_numpy(out)
+
+
 def usable_states(states: torch.Tensor) -> bool:
     """Whether ``weighted_sum`` can read these states [N, d] here."""
     return usable(states.unsqueeze(0))
 
 
 def usable(keys: torch.Tensor) -> bool:
-    """Whether ``select`` and ``scores`` can read these keys [H, n, dh] here."""
+    """Whether ``select``, ``select_grouped`` and ``scores`` can read these keys [H, n, dh] here."""
     return (keys.device.type == "cpu" and keys.dtype in SCAN_DTYPES
             and (keys.dtype != torch.bfloat16 or keys.shape[2] % 2 == 0) and available(keys.dtype))
 
@@ -494,12 +606,19 @@ def available(dtype: torch.dtype) -> bool:
         scored = scores(keys, queries)
         summed = weighted_sum(keys[0], ids[0, :, :5], weights)  # [2, 8]
         dense = dense_sum(keys[0], scored[0])  # [2, 8]
+        per_head = head_dense_sum(keys, scored)  # [3, 2, 8]
+        grouped, grouped_ids = select_grouped(keys, queries.unsqueeze(0), 5)  # [1, 3, 5]: 3 KV heads of 2 each
     except Exception:  # noqa: BLE001 - a compiler or loader failure of any kind leaves the torch kernels
         return False
     expected = torch.einsum("hqd,hnd->hqn", queries, keys.float())
     top = expected.topk(5, dim=2)
     expected_sums = torch.einsum("qk,qkd->qd", weights, keys[0].float()[ids[0]])
     found, order = found.sort(dim=2, descending=True)
+    grouped_top = expected.amax(dim=1).topk(5, dim=1)  # [3, 5]: the largest of each head's 2 scores
+    grouped, grouped_order = grouped[0].sort(dim=1, descending=True)
     return bool(torch.equal(ids.gather(2, order), top.indices) and torch.allclose(found, top.values, atol=1e-4)
                 and torch.allclose(scored, expected, atol=1e-4) and torch.allclose(summed, expected_sums, atol=1e-4)
-                and torch.allclose(dense, expected[0] @ keys[0].float(), rtol=1e-4, atol=1e-3))
+                and torch.allclose(dense, expected[0] @ keys[0].float(), rtol=1e-4, atol=1e-3)
+                and torch.allclose(per_head, torch.bmm(expected, keys.float()), rtol=1e-4, atol=1e-3)
+                and torch.equal(grouped_ids[0].gather(1, grouped_order), grouped_top.indices)
+                and torch.allclose(grouped, grouped_top.values, atol=1e-4))
