@@ -15,12 +15,14 @@ In the same process:
 - the streaming bandwidth: the best of 3 float32 sums over ``--bandwidth-mib`` (1 GiB by default);
 - the truncated baseline: the model's own generate() over the first 1,024 states (its own step);
 - the floor of an exact step: L layers x the bytes one layer reads (the store, or that layer's keys: the same
-  count of 16-bit numbers when H x d_head = d) over the bandwidth, plus the model's own step;
+  count of 16-bit numbers when H x d_head = d; a dense step's keys and values where the policy keeps the values,
+  k = N) over the bandwidth, plus the model's own step;
 - one layer's retrieval alone (scores, top-k and the weighted sum), both stores in turns on the same queries;
 - memory: the store's and the keys' bytes, and the process's peak resident set after each N.
 
 Per-layer rows are skipped (and say so) when the keys and the store do not fit the policy's memory budget
-(unlimisum/unlimiformer/placement.py). Prints a table and writes bench/results/key_store.json (``--json PATH``
+(unlimisum/unlimiformer/placement.py); k = N rows run up to ``--dense-max-tokens``. Prints a table and writes
+bench/results/key_store.json (``--json PATH``
 elsewhere). ``--quick``: N = 16,384, 4 tokens, a 256 MiB bandwidth sum, greedy only: a smoke test in under a minute.
 """
 
@@ -40,8 +42,8 @@ from unlimisum.config import GenerationOptions, IndexConfig, RetrievalConfig
 from unlimisum.results import peak_rss_bytes
 from unlimisum.summarizer import Summarizer
 from unlimisum.unlimiformer import head_kernels
-from unlimisum.unlimiformer.keys import KeyStore, build_key_store, key_store_bytes, key_weights
-from unlimisum.unlimiformer.placement import KEY_STORE_MEMORY_FRACTION, _free_bytes
+from unlimisum.unlimiformer.keys import KeyStore, build_key_store, key_store_bytes, key_weights, value_weights
+from unlimisum.unlimiformer.placement import KEY_STORE_MEMORY_FRACTION, IndexPlan, _free_bytes, plan_key_store
 
 TURNS = 3  # one layer's retrieval: the best of this many turns of each store
 
@@ -92,7 +94,9 @@ def one_layer_seconds(loaded, store, keys: KeyStore, k: int, beams: int) -> dict
     choice = keys.choice(dim, queries_per_head=beams, k=k)
     runs = {"shared": lambda: store.attend(shared_queries, k),
             "per-layer": lambda: head_kernels.head_attend(keys.layer(0), store.states(), head_queries,
-                                                          min(k, store.n_tokens), choice, store.kernel())}
+                                                          min(k, store.n_tokens), choice, store.kernel(),
+                                                          values=keys.layer_values(0) if k >= store.n_tokens
+                                                          else None)}
     best = {name: float("inf") for name in runs}
     for _ in range(TURNS + 1):
         for name, run in runs.items():
@@ -103,7 +107,7 @@ def one_layer_seconds(loaded, store, keys: KeyStore, k: int, beams: int) -> dict
 
 
 def run(n_values: list[int], size: str, new_tokens: int, beams_values: list[int], bandwidth_mib: int,
-        synthetic_from: int) -> dict:
+        synthetic_from: int, dense_max_tokens: int = 300_000) -> dict:
     bandwidth = streaming_bandwidth(bandwidth_mib)
     print(f"streaming bandwidth {bandwidth / 1e9:.1f} GB/s (float32 sum over {bandwidth_mib:,} MiB)", flush=True)
     loaded = random_model(size)
@@ -118,43 +122,62 @@ def run(n_values: list[int], size: str, new_tokens: int, beams_values: list[int]
         store.kernel()  # calibrated before anything is timed
         key_bytes = key_store_bytes(n, layers, heads, head_dim, store.storage_dtype)
         budget = KEY_STORE_MEMORY_FRACTION * (_free_bytes("cpu") + store.nbytes)  # the store is already resident
-        keys = build_seconds = None
+        keys = values = build_seconds = values_seconds = None
         if store.nbytes + key_bytes <= budget:
             started = time.perf_counter()
             keys = (build_key_store(store.states(), weights) if n <= synthetic_from
                     else synthetic_keys(layers, heads, n, head_dim, store.storage_dtype))
             build_seconds = time.perf_counter() - started if n <= synthetic_from else None
+        # a dense step's key store keeps the values too where the policy says (the store and both fit its budget)
+        dense_plan = plan_key_store(n, dim, layers, heads, head_dim, IndexConfig(kind="exact", key_store="per-layer"),
+                                    IndexPlan("exact", "cpu", ""), retrieval_k=n,
+                                    free_bytes=_free_bytes("cpu") + store.nbytes)
+        if keys is not None and dense_plan.values and n <= dense_max_tokens:
+            started = time.perf_counter()
+            values = (build_key_store(store.states(), weights, value_weights=value_weights(loaded.model,
+                                                                                           loaded.architecture),
+                                      keys=keys.keys).values if n <= synthetic_from
+                      else synthetic_keys(layers, heads, n, head_dim, store.storage_dtype).keys)
+            values_seconds = time.perf_counter() - started if n <= synthetic_from else None
         for beams in beams_values:
             if beams not in baseline:
                 window = store.states()[:1024].float()
                 baseline[beams] = truncated_seconds_per_token(loaded, window, new_tokens, beams=beams)
             layer_bytes = n * max(dim, heads * head_dim) * store.storage_dtype.itemsize
-            floor = layers * layer_bytes / bandwidth + baseline[beams]
-            for k in sorted({min(1024, n), n}):
+            for k in sorted({min(1024, n), n if n <= dense_max_tokens else 1024}):
+                with_values = k >= n and values is not None  # the dense step's per-layer store reads them too
+                layer_keys = KeyStore(keys.keys, values if with_values else None) if keys is not None else None
                 for kind in ("shared", "per-layer"):
+                    read = layer_bytes * (2 if kind == "per-layer" and with_values else 1)  # one layer's step
                     row = dict(n_tokens=n, k=k, beams=beams, store=kind, store_bytes=store.nbytes,
-                               key_store_bytes=key_bytes if kind == "per-layer" else 0, floor_seconds=floor,
-                               floor_layer_seconds=layer_bytes / bandwidth, baseline_seconds_per_token=baseline[beams])
+                               key_store_bytes=(layer_keys.nbytes if layer_keys is not None else key_bytes)
+                               if kind == "per-layer" else 0,
+                               values=kind == "per-layer" and with_values,
+                               floor_seconds=layers * read / bandwidth + baseline[beams],
+                               floor_layer_seconds=read / bandwidth, baseline_seconds_per_token=baseline[beams])
                     if kind == "per-layer" and keys is None:
                         rows.append(dict(row, skipped=f"store + keys {(store.nbytes + key_bytes) / 2**30:.1f} GiB "
                                                       f"exceed the budget {budget / 2**30:.1f} GiB"))
                         continue
-                    store.keys = keys if kind == "per-layer" else None
+                    store.keys = layer_keys if kind == "per-layer" else None
                     seconds, share = seconds_per_token(loaded, store, k, new_tokens, beams)
+                    floor = row["floor_seconds"]
                     row.update(seconds_per_token=seconds, retrieval_share=share, vs_floor=seconds / floor,
-                               vs_baseline_rate=baseline[beams] / seconds, key_build_seconds=build_seconds)
+                               vs_baseline_rate=baseline[beams] / seconds, key_build_seconds=build_seconds,
+                               value_build_seconds=values_seconds if row["values"] else None)
                     rows.append(row)
-                    print(f"  N={n:,} k={k:,} beams={beams} {kind}: {seconds:.4f} s/token, floor {floor:.4f} "
-                          f"({seconds / floor:.2f}x)", flush=True)
+                    print(f"  N={n:,} k={k:,} beams={beams} {kind}{' (keys and values)' if row['values'] else ''}: "
+                          f"{seconds:.4f} s/token, floor {floor:.4f} ({seconds / floor:.2f}x), "
+                          f"{baseline[beams] / seconds:.2f}x the truncated rate", flush=True)
                 store.keys = None
                 if keys is not None:
-                    layer = one_layer_seconds(loaded, store, keys, k, beams)
+                    layer = one_layer_seconds(loaded, store, layer_keys, k, beams)
                     for row in rows[-2:]:
                         row["layer_seconds"] = layer[row["store"]]
         for row in rows:
             if row["n_tokens"] == n:
                 row["peak_rss_bytes"] = peak_rss_bytes()
-        del store, keys
+        del store, keys, values, layer_keys
     choice = head_kernels._MEASURED and next(iter(head_kernels._MEASURED.values()))
     return dict(size=size, new_tokens=new_tokens, bandwidth_bytes_per_second=bandwidth, layers=layers, heads=heads,
                 head_dim=head_dim, d_model=dim, head_kernel=choice.reason if choice else None, runs=rows)
@@ -165,15 +188,17 @@ def print_result(result: dict) -> None:
     for row in result["runs"]:
         if "skipped" in row:
             table.append([f"{row['n_tokens']:,}", f"{row['k']:,}", row["beams"], row["store"], "skipped", "", "", "",
-                          "", row["skipped"]])
+                          "", row["skipped"], ""])
             continue
         layer = row.get("layer_seconds")
-        table.append([f"{row['n_tokens']:,}", f"{row['k']:,}", row["beams"], row["store"],
+        table.append([f"{row['n_tokens']:,}", f"{row['k']:,}", row["beams"],
+                      row["store"] + (" + values" if row.get("values") else ""),
                       f"{row['seconds_per_token']:.4f}", f"{row['floor_seconds']:.4f}", f"{row['vs_floor']:.2f}x",
                       f"{layer * 1e3:.1f}" if layer is not None else "-", f"{row['floor_layer_seconds'] * 1e3:.1f}",
-                      f"{(row['store_bytes'] + row['key_store_bytes']) / 2**20:,.0f} MiB"])
-    print_table(["N", "k", "beams", "store", "s/token", "floor", "vs floor", "layer ms", "floor layer ms", "memory"],
-                table)
+                      f"{(row['store_bytes'] + row['key_store_bytes']) / 2**20:,.0f} MiB",
+                      f"{row['vs_baseline_rate']:.2f}x"])
+    print_table(["N", "k", "beams", "store", "s/token", "floor", "vs floor", "layer ms", "floor layer ms", "memory",
+                 "vs truncated rate"], table)
 
 
 def main(argv=None) -> dict:
@@ -186,13 +211,16 @@ def main(argv=None) -> dict:
     parser.add_argument("--bandwidth-mib", type=int, help="MiB summed to measure the bandwidth (default 1024)")
     parser.add_argument("--synthetic-keys-from", type=int, default=300_000,
                         help="above this N the keys are random numbers of their shape (default 300,000)")
+    parser.add_argument("--dense-max-tokens", type=int, default=300_000,
+                        help="k = N rows (dense steps) up to this N only (default 300,000)")
     parser.add_argument("--json", type=Path, help="where to write the result (default bench/results/key_store.json)")
     args = parser.parse_args(argv)
     n_values = [int(n) for n in args.tokens.split(",")] if args.tokens else (
         [16_384] if args.quick else [16_384, 100_000, 300_000, 1_000_000])
     beams = [int(b) for b in args.beams.split(",")] if args.beams else ([1] if args.quick else [1, 4])
     result = run(n_values, args.size, args.new_tokens or (4 if args.quick else 8), beams,
-                 args.bandwidth_mib or (256 if args.quick else 1024), args.synthetic_keys_from)
+                 args.bandwidth_mib or (256 if args.quick else 1024), args.synthetic_keys_from,
+                 args.dense_max_tokens)
     result["quick"] = args.quick
     print_result(result)
     path = args.json or RESULTS / "key_store.json"

@@ -19,7 +19,11 @@ def test_quick_tiny_run_prints_the_table_and_writes_both_stores_beside_the_floor
         assert row["seconds_per_token"] > 0 and row["floor_seconds"] > row["baseline_seconds_per_token"] > 0
         assert row["vs_floor"] == row["seconds_per_token"] / row["floor_seconds"]
         assert row["layer_seconds"] > 0 and row["peak_rss_bytes"] > 0
-        assert row["key_store_bytes"] == (3000 * 2 * 4 * 16 * 2 if row["store"] == "per-layer" else 0)
+        keys = 3000 * 2 * 4 * 16 * 2 if row["store"] == "per-layer" else 0
+        assert row["values"] is (row["store"] == "per-layer" and row["k"] == 3000)  # a dense step: keys and values
+        assert row["key_store_bytes"] == keys * (2 if row["values"] else 1)
+        layer_bytes = 3000 * 64 * 2 * (2 if row["values"] else 1)  # d = 4 heads x 16 = 64, 16-bit
+        assert row["floor_layer_seconds"] == layer_bytes / written["bandwidth_bytes_per_second"]
     assert written["bandwidth_bytes_per_second"] > 0 and written["head_kernel"]
     out = capsys.readouterr().out
-    assert "vs floor" in out and "per-layer" in out and str(path) in out
+    assert "vs floor" in out and "per-layer + values" in out and "vs truncated rate" in out and str(path) in out

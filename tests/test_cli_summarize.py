@@ -21,7 +21,7 @@ FAST = ["--device", "cpu", "--max-new-tokens", "6", "--min-new-tokens", "3"]
 STATS_KEYS = {
     "model", "input_tokens", "windows", "window", "index_kind", "index_device", "retrieval_k", "datastore_bytes",
     "generated_tokens", "timings", "peak_rss_bytes", "peak_gpu_bytes", "tensor_cache_bytes", "cached", "model_dtype",
-    "positions", "packed_bytes", "key_store", "key_store_bytes",
+    "positions", "packed_bytes", "key_store", "key_store_bytes", "key_store_values",
 }
 
 

@@ -40,6 +40,7 @@ class SummaryStats:
     packed_bytes: int = 0  # beside the store: the packed retrieval kernel's copies of it, when that kernel ran
     key_store: str = "shared"  # where the heads scored: "shared" (the store of states) or "per-layer" (keys per layer)
     key_store_bytes: int = 0  # beside the store: the per-layer keys (L x H x N x d_head 16-bit numbers), when used
+    key_store_values: bool = False  # the key store holds each layer's values too (their bytes in key_store_bytes)
 
 
 @dataclass(frozen=True)

@@ -53,14 +53,16 @@ def format_bytes(count: int | None) -> str:
     raise AssertionError("unreachable")
 
 
-def store_figure(store_bytes: int, packed_bytes: int = 0, key_store_bytes: int = 0) -> str:
-    """``1.3 MiB``, or ``1.3 MiB + 3.5 MiB packed copies``, or ``1.3 MiB + 7.9 MiB per-layer keys``: the encoded
-    input's store, and beside it the packed retrieval kernel's copies of it or the key store per decoder layer."""
+def store_figure(store_bytes: int, packed_bytes: int = 0, key_store_bytes: int = 0,
+                 key_store_values: bool = False) -> str:
+    """``1.3 MiB``, or ``1.3 MiB + 3.5 MiB packed copies``, or ``1.3 MiB + 7.9 MiB per-layer keys`` (``... keys
+    and values``): the encoded input's store, and beside it the packed retrieval kernel's copies of it or the key
+    store per decoder layer."""
     figure = format_bytes(store_bytes)
     if packed_bytes:
         figure += f" + {format_bytes(packed_bytes)} packed copies"
     if key_store_bytes:
-        figure += f" + {format_bytes(key_store_bytes)} per-layer keys"
+        figure += f" + {format_bytes(key_store_bytes)} per-layer keys" + (" and values" if key_store_values else "")
     return figure
 
 
@@ -401,7 +403,8 @@ class ProgressDisplay(DrawnOnLiveArea):
             self._stage(f"building the index ({event.info.get('index')} on {event.info.get('index_device')})")
         else:
             self._datastore_bytes = event.info.get("bytes")
-            self.log(f"index built: {store_figure(self._datastore_bytes, 0, event.info.get('key_store_bytes') or 0)}")
+            keys = event.info.get("key_store_bytes") or 0
+            self.log(f"index built: {store_figure(self._datastore_bytes, 0, keys, event.info.get('key_store_values', False))}")
 
     def _on_chapter(self, event: ProgressEvent) -> None:
         """Per-chapter summaries: a batch of chapters starts (``completed`` done so far), or all are done."""
@@ -455,7 +458,7 @@ class ProgressDisplay(DrawnOnLiveArea):
         parts = [
             f"{stats.input_tokens:,} tokens in {stats.windows:,} window{'s' if stats.windows != 1 else ''}"
             + (" (encoded book from the cache)" if stats.cached else ""),
-            f"{stats.index_kind} index on {stats.index_device} ({store_figure(stats.datastore_bytes, stats.packed_bytes, stats.key_store_bytes)})"
+            f"{stats.index_kind} index on {stats.index_device} ({store_figure(stats.datastore_bytes, stats.packed_bytes, stats.key_store_bytes, stats.key_store_values)})"
             f", k={stats.retrieval_k}",
             f"{stats.generated_tokens:,} summary tokens{rate}",
         ]

@@ -39,6 +39,7 @@ JSON schema (one object per document; JSON Lines on stdout, one file per input w
         "packed_bytes": 0,                # beside it: the packed retrieval kernel's copies, when that kernel ran
         "key_store": "shared",            # where the heads scored: "shared" (the states) or "per-layer" (keys)
         "key_store_bytes": 0,             # beside the store: the per-layer keys, when used (--key-store)
+        "key_store_values": false,        # ... and each layer's values with them (dense steps: k >= N)
         "generated_tokens": 0,            # summary tokens: generated tokens other than special tokens
                                           # (the "N summary tokens" of the done line)
         "timings": {"read": 0.0, "tokenize": 0.0, "encode": 0.0, "index": 0.0, "prepare": 0.0,

@@ -26,7 +26,9 @@ from unlimisum.events import ProgressEvent
 from unlimisum.unlimiformer.encoded import EncodedDocument
 from unlimisum.unlimiformer.cache import CacheKey, EncodedCache, text_sha256
 from unlimisum.unlimiformer.encoding import auto_batch_size, encode_windows, plan_windows
-from unlimisum.unlimiformer.keys import KeyStore, KeyStoreBuilder, build_key_store, key_weights, matches
+from unlimisum.unlimiformer.keys import (
+    KeyStore, KeyStoreBuilder, build_key_store, key_weights, matches, value_weights,
+)
 from unlimisum.unlimiformer.placement import KeyStorePlan, plan_key_store
 from unlimisum.errors import ConfigError, EmptyDocumentError
 from unlimisum.models import LoadedModel
@@ -113,8 +115,9 @@ class DocumentEncoder:
         keys_plan = self._key_store_plan(n_tokens, builder.plan)
         keys = None
         if keys_plan.kind == "per-layer":  # each window's kept states projected once per layer, as they come
+            values = value_weights(self.loaded.model, self.loaded.architecture) if keys_plan.values else None
             keys = KeyStoreBuilder(n_tokens, key_weights(self.loaded.model, self.loaded.architecture),
-                                   builder.dtype, builder.plan.device)
+                                   builder.dtype, builder.plan.device, values)
         batch_size = self.encoding.batch_size or auto_batch_size(windows.window, windows.n_windows, self.loaded.device)
         if batch_size < 1:
             raise ConfigError(f"encode batch size must be at least 1, got {batch_size}")
@@ -136,7 +139,9 @@ class DocumentEncoder:
         store.keys = keys.finish() if keys is not None else None
         finished = time.perf_counter()
         self.progress(ProgressEvent("index", 1, 1, name, dict(info, bytes=store.nbytes,
-                                                              key_store_bytes=_key_bytes(store))))
+                                                              key_store_bytes=_key_bytes(store),
+                                                              key_store_values=store.keys is not None
+                                                              and store.keys.values is not None)))
         seconds = {"tokenize": tokenized - started, "encode": encoded_at - tokenized, "index": finished - encoded_at}
         kept = tuple(windows.kept(i) for i in range(windows.n_windows))
         chapters = chapter_token_ranges(document, ends, n_tokens)
@@ -154,14 +159,19 @@ class DocumentEncoder:
 
     def _cached_keys(self, cached, store, plan: IndexPlan):
         """The per-layer keys of a cached book when the plan wants them: the entry's own (memory-mapped) when it
-        has them for this model's shape, else rebuilt from its states; None for the shared store."""
-        if store.kind != "exact" or self._key_store_plan(store.n_tokens, plan).kind != "per-layer":
+        has them for this model's shape, else rebuilt from its states; the values, when the plan keeps them,
+        always built from the states (the cache keeps keys only); None for the shared store."""
+        keys_plan = self._key_store_plan(store.n_tokens, plan)
+        if store.kind != "exact" or keys_plan.kind != "per-layer":
             return None
         weights = key_weights(self.loaded.model, self.loaded.architecture)
+        values = value_weights(self.loaded.model, self.loaded.architecture) if keys_plan.values else None
         stored = cached.keys
         if stored is not None and matches(stored, weights, store.n_tokens, store.storage_dtype):
-            return KeyStore(stored.to(store.states().device))  # no copy on the CPU
-        return build_key_store(store.states(), weights)
+            if values is None:
+                return KeyStore(stored.to(store.states().device))  # no copy on the CPU
+            return build_key_store(store.states(), weights, value_weights=values, keys=stored)
+        return build_key_store(store.states(), weights, value_weights=values)
 
     def _index_plan(self, n_tokens: int) -> IndexPlan:
         return plan_index(n_tokens, self.loaded.model.config.d_model, self.plan.index, retrieval_k=self.plan.retrieval_k,

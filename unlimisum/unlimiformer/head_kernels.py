@@ -20,7 +20,9 @@ model's scaling folded in), that layer's ``keys`` [H, N, dh] (unlimisum/unlimifo
 - the weighted sum over the shared states, as the shared store does it (``kernels.gathered_attention``, or a
   dense values pass where measured cheaper), in fp32 by compiled.weighted_sum where the scores run compiled;
   k >= N: every score's softmax times the states (on a CPU, one compiled pass over them; elsewhere each block
-  scored and summed under an online softmax), which equals full cross-attention.
+  scored and summed under an online softmax), which equals full cross-attention; where the key store keeps the
+  layer's values (``values`` [H, N, dh], keys.py), every score's softmax times each head's own values instead
+  (``head_dense_values``): H times fewer multiply-adds, the output already projected by W_v.
 
 Which kernel and block size run, which scan takes over and from how many tokens, and whether the key store is
 faster than the shared store at all, are measured on the machine that runs (``calibrate_heads``, once per
@@ -58,6 +60,7 @@ MEASURE_REPEATS = 3
 # a top-k of each query's scores is selected from at least this many rows per measured k (k = rows / 16)
 MEASURE_ROWS_PER_K = 16
 RESCORE_BYTES = 256 * 2**20  # fp32 keys gathered at once to rescore a search's top-k
+VALUE_BLOCK_ROWS = 16_384  # rows of every head's values widened at once where the compiled sum cannot read them
 
 
 @dataclass(frozen=True)
@@ -376,16 +379,27 @@ def head_search(keys: torch.Tensor, queries: torch.Tensor, k: int,
 
 
 def head_retrieve(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tensor, k: int, choice: HeadKernelChoice,
-                  shared: kernels.KernelChoice, exclude: torch.Tensor | None = None
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  shared: kernels.KernelChoice, exclude: torch.Tensor | None = None,
+                  values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``head_attend`` that also says what each query attended to: (ids [H, nq, k'], weights [H, nq, k'] fp32,
     attended [H, nq, d] fp32), k' = min(k, N), the weights the softmax of the kernel's own scores (as generation
     weighs them). ``exclude`` [N] bool: tokens hidden from every query, as if they were not stored (weight 0 where
-    fewer than k' are left)."""
+    fewer than k' are left). With the layer's ``values`` [H, N, dh] and k >= N, ``attended`` is [H, nq, dh]: the
+    weighted sum of each head's values (``head_dense_values``)."""
     heads, n, _ = keys.shape
     nq = queries.shape[1]
     wanted = min(k, n)
     hidden = exclude.to(keys.device) if exclude is not None else None
+    if values is not None and wanted == n:
+        ids, weights = [], []
+
+        def keep(part_weights: torch.Tensor) -> None:  # [H, c, N]: every token, in descending weight
+            top, order = part_weights.sort(dim=2, descending=True)
+            weights.append(top)
+            ids.append(order)
+
+        attended = head_dense_values(keys, values, queries, choice, hidden=hidden, on_weights=keep)
+        return torch.cat(ids, dim=1), torch.cat(weights, dim=1), attended
     extra = int(hidden.sum()) if hidden is not None else 0  # found, then dropped: fetch as many more
     scores, ids = head_select(keys, queries, min(n, wanted + extra), choice)  # [H, nq, k + extra]
     if hidden is not None:
@@ -400,9 +414,11 @@ def head_retrieve(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tenso
 
 
 def head_attend(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tensor, k: int, choice: HeadKernelChoice,
-                shared: kernels.KernelChoice, coverage: torch.Tensor | None = None) -> torch.Tensor:
+                shared: kernels.KernelChoice, coverage: torch.Tensor | None = None,
+                values: torch.Tensor | None = None) -> torch.Tensor:
     """Exact top-k retrieval attention per head: queries [H, nq, dh] (scaling folded in) -> [H, nq, d] fp32, the
-    softmax-weighted sum of each query's top-k shared states [N, d]. k >= N is dense attention.
+    softmax-weighted sum of each query's top-k shared states [N, d]. k >= N is dense attention: with the layer's
+    ``values`` [H, N, dh], [H, nq, dh], the weighted sum of each head's own values (``head_dense_values``).
 
     ``shared``: the shared store's measured kernel, whose gather and dense values pass sum the states here too;
     ``coverage`` [N] fp32, when given, gets every query's attention weights added to it."""
@@ -415,6 +431,8 @@ def head_attend(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tensor,
     dense_measured = shared.scores != "packed"
     shared = shared.unpacked()
     if k >= n:
+        if values is not None:
+            return head_dense_values(keys, values, queries, choice, coverage)
         return head_dense_attention(keys, states, queries, choice, shared, coverage)
     dense_scores = rows * n * 4 <= kernels.MAX_SCORE_BYTES and not choice.selects_with_scan(keys, queries)
     if dense_measured and dense_scores and shared.dense_is_cheaper(rows, k, n):
@@ -475,3 +493,40 @@ def head_dense_attention(keys: torch.Tensor, states: torch.Tensor, queries: torc
     rescored = lambda: ((start, head_scores(keys[:, start:start + block], queries, choice).view(heads * nq, -1))  # noqa: E731
                         for start in range(0, n, block))
     return kernels._online_softmax(parts(), flat, dim, n, coverage, rescored).view(heads, nq, dim)
+
+
+def head_dense_values(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, choice: HeadKernelChoice,
+                      coverage: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
+                      on_weights: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+    """Dense attention of each head over its own keys and values [H, N, dh]: queries [H, nq, dh] fp32 (scaling
+    folded in) -> [H, nq, dh] fp32, softmax(q K^T) V (the value bias not added: the weights sum to one, or to
+    zero where ``hidden`` [N] bool hides every token). The scores of as many queries at a time as fit
+    MAX_SCORE_BYTES; ``coverage`` [N] gets every query's weights added, ``on_weights`` each block's [H, c, N]."""
+    heads, n, head_dim = keys.shape
+    nq = queries.shape[1]
+    queries = queries.to(keys.device, torch.float32)
+    out = torch.empty(heads, nq, head_dim, dtype=torch.float32, device=keys.device)
+    chunk = max(1, kernels.MAX_SCORE_BYTES // (heads * max(n, 1) * 4))
+    for first in range(0, nq, chunk):
+        logits = head_scores(keys, queries[:, first:first + chunk], choice)  # [H, c, N]
+        if hidden is not None:
+            logits = logits.masked_fill(hidden, float("-inf"))
+        weights = torch.softmax(logits, dim=2).nan_to_num_(0.0)
+        if coverage is not None:
+            coverage += weights.sum(dim=(0, 1))
+        if on_weights is not None:
+            on_weights(weights)
+        out[:, first:first + chunk] = _value_sums(values, weights)
+    return out
+
+
+def _value_sums(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[H, nq, dh] fp32 = weights [H, nq, N] fp32 @ values [H, N, dh] per head, from the stored numbers: on a
+    CPU compiled (one read of each value, widened in registers), elsewhere in blocks widened to fp32."""
+    if values.device.type == "cpu" and compiled.usable(values):
+        return compiled.head_dense_sum(values, weights)
+    heads, n, head_dim = values.shape
+    out = weights.new_zeros(heads, weights.shape[1], head_dim)
+    for start in range(0, n, VALUE_BLOCK_ROWS):
+        out.baddbmm_(weights[:, :, start:start + VALUE_BLOCK_ROWS], values[:, start:start + VALUE_BLOCK_ROWS].float())
+    return out

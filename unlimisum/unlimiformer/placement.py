@@ -25,7 +25,10 @@ for the same bytes read. ``key_store="auto"`` uses it when all of these hold:
   shared store's on this machine (unlimisum/unlimiformer/head_kernels.py, ``kernel_for``).
 
 ``key_store="per-layer"`` uses it whenever the index is exact (``kind="auto"`` then plans exact);
-``"shared"`` never.
+``"shared"`` never. Where every head attends to every token (``retrieval_k >= n_tokens``: a dense step, bound
+by arithmetic, H x N x d multiply-adds a layer over the shared states) the key store keeps each layer's values
+too (``KeyStorePlan.values``), H times fewer multiply-adds for another L x the store's bytes, when the store,
+the keys and the values together fit the same budget; else the keys alone.
 """
 
 from __future__ import annotations
@@ -172,8 +175,9 @@ class KeyStorePlan:
     """Where an exact search scores: the answer of ``plan_key_store``."""
 
     kind: str  # "shared" | "per-layer"
-    nbytes: int  # the per-layer keys' bytes (0 for the shared store)
+    nbytes: int  # the per-layer keys' bytes, and the values' when kept (0 for the shared store)
     reason: str  # one line for `unlimisum info` and the logs
+    values: bool = False  # each layer's values kept beside its keys (dense steps: k >= N)
 
 
 def plan_key_store(n_tokens: int, dim: int, layers: int, heads: int, head_dim: int, config: IndexConfig,
@@ -195,15 +199,30 @@ def plan_key_store(n_tokens: int, dim: int, layers: int, heads: int, head_dim: i
         return KeyStorePlan("shared", 0, "shared store as requested")
     if index.kind != "exact":
         return KeyStorePlan("shared", 0, f"shared store: the {index.kind} index searches the states")
-    if config.key_store == "per-layer":
-        return KeyStorePlan("per-layer", key_bytes, f"per-layer keys as requested, {size}")
-    if n_tokens < KEY_STORE_MIN_TOKENS:
-        return KeyStorePlan("shared", 0, f"shared store: {n_tokens:,} tokens < {KEY_STORE_MIN_TOKENS:,}")
     on_gpu = torch.device(index.device).type == "cuda"
     fraction = config.gpu_memory_fraction if on_gpu else KEY_STORE_MEMORY_FRACTION
-    if free_bytes is None:
-        free_bytes = _free_bytes(index.device)
-    budget = fraction * free_bytes
+
+    def budget_bytes() -> float:
+        nonlocal free_bytes
+        if free_bytes is None:
+            free_bytes = _free_bytes(index.device)
+        return fraction * free_bytes
+
+    def per_layer(reason: str) -> KeyStorePlan:  # the keys, and the values for dense steps where they fit
+        if retrieval_k < n_tokens:
+            return KeyStorePlan("per-layer", key_bytes, f"per-layer keys{reason}")
+        if store_bytes + 2 * key_bytes > budget_bytes():
+            return KeyStorePlan("per-layer", key_bytes, f"per-layer keys{reason}; not the values (dense steps): "
+                                                        f"they, the keys and the store, {(store_bytes + 2 * key_bytes) / 2**20:,.0f} MiB, "
+                                                        f"exceed {budget_bytes() / 2**20:,.0f} MiB")
+        return KeyStorePlan("per-layer", 2 * key_bytes, f"per-layer keys and values (dense steps: k >= N, "
+                                                        f"{2 * key_bytes / 2**20:,.0f} MiB){reason}", values=True)
+
+    if config.key_store == "per-layer":
+        return per_layer(f" as requested, {size}")
+    if n_tokens < KEY_STORE_MIN_TOKENS:
+        return KeyStorePlan("shared", 0, f"shared store: {n_tokens:,} tokens < {KEY_STORE_MIN_TOKENS:,}")
+    budget = budget_bytes()
     if store_bytes + key_bytes > budget:
         return KeyStorePlan("shared", 0, f"shared store: per-layer keys, {size}, and the store "
                                          f"({store_bytes / 2**20:,.0f} MiB) exceed {budget / 2**20:,.0f} MiB "
@@ -217,8 +236,8 @@ def plan_key_store(n_tokens: int, dim: int, layers: int, heads: int, head_dim: i
     if measured < KEY_STORE_MIN_SPEEDUP:
         return KeyStorePlan("shared", 0, f"shared store: per-layer keys measured {measured:.2f}x its speed here, "
                                          f"under the {KEY_STORE_MIN_SPEEDUP}x their memory needs")
-    return KeyStorePlan("per-layer", key_bytes, f"per-layer keys, {size}: measured {measured:.2f}x the shared "
-                                                f"store's speed, and with the store within {budget / 2**20:,.0f} MiB")
+    return per_layer(f", {size}: measured {measured:.2f}x the shared store's speed, and with the store within "
+                     f"{budget / 2**20:,.0f} MiB")
 
 
 def _free_bytes(device: str) -> int:

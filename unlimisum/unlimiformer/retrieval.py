@@ -132,14 +132,16 @@ class RetrievalCrossAttention(wrapping.CrossAttentionWrapper):
         if rows % n_docs:
             raise RuntimeError(f"{rows} decoder rows cannot be split over {n_docs} documents")
         rows_per_doc = rows // n_docs  # generate() repeats each document's row for beams and samples
-        # [R, T, H, d]: softmax-weighted sums of retrieved states
-        mixed = torch.empty(rows, steps, heads, d_model, dtype=torch.float32, device=hidden_states.device)
+        w_v = value_proj.weight.view(heads, head_dim, d_model)  # [H, dh, d]
+        values = torch.empty(rows, steps, heads, head_dim, dtype=w_v.dtype, device=hidden_states.device)
         for doc, store in enumerate(session.stores):
             block = slice(doc * rows_per_doc, (doc + 1) * rows_per_doc)
             if store.keys is not None:  # each head scores its own keys of this layer
                 started = time.perf_counter()
-                mixed[block] = self._attend_keys(store, q[block], session, doc)
+                attended, projected = self._attend_keys(store, q[block], session, doc)
                 session.stats.search_seconds += time.perf_counter() - started
+                # [r, T, H, dh] the layer's own values summed, or [r, T, H, d] states to project
+                values[block] = attended if projected else torch.einsum("rthd,hed->rthe", attended.to(w_v.dtype), w_v)
                 continue
             if q_hidden is None:
                 q_hidden = torch.einsum("rthe,hed->rthd", q, w_k).float()  # [R, T, H, d]
@@ -158,38 +160,42 @@ class RetrievalCrossAttention(wrapping.CrossAttentionWrapper):
             else:
                 coverage = session.coverage[doc] if session.coverage is not None else None
                 attended = store.attend(queries, session.retrieval_k, coverage)
-            mixed[block] = attended.view(rows_per_doc, steps, heads, d_model)
             session.stats.search_seconds += time.perf_counter() - started
+            mixed = attended.view(rows_per_doc, steps, heads, d_model)  # softmax-weighted sums of retrieved states
+            values[block] = torch.einsum("rthd,hed->rthe", mixed.to(w_v.dtype), w_v)  # [r, T, H, dh]
 
-        w_v = value_proj.weight.view(heads, head_dim, d_model)  # [H, dh, d]
-        values = torch.einsum("rthd,hed->rthe", mixed.to(w_v.dtype), w_v)  # [R, T, H, dh]
         if value_proj.bias is not None:
             values = values + value_proj.bias.view(heads, head_dim)
         return output_proj(values.reshape(rows, steps, heads * head_dim))
 
-    def _attend_keys(self, store, q: torch.Tensor, session: RetrievalSession, doc: int) -> torch.Tensor:
+    def _attend_keys(self, store, q: torch.Tensor, session: RetrievalSession, doc: int) -> tuple[torch.Tensor, bool]:
         """Retrieval attention of one document's queries q [r, T, H, dh] through its store's keys of this layer:
-        [r, T, H, d] float32 weighted sums of the shared states (key bias left out: it cancels in the softmax)."""
+        ([r, T, H, d] float32 weighted sums of the shared states, False), or, where the store keeps this layer's
+        values and every head attends to every token, ([r, T, H, dh] float32 weighted sums of them, True). The key
+        bias is left out (it cancels in the softmax), the value bias is the caller's."""
         rows, steps, heads, _ = q.shape
         keys = store.keys.layer(self.layer_index)  # [H, N, dh]
         queries = (q.float() * self.scaling).permute(2, 0, 1, 3).reshape(heads, rows * steps, -1)  # [H, r * T, dh]
         choice = store.keys.choice(store.dim, queries_per_head=rows, k=session.retrieval_k)
         k = min(session.retrieval_k, store.n_tokens)
+        values = store.keys.layer_values(self.layer_index) if k >= store.n_tokens else None  # [H, N, dh]
         hidden = session.hidden[doc] if session.hidden is not None else None
         if session.evidence is not None or hidden is not None or session.recorder is not None:
             # what each query attended to is wanted
             ids, weights, attended = head_kernels.head_retrieve(keys, store.states(), queries, k, choice,
-                                                                store.kernel(), exclude=hidden)  # [H, r * T, k]
+                                                                store.kernel(), exclude=hidden,
+                                                                values=values)  # [H, r * T, k]
             ids, weights = ids.permute(1, 0, 2), weights.permute(1, 0, 2)  # [r * T, H, k]
             per_position = (ids.reshape(rows * steps, -1), weights.reshape(rows * steps, -1))
             if session.evidence is not None:
                 session.evidence.add(doc, *per_position)
             if session.recorder is not None:
                 session.recorder.add(doc, self.layer_index, *per_position)
-            return attended.view(heads, rows, steps, -1).permute(1, 2, 0, 3)  # [r, T, H, d]
-        coverage = session.coverage[doc] if session.coverage is not None else None
-        attended = head_kernels.head_attend(keys, store.states(), queries, k, choice, store.kernel(), coverage)
-        return attended.view(heads, rows, steps, -1).permute(1, 2, 0, 3)  # [r, T, H, d]
+        else:
+            coverage = session.coverage[doc] if session.coverage is not None else None
+            attended = head_kernels.head_attend(keys, store.states(), queries, k, choice, store.kernel(), coverage,
+                                                values=values)
+        return attended.view(heads, rows, steps, -1).permute(1, 2, 0, 3), values is not None  # [r, T, H, d or dh]
 
 
 def _wrap(architecture: Architecture):

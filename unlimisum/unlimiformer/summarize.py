@@ -282,6 +282,7 @@ class EncoderDecoderSummarizer:
                 retrieval_k=min(self.retrieval_k(), store.n_tokens), datastore_bytes=store.nbytes,
                 packed_bytes=store.packed_nbytes, key_store="per-layer" if store.keys is not None else "shared",
                 key_store_bytes=store.keys.nbytes if store.keys is not None else 0,
+                key_store_values=store.keys is not None and store.keys.values is not None,
                 generated_tokens=n_generated, timings=timings, peak_rss_bytes=peak_rss_bytes(),
                 peak_gpu_bytes=peak_gpu, tensor_cache_bytes=run.tensor_cache_bytes, cached=part.encoded.cached,
                 model_dtype=str(self.loaded.dtype).removeprefix("torch."),
