@@ -93,9 +93,12 @@ def test_decode_ids_gives_the_same_ids_through_either_path(monkeypatch, dtype, r
     monkeypatch.setattr(selection, "grouped_scan_wins", lambda *shape: False)
     assert not selection.grouped_scan_serves(keys, queries, 700)
     by_torch = selection.decode_ids(keys, queries, 700, choice)
-    expected = reference(keys, queries, 700).indices  # [B, G, k], sorted by score
-    assert_same_ids(scanned, expected)
-    assert_same_ids(by_torch, expected)
+    expected = reference(keys, queries, 700)  # [B, G, k], sorted by score
+    assert_same_ids(scanned, expected.indices)  # exact fp32 scores: the reference's very ids
+    # the torch path scores by the measured kernel (bfloat16 keys natively where measured faster, or packed): ids
+    # within that kernel's rounding of the k-th score may swap, so its winners' true scores match the reference's
+    by_torch_scores = grouped_scores(keys, queries).gather(2, by_torch).sort(dim=2, descending=True).values
+    torch.testing.assert_close(by_torch_scores, expected.values, atol=2**-6 * 16, rtol=0)
     in_order = grouped_scores(keys, queries).gather(2, scanned)  # [B, G, k]: sorted by score, as the torch path
     assert bool((in_order[..., 1:] <= in_order[..., :-1] + 1e-5).all())
     assert torch.equal(scanned[..., :10], by_torch[..., :10])  # the best, far apart at the top of random scores
