@@ -13,6 +13,8 @@ from pathlib import Path
 
 import torch
 
+from unlimisum.measurements import INSTRUCTION_SETTINGS
+
 RESULTS = Path(__file__).resolve().parent / "results"
 
 # Real sizes of the two checkpoints the README recommends (vocabulary of the BART tokenizer).
@@ -90,6 +92,9 @@ def machine() -> dict:
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "python": platform.python_version(),
+        # what torch's kernels run here, and the settings that change it (an emulated CPU without 16-bit units)
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "instruction_settings": {name: os.environ[name] for name in INSTRUCTION_SETTINGS if name in os.environ},
     }
 
 

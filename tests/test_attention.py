@@ -5,6 +5,7 @@ import torch
 
 from tests.conftest import ALL_FAMILIES
 from unlimisum.models.architectures import ARCHITECTURES, architecture_for, supported_model_types
+from unlimisum.unlimiformer import kernels
 from unlimisum.unlimiformer.retrieval import RetrievalCrossAttention, RetrievalSession, install, retrieval, uninstall
 from unlimisum.config import IndexConfig
 from unlimisum.unlimiformer.datastore import DatastoreBuilder, plan_index
@@ -124,6 +125,21 @@ def test_retrieval_context_leaves_the_model_as_it_found_it(tiny_loaded):
     with retrieval(model, architecture, RetrievalSession([_store(states[0])], retrieval_k=8)):
         assert list(model.state_dict()) != keys
     assert list(model.state_dict()) == keys
+
+
+def test_the_steps_buffers_are_freed_when_the_retrieval_block_ends(tiny_loaded):
+    # a dense step's reused weights can hold up to MAX_SCORE_BYTES: not kept once generation is over
+    loaded = tiny_loaded("bart")
+    model = loaded.model
+    states, _ = _encode(loaded, [TEXT])
+    decoder_ids = torch.tensor([[model.config.decoder_start_token_id, 5, 7]])
+    with retrieval(model, loaded.architecture, RetrievalSession([_store(states[0])], retrieval_k=10_000)):
+        with torch.no_grad():
+            model(encoder_outputs=(torch.zeros(1, 1, model.config.d_model),),
+                  attention_mask=torch.ones(1, 1, dtype=torch.long), decoder_input_ids=decoder_ids)
+        kernels._scratch("a step's buffer", 1024, 4, torch.float32, torch.device("cpu"))
+        assert kernels._SCRATCH.buffers
+    assert not kernels._SCRATCH.buffers
 
 
 def test_wrapper_without_session_is_the_original(tiny_loaded):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench import key_store
 
 
@@ -23,7 +25,14 @@ def test_quick_tiny_run_prints_the_table_and_writes_both_stores_beside_the_floor
         assert row["values"] is (row["store"] == "per-layer" and row["k"] == 3000)  # a dense step: keys and values
         assert row["key_store_bytes"] == keys * (2 if row["values"] else 1)
         layer_bytes = 3000 * 64 * 2 * (2 if row["values"] else 1)  # d = 4 heads x 16 = 64, 16-bit
-        assert row["floor_layer_seconds"] == layer_bytes / written["bandwidth_bytes_per_second"]
-    assert written["bandwidth_bytes_per_second"] > 0 and written["head_kernel"]
+        # each row's floor at the better of the bandwidths measured around it; vs_best_floor at the run's best
+        assert row["bandwidth_bytes_per_second"] in written["bandwidths_measured"]
+        assert row["floor_layer_seconds"] == layer_bytes / row["bandwidth_bytes_per_second"]
+        best_floor = written["layers"] * layer_bytes / written["bandwidth_bytes_per_second"] + row["baseline_seconds_per_token"]
+        assert row["vs_best_floor"] == pytest.approx(row["seconds_per_token"] / best_floor)
+        assert row["vs_best_floor"] >= row["vs_floor"]
+    # measured at the start and around each of the four rows
+    assert len(written["bandwidths_measured"]) == 1 + 2 * 4
+    assert written["bandwidth_bytes_per_second"] == max(written["bandwidths_measured"]) > 0 and written["head_kernel"]
     out = capsys.readouterr().out
     assert "vs floor" in out and "per-layer + values" in out and "vs truncated rate" in out and str(path) in out

@@ -322,3 +322,14 @@ def test_a_forward_through_another_cache_fails_loudly(monkeypatch):
     layer.update(keys, keys)
     with pytest.raises(RuntimeError, match="without updating"):
         layer.attend(torch.randn(1, 4, 4, 16, dtype=torch.float64), keys.clone(), keys, 0.25, None)
+
+
+def test_the_steps_buffers_are_freed_when_the_reading_ends():
+    model = tiny_decoder(DECODER_FAMILIES[0]).double()
+    ids = prompt_ids()
+    architecture = architecture_for(model.config)
+    with torch.no_grad(), reading.session(model, architecture, make_plan(N_PROMPT)) as cache:
+        reading.prefill(model, cache, ids[:-1])
+        kernels._scratch("a step's buffer", 1024, 4, torch.float32, torch.device("cpu"))
+        assert kernels._SCRATCH.buffers
+    assert not kernels._SCRATCH.buffers

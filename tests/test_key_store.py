@@ -689,7 +689,7 @@ def test_a_dense_step_over_each_layers_values_is_the_dense_step_over_the_states_
     got = head_kernels.head_attend(keys, states, queries, 300, choice, shared, over_values, values=values)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(over_values, over_states)  # the same weights counted as coverage
-    monkeypatch.setattr(kernels, "MAX_SCORE_BYTES", 2 * 300 * 4)  # one query's scores at a time
+    monkeypatch.setattr(head_kernels, "DENSE_SCORE_BYTES", 300 * 4)  # one head's query's scores at a time
     torch.testing.assert_close(head_kernels.head_attend(keys, states, queries, 300, choice, shared, values=values),
                                expected, rtol=1e-5, atol=1e-5)
     # a top-k step reads the states, whatever the store holds beside them
@@ -713,3 +713,53 @@ def test_retrieve_over_each_layers_values_says_what_each_head_attended_to_and_hi
         kept = weights > 0
         assert torch.equal(got_ids[kept], ids[kept])
     assert got_weights[:, :, -3:].eq(0).all() and hidden[got_ids[:, :, -3:]].all()
+
+
+@pytest.mark.parametrize("heads,queries,n,budget,threads", [
+    (12, 4, 1000, 8 * 2**20, 2),  # all at once
+    (12, 4, 1000, 4 * 1000 * 4, 2),  # one head's queries fit: a block of two heads (one a thread)
+    (12, 4, 1000, 1000 * 4, 2),  # one query fits: two heads a block, a query at a time
+    (12, 1, 1000, 3 * 1000 * 4, 4),  # three heads fit, four threads: four heads a block
+    (5, 3, 1000, 10, 8),  # nothing fits: one query of every head (as many heads as there are)
+])
+def test_a_dense_step_goes_in_blocks_that_cover_every_head_and_query_once(heads, queries, n, budget, threads,
+                                                                        monkeypatch):
+    monkeypatch.setattr(head_kernels, "DENSE_SCORE_BYTES", budget)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    covered = torch.zeros(heads, queries, dtype=torch.long)
+    for head, part in head_kernels.dense_blocks(heads, queries, n):
+        covered[head, part] += 1
+        block = len(range(heads)[head]) * len(range(queries)[part]) * n * 4
+        fitting_queries = max(1, min(queries, budget // (n * 4)))
+        assert block <= max(budget, min(threads, heads) * fitting_queries * n * 4)  # the budget, or a head a thread
+    assert covered.eq(1).all()
+
+
+@pytest.mark.parametrize("kernel", ["float32", "compiled"])
+@pytest.mark.parametrize("budget", [300 * 4, 3 * 300 * 4, 2**30])
+def test_a_dense_step_in_blocks_gives_what_it_gives_at_once(kernel, budget, monkeypatch):
+    """head_attend (with and without each head's values, coverage counted) and head_retrieve (hidden tokens
+    included) give the same whatever blocks of heads and queries their scores go in."""
+    generator = torch.Generator().manual_seed(8)
+    keys, states = torch.randn(6, 300, 8, generator=generator), torch.randn(300, 16, generator=generator)
+    values = torch.randn(6, 300, 8, generator=generator)
+    queries = torch.randn(6, 3, 8, generator=generator)
+    hidden = torch.zeros(300, dtype=torch.bool)
+    hidden[[4, 50, 299]] = True
+    choice = head_kernels.HeadKernelChoice(kernel, 64)
+    shared = kernels.KernelChoice("float32", 128, False, 1e-9, 1e-9)
+
+    def step():
+        over_values, over_states = torch.zeros(300), torch.zeros(300)
+        return (head_kernels.head_attend(keys, states, queries, 300, choice, shared, over_values, values=values),
+                over_values,
+                head_kernels.head_attend(keys, states, queries, 300, choice, shared, over_states), over_states,
+                *head_kernels.head_retrieve(keys, states, queries, 300, choice, shared, hidden, values=values))
+
+    expected = step()
+    monkeypatch.setattr(head_kernels, "DENSE_SCORE_BYTES", budget)
+    got = step()
+    for found, wanted in zip(got, expected):
+        torch.testing.assert_close(found, wanted, rtol=1e-5, atol=1e-6)
+    reference = torch.softmax(torch.einsum("hqd,hnd->hqn", queries, keys), dim=2)
+    torch.testing.assert_close(got[0], torch.einsum("hqn,hnd->hqd", reference, values), rtol=1e-5, atol=1e-5)

@@ -66,6 +66,14 @@ def test_the_key_names_the_instruction_settings(monkeypatch):
     assert identity["threads"] == "97" and identity["ATEN_CPU_CAPABILITY"] == "avx2" and identity["cpu"]
 
 
+def test_the_key_names_the_compiled_kernels_target(monkeypatch):
+    """numba compiled for another CPU (an AVX2 laptop emulated on an AVX-512 machine) measures again."""
+    monkeypatch.delenv("NUMBA_CPU_NAME", raising=False)
+    plain = measurements.machine_key()
+    monkeypatch.setenv("NUMBA_CPU_NAME", "znver2")
+    assert measurements.machine_key() != plain
+
+
 def test_a_damaged_or_unwritable_file_costs_only_the_measurement(tmp_path):
     path = tmp_path / "m.json"
     path.write_text("{not json")

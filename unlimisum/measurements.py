@@ -35,9 +35,10 @@ from unlimisum.version import __version__
 FILE_NAME = "measurements.json"
 # What an entry's value means changes with the code that measured it: entries of another format are ignored.
 FORMAT_VERSION = 1
-# Settings that change which instructions torch, oneDNN and MKL use: a measurement under one is not another's.
+# Settings that change which instructions torch, oneDNN, MKL and numba (the compiled kernels) use: a measurement
+# under one is not another's.
 INSTRUCTION_SETTINGS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS",
-                        "MKL_CBWR", "OMP_NUM_THREADS")
+                        "MKL_CBWR", "OMP_NUM_THREADS", "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES")
 # A race stops timing a candidate whose best time is this many times the leader's: it will not be chosen.
 GIVE_UP_FACTOR = 4.0
 

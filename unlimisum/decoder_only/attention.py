@@ -21,6 +21,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from unlimisum.unlimiformer import kernels
+
 ATTENTION_NAME = "unlimisum_retrieval"
 
 _ACTIVE: ContextVar = ContextVar("unlimisum_retrieval_cache", default=None)
@@ -70,3 +72,4 @@ def reading(model: nn.Module, cache) -> Iterator[None]:
     finally:
         _ACTIVE.reset(token)
         model.set_attn_implementation(previous)
+        kernels.release_scratch()  # the steps' buffers: not held while the process does something else

@@ -504,10 +504,14 @@ def select_grouped(keys: torch.Tensor, queries: torch.Tensor, k: int) -> tuple[t
     return scores.transpose(0, 1), ids.transpose(0, 1)  # [B, G, k]
 
 
-def scores(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
-    """[H, nq, n] fp32 scores of queries [H, nq, dh] against keys [H, n, dh] (CPU, ``SCAN_DTYPES``)."""
+def scores(keys: torch.Tensor, queries: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[H, nq, n] fp32 scores of queries [H, nq, dh] against keys [H, n, dh] (CPU, ``SCAN_DTYPES``), written into
+    ``out`` (contiguous [H, nq, n] fp32) where given."""
     heads, n, _ = keys.shape
-    out = torch.empty(heads, queries.shape[1], n, dtype=torch.float32)
+    if out is None:
+        out = torch.empty(heads, queries.shape[1], n, dtype=torch.float32)
+    elif not (out.shape == (heads, queries.shape[1], n) and out.dtype == torch.float32 and out.is_contiguous()):
+        raise ValueError(f"scores out= must be a contiguous float32 tensor of shape {(heads, queries.shape[1], n)}")
     if n == 0 or queries.shape[1] == 0:
         return out
     rows, pitch = _head_rows(keys)

@@ -38,7 +38,7 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -60,6 +60,9 @@ MEASURE_REPEATS = 3
 # a top-k of each query's scores is selected from at least this many rows per measured k (k = rows / 16)
 MEASURE_ROWS_PER_K = 16
 RESCORE_BYTES = 256 * 2**20  # fp32 keys gathered at once to rescore a search's top-k
+# a dense step's scores scored, softmaxed and summed at once (``dense_blocks``): in the L3 of most CPUs, and
+# below glibc's largest mmap threshold (32 MiB), above which every fresh tensor is page-faulted in again
+DENSE_SCORE_BYTES = 8 * 2**20
 VALUE_BLOCK_ROWS = 16_384  # rows of every head's values widened at once where the compiled sum cannot read them
 
 
@@ -200,7 +203,7 @@ def calibrate_heads(device: torch.device | str, dtype: torch.dtype, dim: int, he
               f"{f', blocks of {int(block):,} rows' if block else ''}{scan}: {speedup:.2f}x the shared store's "
               f"{shared.scores} scores; measured on {rows:,} tokens x {heads} heads x {head_dim} for "
               f"{queries_per_head} quer{'y' if queries_per_head == 1 else 'ies'} per head, k={k:,}: {measured}")
-    kernels._SCRATCH.buffers = {}  # the races' buffers: the chosen kernel makes its own again
+    kernels.release_scratch()  # the races' buffers: the chosen kernel makes its own again
     return dataclasses.replace(choice, speedup=speedup, reason=reason, scanner=scanner, scan_min_rows=scan_min_rows,
                                queries_per_head=queries_per_head)
 
@@ -305,15 +308,19 @@ def faiss_available(dtype: torch.dtype) -> bool:
 # --- the kernels ------------------------------------------------------------------------------
 
 
-def head_scores(keys: torch.Tensor, queries: torch.Tensor, choice: HeadKernelChoice) -> torch.Tensor:
-    """[H, nq, n] fp32 scores of each head's queries [H, nq, dh] (fp32) against its keys [H, n, dh]."""
+def head_scores(keys: torch.Tensor, queries: torch.Tensor, choice: HeadKernelChoice,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+    """[H, nq, n] fp32 scores of each head's queries [H, nq, dh] (fp32) against its keys [H, n, dh], written into
+    ``out`` [H, nq, n] fp32 where given (a reused buffer: a dense step's scores of a long book, fresh each layer,
+    would be page-faulted in each time)."""
     if choice.scores == "native" and keys.dtype != torch.float32:
-        return torch.bmm(queries.to(keys.dtype), keys.transpose(1, 2)).float()
+        scored = torch.bmm(queries.to(keys.dtype), keys.transpose(1, 2)).float()
+        return scored if out is None else out.copy_(scored)
     if choice.scores == "compiled" and compiled.usable(keys):
-        return compiled.scores(keys, queries)
+        return compiled.scores(keys, queries, out=out)
     heads, n, head_dim = keys.shape
     nq = queries.shape[1]
-    out = queries.new_empty(heads, nq, n)
+    out = queries.new_empty(heads, nq, n) if out is None else out
     block = choice.block_rows
     for start in range(0, n, block):
         rows = keys[:, start:start + block]  # [H, b, dh]
@@ -391,15 +398,14 @@ def head_retrieve(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tenso
     wanted = min(k, n)
     hidden = exclude.to(keys.device) if exclude is not None else None
     if values is not None and wanted == n:
-        ids, weights = [], []
+        ids = torch.empty(heads, nq, n, dtype=torch.long, device=keys.device)
+        weights = torch.empty(heads, nq, n, dtype=torch.float32, device=keys.device)
 
-        def keep(part_weights: torch.Tensor) -> None:  # [H, c, N]: every token, in descending weight
-            top, order = part_weights.sort(dim=2, descending=True)
-            weights.append(top)
-            ids.append(order)
+        def keep(head: slice, part: slice, block_weights: torch.Tensor) -> None:  # [h, c, N]: in descending weight
+            weights[head, part], ids[head, part] = block_weights.sort(dim=2, descending=True)
 
         attended = head_dense_values(keys, values, queries, choice, hidden=hidden, on_weights=keep)
-        return torch.cat(ids, dim=1), torch.cat(weights, dim=1), attended
+        return ids, weights, attended
     extra = int(hidden.sum()) if hidden is not None else 0  # found, then dropped: fetch as many more
     scores, ids = head_select(keys, queries, min(n, wanted + extra), choice)  # [H, nq, k + extra]
     if hidden is not None:
@@ -474,11 +480,15 @@ def head_dense_attention(keys: torch.Tensor, states: torch.Tensor, queries: torc
     native_values = not shared.widens and states.dtype != torch.float32
     if (not native_values and kernels._compiled_sums(states, _compiled(choice))
             and heads * nq * n * 4 <= kernels.MAX_SCORE_BYTES):
-        # on a CPU: every score at once, then one compiled pass over the states for all the weights
-        weights = torch.softmax(head_scores(keys, queries, choice).view(heads * nq, n), dim=1)  # [H * nq, N]
+        # on a CPU: every weight, a block of heads and queries at a time into a reused buffer (``dense_blocks``),
+        # then one compiled pass over the states for all of them
+        weights = kernels._scratch("head-dense-weights", heads * nq * n, 1, torch.float32, keys.device)
+        weights = weights[:heads * nq * n].view(heads, nq, n)
+        for head, part in dense_blocks(heads, nq, n):
+            weights[head, part] = _dense_weights(keys[head], queries[head, part], choice, None)
         if coverage is not None:
-            coverage += weights.sum(0)
-        return compiled.dense_sum(states, weights).view(heads, nq, dim)
+            coverage += weights.sum(dim=(0, 1))
+        return compiled.dense_sum(states, weights.view(heads * nq, n)).view(heads, nq, dim)
 
     def parts():
         for start in range(0, n, block):
@@ -495,28 +505,52 @@ def head_dense_attention(keys: torch.Tensor, states: torch.Tensor, queries: torc
     return kernels._online_softmax(parts(), flat, dim, n, coverage, rescored).view(heads, nq, dim)
 
 
+def dense_blocks(heads: int, queries: int, n: int) -> Iterator[tuple[slice, slice]]:
+    """(heads, queries) slices of a dense step over n keys, each block's [h, c, n] fp32 scores within
+    DENSE_SCORE_BYTES where one head's query can be (in the cache, and a reused buffer's worth); at least as many
+    heads a block as there are threads where that many fit, so that every thread scores a head."""
+    per_query = max(n, 1) * 4
+    chunk = max(1, min(queries, DENSE_SCORE_BYTES // per_query))
+    per_block = max(1, min(heads, DENSE_SCORE_BYTES // (chunk * per_query)))
+    if per_block < heads:  # a whole number of blocks per thread count, however few heads fit the budget
+        per_block = min(heads, max(per_block, min(torch.get_num_threads(), heads)))
+    for first in range(0, queries, chunk):
+        for head in range(0, heads, per_block):
+            yield slice(head, head + per_block), slice(first, first + chunk)
+
+
+def _dense_weights(keys: torch.Tensor, queries: torch.Tensor, choice: HeadKernelChoice,
+                   hidden: torch.Tensor | None) -> torch.Tensor:
+    """[h, c, n] fp32 softmax over every key of each head's scores (``hidden`` [n] bool: weight 0; a row with
+    every key hidden, all zeros), scored into a reused buffer (``dense_blocks`` keeps it small)."""
+    heads, n, _ = keys.shape
+    nq = queries.shape[1]
+    logits = kernels._scratch("head-dense-scores", heads * nq * n, 1, torch.float32, keys.device)
+    logits = head_scores(keys, queries, choice, out=logits[:heads * nq * n].view(heads, nq, n))
+    if hidden is not None:
+        logits.masked_fill_(hidden, float("-inf"))
+    return torch.softmax(logits, dim=2).nan_to_num_(0.0)
+
+
 def head_dense_values(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, choice: HeadKernelChoice,
                       coverage: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
-                      on_weights: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+                      on_weights: Callable[[slice, slice, torch.Tensor], None] | None = None) -> torch.Tensor:
     """Dense attention of each head over its own keys and values [H, N, dh]: queries [H, nq, dh] fp32 (scaling
     folded in) -> [H, nq, dh] fp32, softmax(q K^T) V (the value bias not added: the weights sum to one, or to
-    zero where ``hidden`` [N] bool hides every token). The scores of as many queries at a time as fit
-    MAX_SCORE_BYTES; ``coverage`` [N] gets every query's weights added, ``on_weights`` each block's [H, c, N]."""
+    zero where ``hidden`` [N] bool hides every token). A block of heads and queries at a time (``dense_blocks``):
+    its scores, their softmax and its sums while the scores are in cache; ``coverage`` [N] gets every query's
+    weights added, ``on_weights(heads, queries, weights)`` each block's [h, c, N] (valid during the call)."""
     heads, n, head_dim = keys.shape
     nq = queries.shape[1]
     queries = queries.to(keys.device, torch.float32)
     out = torch.empty(heads, nq, head_dim, dtype=torch.float32, device=keys.device)
-    chunk = max(1, kernels.MAX_SCORE_BYTES // (heads * max(n, 1) * 4))
-    for first in range(0, nq, chunk):
-        logits = head_scores(keys, queries[:, first:first + chunk], choice)  # [H, c, N]
-        if hidden is not None:
-            logits = logits.masked_fill(hidden, float("-inf"))
-        weights = torch.softmax(logits, dim=2).nan_to_num_(0.0)
+    for head, part in dense_blocks(heads, nq, n):
+        weights = _dense_weights(keys[head], queries[head, part], choice, hidden)  # [h, c, N]
         if coverage is not None:
             coverage += weights.sum(dim=(0, 1))
         if on_weights is not None:
-            on_weights(weights)
-        out[:, first:first + chunk] = _value_sums(values, weights)
+            on_weights(head, part, weights)
+        out[head, part] = _value_sums(values[head], weights)
     return out
 
 

@@ -265,7 +265,7 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
     measured = ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in timings.items()
                          if seconds < float("inf"))
     unavailable = " (packed unavailable here)" if force == "packed" and not can_pack else ""
-    _SCRATCH.buffers = {}  # the races' widened blocks (up to 24 MiB): the chosen kernel makes its own again
+    release_scratch()  # the races' widened blocks (up to 24 MiB): the chosen kernel makes its own again
     reason = (f"{kernel} scores{' (forced)' if force else ''}{unavailable}, blocks of {block:,} rows (dense attention "
               f"{dense_block:,}); measured on {rows:,} x {dim} {str(dtype)[6:]} for {CALIBRATION_QUERIES} queries: "
               f"{measured}{verdict}")
@@ -339,6 +339,12 @@ def _scratch(name: str, rows: int, cols: int, dtype: torch.dtype, device: torch.
             buffer = buffers[key] = torch.empty(max(rows, 0 if buffer is None else buffer.shape[0]), cols,
                                                 dtype=dtype, device=device)
     return buffer[:rows]
+
+
+def release_scratch() -> None:
+    """Free this thread's reused buffers (a dense step's weights of a long book can hold up to MAX_SCORE_BYTES);
+    the next call that needs one makes it again."""
+    _SCRATCH.buffers = {}
 
 
 def _widened(rows: torch.Tensor, name: str = "widened") -> torch.Tensor:

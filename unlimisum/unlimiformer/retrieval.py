@@ -21,7 +21,7 @@ from torch import nn
 
 from unlimisum.models import wrapping
 from unlimisum.models.architectures import Architecture
-from unlimisum.unlimiformer import head_kernels
+from unlimisum.unlimiformer import head_kernels, kernels
 
 
 @dataclass
@@ -228,3 +228,4 @@ def retrieval(model: nn.Module, architecture: Architecture, session: RetrievalSe
         finally:
             for wrapper in wrappers:
                 wrapper.session = None
+            kernels.release_scratch()  # the steps' buffers: not held while the process does something else
