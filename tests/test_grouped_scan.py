@@ -101,7 +101,12 @@ def test_decode_ids_gives_the_same_ids_through_either_path(monkeypatch, dtype, r
     torch.testing.assert_close(by_torch_scores, expected.values, atol=2**-6 * 16, rtol=0)
     in_order = grouped_scores(keys, queries).gather(2, scanned)  # [B, G, k]: sorted by score, as the torch path
     assert bool((in_order[..., 1:] <= in_order[..., :-1] + 1e-5).all())
-    assert torch.equal(scanned[..., :10], by_torch[..., :10])  # the best, far apart at the top of random scores
+    # the torch path's ids in descending order of its kernel's scores: of the true scores within twice its rounding
+    # (two nearly equal scores may swap), the best first
+    rounding = 2**-6 * 16
+    in_torch_order = grouped_scores(keys, queries).gather(2, by_torch)  # [B, G, k]
+    assert bool((in_torch_order[..., 1:] <= in_torch_order[..., :-1] + 2 * rounding).all())
+    assert bool((in_torch_order[..., :10] >= expected.values[..., 9:10] - 2 * rounding).all())
 
 
 def test_a_forced_kernel_short_store_or_many_queries_keep_the_torch_path(monkeypatch):
