@@ -314,8 +314,8 @@ def head_scores(keys: torch.Tensor, queries: torch.Tensor, choice: HeadKernelCho
     ``out`` [H, nq, n] fp32 where given (a reused buffer: a dense step's scores of a long book, fresh each layer,
     would be page-faulted in each time)."""
     if choice.scores == "native" and keys.dtype != torch.float32:
-        scored = torch.bmm(queries.to(keys.dtype), keys.transpose(1, 2)).float()
-        return scored if out is None else out.copy_(scored)
+        scored = torch.bmm(queries.to(keys.dtype), keys.transpose(1, 2))  # [H, nq, n] in the keys' dtype
+        return scored.float() if out is None else out.copy_(scored)  # widened as it is copied: no fp32 temporary
     if choice.scores == "compiled" and compiled.usable(keys):
         return compiled.scores(keys, queries, out=out)
     heads, n, head_dim = keys.shape
@@ -512,8 +512,7 @@ def dense_blocks(heads: int, queries: int, n: int) -> Iterator[tuple[slice, slic
     per_query = max(n, 1) * 4
     chunk = max(1, min(queries, DENSE_SCORE_BYTES // per_query))
     per_block = max(1, min(heads, DENSE_SCORE_BYTES // (chunk * per_query)))
-    if per_block < heads:  # a whole number of blocks per thread count, however few heads fit the budget
-        per_block = min(heads, max(per_block, min(torch.get_num_threads(), heads)))
+    per_block = max(per_block, min(torch.get_num_threads(), heads))  # a head a thread, however few fit the budget
     for first in range(0, queries, chunk):
         for head in range(0, heads, per_block):
             yield slice(head, head + per_block), slice(first, first + chunk)
