@@ -10,10 +10,12 @@ finds), read each number once:
   queries are split the same way (even and odd dimensions), so the widening costs one integer operation per two
   numbers and no shuffles;
 - ``select``: every query of a head (its beams) meets each key while it is in cache, one pass however many
-  beams; the top-k of each query is kept as it goes: a score above the current threshold is appended to a
-  buffer of ``2 k`` candidates, and a full buffer is cut to little more than its k largest (``_cut``: a sample
-  says where, one branch-free pass keeps them), which raises the threshold; ``scores``: the same pass, every
-  score written;
+  beams; four queries at a time in explicit 8-lane vectors (``_dot_four_bf16``: each key's words loaded and
+  widened once, their four sums reduced together), where a key's words (or fp32 numbers) are a multiple of
+  8; the top-k of each query is kept as it goes: a block's scores are compared with the current threshold 8
+  at a time (``_above``), those above it appended to a buffer of ``2 k`` candidates, and a full buffer is cut
+  to little more than its k largest (``_cut``: a sample says where, one branch-free pass keeps them), which
+  raises the threshold; ``scores``: the same pass, every score written;
 - ``select_grouped``: ``select`` for grouped-query attention (decoder-only generation): every query head of a
   key-value head scores each block of its keys, and each row's (beam's) g scores of a key are reduced to their
   largest before the running top-k keeps them: one selection per row and key-value head, one pass;
@@ -47,6 +49,7 @@ BLOCK_ROWS = 1024  # rows scored before their scores are filtered: every query's
 try:
     import numba
     from llvmlite import ir as _llvm
+    from numba.core import cgutils as _cgutils
     from numba.extending import intrinsic as _intrinsic
 except ImportError:  # pragma: no cover - numba is a dependency; a broken install leaves the torch kernels
     numba = None
@@ -82,6 +85,143 @@ if numba is not None:
 
     _SHIFT = np.uint32(16)
     _UPPER = np.uint32(0xFFFF0000)
+
+    # --- explicit vectors: LLVM's <8 x float>, which it maps onto whatever registers the machine has (one AVX2
+    # register, two SSE or NEON ones, half an AVX-512 one). Written out because the loops numba generates for four
+    # queries reduce each query's sum on its own, a dozen instructions a key each, and compare scores one by one.
+
+    _LANES = 8
+    _FLOAT = _llvm.FloatType()
+    _WORD = _llvm.IntType(32)
+    _FLOATS = _llvm.VectorType(_FLOAT, _LANES)
+    _WORDS = _llvm.VectorType(_WORD, _LANES)
+    _ONE = np.uint32(1)
+
+    def _row_address(context, builder, array_type, array, row):
+        """The address (i8*) of array[row, 0] of a 2-d array whose rows are contiguous (any row pitch)."""
+        array = context.make_array(array_type)(context, builder, array)
+        data = builder.bitcast(array.data, _llvm.IntType(8).as_pointer())
+        pitch = _cgutils.unpack_tuple(builder, array.strides)[0]
+        row = context.cast(builder, row[0], row[1], numba.types.intp)
+        return builder.gep(data, [builder.mul(row, pitch)])
+
+    def _load_lanes(builder, address, byte_offset, vector_type):
+        pointer = builder.bitcast(builder.gep(address, [byte_offset]), vector_type.as_pointer())
+        return builder.load(pointer, align=4)
+
+    def _multiply_add(builder, a, b, total):
+        """a * b + total, fused where the machine has fused multiply-adds (``llvm.fmuladd``: never a libcall)."""
+        function_type = _llvm.FunctionType(_FLOATS, [_FLOATS, _FLOATS, _FLOATS])
+        function = _cgutils.get_or_insert_function(builder.module, function_type, f"llvm.fmuladd.v{_LANES}f32")
+        return builder.call(function, [a, b, total])
+
+    def _pair_sums(builder, a, b):
+        """[a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7] (x86's vhaddps, in portable IR)."""
+        first = _llvm.Constant(_WORDS, [0, 2, 8, 10, 4, 6, 12, 14])
+        second = _llvm.Constant(_WORDS, [1, 3, 9, 11, 5, 7, 13, 15])
+        return builder.fadd(builder.shuffle_vector(a, b, first), builder.shuffle_vector(a, b, second))
+
+    def _four_totals(builder, sums):
+        """The totals of four 8-lane sums, reduced together: three pairwise additions and one of the halves (one
+        by one, each sum would take three shuffles and three additions of its own)."""
+        paired = _pair_sums(builder, _pair_sums(builder, sums[0], sums[1]), _pair_sums(builder, sums[2], sums[3]))
+        return [builder.fadd(builder.extract_element(paired, _llvm.Constant(_WORD, j)),
+                             builder.extract_element(paired, _llvm.Constant(_WORD, j + 4))) for j in range(4)]
+
+    def _dot_four_codegen(bfloat16: bool):
+        """The code of ``_dot_four_bf16`` / ``_dot_four_f32``: one key's rows of 8 (32-bit words or fp32
+        numbers) loaded once, widened in registers and met by each of the four queries' lanes."""
+
+        def codegen(context, builder, signature, args):
+            if bfloat16:
+                keys_type, row_type, even_type, odd_type, first_type = signature.args
+                keys, row, even, odd, first = args
+                parts = ((even_type, even), (odd_type, odd))
+            else:
+                keys_type, row_type, queries_type, first_type = signature.args
+                keys, row, queries, first = args
+                parts = ((queries_type, queries),)
+            key = _row_address(context, builder, keys_type, keys, (row, row_type))
+            width = _cgutils.unpack_tuple(builder, context.make_array(keys_type)(context, builder, keys).shape)[1]
+            first = context.cast(builder, first, first_type, numba.types.intp)
+            query_rows = [[_row_address(context, builder, part_type, part,
+                                        (builder.add(first, _llvm.Constant(first.type, j)), numba.types.intp))
+                           for j in range(4)] for part_type, part in parts]
+            zero = _llvm.Constant(_FLOATS, [0.0] * _LANES)
+            sums = [[_cgutils.alloca_once_value(builder, zero) for _ in range(4)] for _ in parts]
+            chunks = builder.udiv(width, _llvm.Constant(width.type, _LANES))
+            with _cgutils.for_range(builder, chunks) as loop:
+                offset = builder.mul(loop.index, _llvm.Constant(width.type, 4 * _LANES))  # bytes
+                if bfloat16:
+                    words = _load_lanes(builder, key, offset, _WORDS)
+                    lanes = (builder.bitcast(builder.shl(words, _llvm.Constant(_WORDS, [16] * _LANES)), _FLOATS),
+                             builder.bitcast(builder.and_(words, _llvm.Constant(_WORDS, [-65536] * _LANES)),
+                                             _FLOATS))  # the even dimensions, the odd ones (-65536: 0xFFFF0000)
+                else:
+                    lanes = (_load_lanes(builder, key, offset, _FLOATS),)
+                for part, key_lanes in enumerate(lanes):
+                    for j in range(4):
+                        query_lanes = _load_lanes(builder, query_rows[part][j], offset, _FLOATS)
+                        total = builder.load(sums[part][j])
+                        builder.store(_multiply_add(builder, key_lanes, query_lanes, total), sums[part][j])
+            totals = [builder.load(sums[0][j]) for j in range(4)]
+            if bfloat16:
+                totals = [builder.fadd(totals[j], builder.load(sums[1][j])) for j in range(4)]
+            return context.make_tuple(builder, signature.return_type, _four_totals(builder, totals))
+
+        return codegen
+
+    def _rows_of(array, dtype) -> bool:
+        return isinstance(array, numba.types.Array) and array.ndim == 2 and array.dtype == dtype
+
+    @_intrinsic
+    def _dot_four_bf16(typingctx, words, row, even, odd, first):
+        """(4 fp32 scores): key ``row`` of bfloat16 ``words`` [n, dh/2] (``_scores_bf16``'s layout) against
+        queries first .. first + 3 of ``even``/``odd`` [nq, dh/2]; dh/2 a multiple of 8, rows contiguous."""
+        if not (_rows_of(words, numba.types.uint32) and _rows_of(even, numba.types.float32)
+                and _rows_of(odd, numba.types.float32)):
+            return None
+        return numba.types.UniTuple(numba.types.float32, 4)(words, row, even, odd, first), _dot_four_codegen(True)
+
+    @_intrinsic
+    def _dot_four_f32(typingctx, keys, row, queries, first):
+        """(4 fp32 scores): key ``row`` of fp32 ``keys`` [n, dh] against queries first .. first + 3 of
+        ``queries`` [nq, dh]; dh a multiple of 8, rows contiguous."""
+        if not (_rows_of(keys, numba.types.float32) and _rows_of(queries, numba.types.float32)):
+            return None
+        return numba.types.UniTuple(numba.types.float32, 4)(keys, row, queries, first), _dot_four_codegen(False)
+
+    @_intrinsic
+    def _above(typingctx, scores, row, start, floor):
+        """A uint32 whose bit i says scores[row, start + i] > floor, for i < 8 (one compare of 8 lanes; a NaN is
+        never above); scores [nq, m] fp32, rows contiguous."""
+        if not _rows_of(scores, numba.types.float32):
+            return None
+        signature = numba.types.uint32(scores, row, start, numba.types.float32)
+
+        def codegen(context, builder, _signature, args):
+            scores_type, row_type, start_type, _ = _signature.args
+            address = _row_address(context, builder, scores_type, args[0], (args[1], row_type))
+            start_at = context.cast(builder, args[2], start_type, numba.types.intp)
+            lanes = _load_lanes(builder, address, builder.mul(start_at, _llvm.Constant(start_at.type, 4)), _FLOATS)
+            floor = builder.insert_element(_llvm.Constant(_FLOATS, _llvm.Undefined), args[3],
+                                           _llvm.Constant(_WORD, 0))
+            floor = builder.shuffle_vector(floor, _llvm.Constant(_FLOATS, _llvm.Undefined),
+                                           _llvm.Constant(_WORDS, [0] * _LANES))
+            mask = builder.fcmp_ordered(">", lanes, floor)
+            return builder.zext(builder.bitcast(mask, _llvm.IntType(_LANES)), _WORD)
+
+        return signature, codegen
+
+    @_intrinsic
+    def _lowest_bit(typingctx, bits):
+        """The index of the lowest set bit of a nonzero uint32."""
+        signature = numba.types.uint32(numba.types.uint32)
+
+        def codegen(context, builder, _signature, args):
+            return builder.cttz(args[0], _llvm.Constant(_llvm.IntType(1), 1))
+
+        return signature, codegen
 
     @numba.njit(nogil=True, cache=True, inline="always")
     def _largest_first(scores, ids, n, k):
@@ -144,10 +284,20 @@ if numba is not None:
         for q in range(queries):
             floor = threshold[q]
             n = held[q]
-            for r in range(count):
-                if block[q, r] > floor:
-                    kept[q, n] = block[q, r]
-                    kept_ids[q, n] = start + r
+            r = 0
+            while r + _LANES <= count:  # eight scores compared at once; the few above the floor taken bit by bit
+                above = _above(block, q, r, floor)
+                while above != 0:
+                    j = r + _lowest_bit(above)
+                    kept[q, n] = block[q, j]
+                    kept_ids[q, n] = start + j
+                    n += 1
+                    above &= above - _ONE
+                r += _LANES
+            for j in range(r, count):
+                if block[q, j] > floor:
+                    kept[q, n] = block[q, j]
+                    kept_ids[q, n] = start + j
                     n += 1
             room = capacity - block.shape[1]  # a full block more must fit
             if n > room:
@@ -171,6 +321,14 @@ if numba is not None:
         n, half = words.shape
         queries = even.shape[0]
         first = 0
+        while half % _LANES == 0 and first + 4 <= queries:  # four at a time, in explicit vectors
+            for r in range(n):
+                total = _dot_four_bf16(words, r, even, odd, first)
+                out[first, r] = total[0]
+                out[first + 1, r] = total[1]
+                out[first + 2, r] = total[2]
+                out[first + 3, r] = total[3]
+            first += 4
         while first + 4 <= queries:  # four queries at a time: each word widened once for the four
             for r in range(n):
                 t0 = np.float32(0.0)
@@ -202,7 +360,16 @@ if numba is not None:
     def _scores_f32(keys, queries, out):
         """out [nq, n] = fp32 scores of queries [nq, dh] against fp32 keys [n, dh]."""
         n, dim = keys.shape
-        for q in range(queries.shape[0]):
+        first = 0
+        while dim % _LANES == 0 and first + 4 <= queries.shape[0]:  # four at a time, in explicit vectors
+            for r in range(n):
+                total = _dot_four_f32(keys, r, queries, first)
+                out[first, r] = total[0]
+                out[first + 1, r] = total[1]
+                out[first + 2, r] = total[2]
+                out[first + 3, r] = total[3]
+            first += 4
+        for q in range(first, queries.shape[0]):
             for r in range(n):
                 total = np.float32(0.0)
                 for d in range(dim):
@@ -605,7 +772,11 @@ def available(dtype: torch.dtype) -> bool:
     keys = torch.randn(3, 700, 8, generator=generator).to(dtype)  # [H, n, dh]: 700 rows, several blocks and cuts
     queries = torch.randn(3, 2, 8, generator=generator)
     weights = torch.rand(2, 5, generator=generator)
+    wide = torch.randn(2, 300, 32, generator=generator).to(dtype)  # 16 words a key: the explicit vectors
+    wide_queries = torch.randn(2, 5, 32, generator=generator)  # four at a time, then one
     try:
+        wide_scored = scores(wide, wide_queries)
+        wide_found, wide_ids = select(wide, wide_queries, 5)
         found, ids = select(keys, queries, 5)
         scored = scores(keys, queries)
         summed = weighted_sum(keys[0], ids[0, :, :5], weights)  # [2, 8]
@@ -620,7 +791,11 @@ def available(dtype: torch.dtype) -> bool:
     found, order = found.sort(dim=2, descending=True)
     grouped_top = expected.amax(dim=1).topk(5, dim=1)  # [3, 5]: the largest of each head's 2 scores
     grouped, grouped_order = grouped[0].sort(dim=1, descending=True)
-    return bool(torch.equal(ids.gather(2, order), top.indices) and torch.allclose(found, top.values, atol=1e-4)
+    wide_expected = torch.einsum("hqd,hnd->hqn", wide_queries, wide.float())
+    wide_found, wide_order = wide_found.sort(dim=2, descending=True)
+    return bool(torch.allclose(wide_scored, wide_expected, atol=1e-4)
+                and torch.equal(wide_ids.gather(2, wide_order), wide_expected.topk(5, dim=2).indices)
+                and torch.equal(ids.gather(2, order), top.indices) and torch.allclose(found, top.values, atol=1e-4)
                 and torch.allclose(scored, expected, atol=1e-4) and torch.allclose(summed, expected_sums, atol=1e-4)
                 and torch.allclose(dense, expected[0] @ keys[0].float(), rtol=1e-4, atol=1e-3)
                 and torch.allclose(per_head, torch.bmm(expected, keys.float()), rtol=1e-4, atol=1e-3)
