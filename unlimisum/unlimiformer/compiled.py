@@ -11,10 +11,11 @@ finds), read each number once:
   numbers and no shuffles;
 - ``select``: every query of a head (its beams) meets each key while it is in cache, one pass however many
   beams; four queries at a time in explicit 8-lane vectors (``_dot_four_bf16``: each key's words loaded and
-  widened once, their four sums reduced together), where a key's words (or fp32 numbers) are a multiple of
-  8; the top-k of each query is kept as it goes: a block's scores are compared with the current threshold 8
-  at a time (``_above``), those above it appended to a buffer of ``2 k`` candidates, and a full buffer is cut
-  to little more than its k largest (``_cut``: a sample says where, one branch-free pass keeps them), which
+  widened once, their four sums reduced together), and the two or three after the last four the same way
+  (a group of 7 query heads: 4 + 3), where a key's words (or fp32 numbers) are a multiple of 8; the top-k
+  of each query is kept as it goes: a block's scores are compared with the current threshold 8 at a time
+  (``_above``), those above it appended to a buffer of ``2 k`` candidates, and a full buffer is cut to
+  little more than its k largest (``_cut``: a sample says where, one branch-free pass keeps them), which
   raises the threshold; ``scores``: the same pass, every score written;
 - ``select_grouped``: ``select`` for grouped-query attention (decoder-only generation): every query head of a
   key-value head scores each block of its keys, and each row's (beam's) g scores of a key are reduced to their
@@ -26,9 +27,11 @@ finds), read each number once:
 Every score and sum is fp32 arithmetic on the stored numbers, widened exactly (the ``float32`` kernels'
 numbers, summed in another order: within fp32 rounding of them); ties at the k-th score are broken arbitrarily,
 as ``torch.topk`` breaks them. The heads (or queries, or blocks of states) are spread over
-``torch.get_num_threads()`` threads by numba's OpenMP layer, which shares torch's OpenMP runtime where both load
-it (the same ``libgomp.so.1``): the threads torch's last operation left spinning take the work at once, where
-a pool of other threads would share the cores with them. Compiled once per machine: numba caches the machine
+``torch.get_num_threads()`` threads by numba's OpenMP layer (measured faster than a pool of threads of its own).
+That is one OpenMP runtime with torch's only where both load the same library: from pip, numba's links the
+system's ``libgomp.so.1.0.0`` and torch brings its own, so two run side by side and each one's threads spin a
+while after its work on the cores the other then uses (``GOMP_SPINCOUNT=0`` for both measured no faster a
+step). Compiled once per machine: numba caches the machine
 code beside this file, or in its user cache folder where that is read-only. Without numba, or where a kernel
 disagrees with torch on a small store (checked once per process), ``available`` says False and the torch
 kernels and faiss serve (head_kernels.py, kernels.py).
@@ -128,9 +131,10 @@ if numba is not None:
         return [builder.fadd(builder.extract_element(paired, _llvm.Constant(_WORD, j)),
                              builder.extract_element(paired, _llvm.Constant(_WORD, j + 4))) for j in range(4)]
 
-    def _dot_four_codegen(bfloat16: bool):
-        """The code of ``_dot_four_bf16`` / ``_dot_four_f32``: one key's rows of 8 (32-bit words or fp32
-        numbers) loaded once, widened in registers and met by each of the four queries' lanes."""
+    def _dot_codegen(bfloat16: bool, count: int):
+        """The code of ``_dot_four_bf16`` / ``_dot_four_f32`` (``count`` 4; 2 or 3 for the queries after the
+        last four): one key's rows of 8 (32-bit words or fp32 numbers) loaded once, widened in registers and
+        met by each query's lanes."""
 
         def codegen(context, builder, signature, args):
             if bfloat16:
@@ -146,9 +150,9 @@ if numba is not None:
             first = context.cast(builder, first, first_type, numba.types.intp)
             query_rows = [[_row_address(context, builder, part_type, part,
                                         (builder.add(first, _llvm.Constant(first.type, j)), numba.types.intp))
-                           for j in range(4)] for part_type, part in parts]
+                           for j in range(count)] for part_type, part in parts]
             zero = _llvm.Constant(_FLOATS, [0.0] * _LANES)
-            sums = [[_cgutils.alloca_once_value(builder, zero) for _ in range(4)] for _ in parts]
+            sums = [[_cgutils.alloca_once_value(builder, zero) for _ in range(count)] for _ in parts]
             chunks = builder.udiv(width, _llvm.Constant(width.type, _LANES))
             with _cgutils.for_range(builder, chunks) as loop:
                 offset = builder.mul(loop.index, _llvm.Constant(width.type, 4 * _LANES))  # bytes
@@ -160,36 +164,49 @@ if numba is not None:
                 else:
                     lanes = (_load_lanes(builder, key, offset, _FLOATS),)
                 for part, key_lanes in enumerate(lanes):
-                    for j in range(4):
+                    for j in range(count):
                         query_lanes = _load_lanes(builder, query_rows[part][j], offset, _FLOATS)
                         total = builder.load(sums[part][j])
                         builder.store(_multiply_add(builder, key_lanes, query_lanes, total), sums[part][j])
-            totals = [builder.load(sums[0][j]) for j in range(4)]
+            totals = [builder.load(sums[0][j]) for j in range(count)]
             if bfloat16:
-                totals = [builder.fadd(totals[j], builder.load(sums[1][j])) for j in range(4)]
-            return context.make_tuple(builder, signature.return_type, _four_totals(builder, totals))
+                totals = [builder.fadd(totals[j], builder.load(sums[1][j])) for j in range(count)]
+            totals = _four_totals(builder, totals + [zero] * (4 - count))[:count]  # fewer: reduced with zeros
+            return context.make_tuple(builder, signature.return_type, totals)
 
         return codegen
 
     def _rows_of(array, dtype) -> bool:
         return isinstance(array, numba.types.Array) and array.ndim == 2 and array.dtype == dtype
 
-    @_intrinsic
-    def _dot_four_bf16(typingctx, words, row, even, odd, first):
-        """(4 fp32 scores): key ``row`` of bfloat16 ``words`` [n, dh/2] (``_scores_bf16``'s layout) against
-        queries first .. first + 3 of ``even``/``odd`` [nq, dh/2]; dh/2 a multiple of 8, rows contiguous."""
-        if not (_rows_of(words, numba.types.uint32) and _rows_of(even, numba.types.float32)
-                and _rows_of(odd, numba.types.float32)):
-            return None
-        return numba.types.UniTuple(numba.types.float32, 4)(words, row, even, odd, first), _dot_four_codegen(True)
+    def _dot_bf16_of(count: int):
+        """An intrinsic: (``count`` fp32 scores) of key ``row`` of bfloat16 ``words`` [n, dh/2] (``_scores_bf16``'s
+        layout) against queries first .. first + count - 1 of ``even``/``odd`` [nq, dh/2]; dh/2 a multiple of 8,
+        rows contiguous."""
+        result = numba.types.UniTuple(numba.types.float32, count)
 
-    @_intrinsic
-    def _dot_four_f32(typingctx, keys, row, queries, first):
-        """(4 fp32 scores): key ``row`` of fp32 ``keys`` [n, dh] against queries first .. first + 3 of
-        ``queries`` [nq, dh]; dh a multiple of 8, rows contiguous."""
-        if not (_rows_of(keys, numba.types.float32) and _rows_of(queries, numba.types.float32)):
-            return None
-        return numba.types.UniTuple(numba.types.float32, 4)(keys, row, queries, first), _dot_four_codegen(False)
+        def typer(typingctx, words, row, even, odd, first):
+            if not (_rows_of(words, numba.types.uint32) and _rows_of(even, numba.types.float32)
+                    and _rows_of(odd, numba.types.float32)):
+                return None
+            return result(words, row, even, odd, first), _dot_codegen(True, count)
+
+        return _intrinsic(typer)
+
+    def _dot_f32_of(count: int):
+        """An intrinsic: (``count`` fp32 scores) of key ``row`` of fp32 ``keys`` [n, dh] against queries first ..
+        first + count - 1 of ``queries`` [nq, dh]; dh a multiple of 8, rows contiguous."""
+        result = numba.types.UniTuple(numba.types.float32, count)
+
+        def typer(typingctx, keys, row, queries, first):
+            if not (_rows_of(keys, numba.types.float32) and _rows_of(queries, numba.types.float32)):
+                return None
+            return result(keys, row, queries, first), _dot_codegen(False, count)
+
+        return _intrinsic(typer)
+
+    _dot_four_bf16, _dot_three_bf16, _dot_two_bf16 = _dot_bf16_of(4), _dot_bf16_of(3), _dot_bf16_of(2)
+    _dot_four_f32, _dot_three_f32, _dot_two_f32 = _dot_f32_of(4), _dot_f32_of(3), _dot_f32_of(2)
 
     @_intrinsic
     def _above(typingctx, scores, row, start, floor):
@@ -329,6 +346,19 @@ if numba is not None:
                 out[first + 2, r] = total[2]
                 out[first + 3, r] = total[3]
             first += 4
+        if half % _LANES == 0 and queries - first == 3:  # the three after the last four (a group of 7)
+            for r in range(n):
+                total = _dot_three_bf16(words, r, even, odd, first)
+                out[first, r] = total[0]
+                out[first + 1, r] = total[1]
+                out[first + 2, r] = total[2]
+            first += 3
+        if half % _LANES == 0 and queries - first == 2:
+            for r in range(n):
+                total = _dot_two_bf16(words, r, even, odd, first)
+                out[first, r] = total[0]
+                out[first + 1, r] = total[1]
+            first += 2
         while first + 4 <= queries:  # four queries at a time: each word widened once for the four
             for r in range(n):
                 t0 = np.float32(0.0)
@@ -369,6 +399,19 @@ if numba is not None:
                 out[first + 2, r] = total[2]
                 out[first + 3, r] = total[3]
             first += 4
+        if dim % _LANES == 0 and queries.shape[0] - first == 3:
+            for r in range(n):
+                total = _dot_three_f32(keys, r, queries, first)
+                out[first, r] = total[0]
+                out[first + 1, r] = total[1]
+                out[first + 2, r] = total[2]
+            first += 3
+        if dim % _LANES == 0 and queries.shape[0] - first == 2:
+            for r in range(n):
+                total = _dot_two_f32(keys, r, queries, first)
+                out[first, r] = total[0]
+                out[first + 1, r] = total[1]
+            first += 2
         for q in range(first, queries.shape[0]):
             for r in range(n):
                 total = np.float32(0.0)
@@ -773,7 +816,7 @@ def available(dtype: torch.dtype) -> bool:
     queries = torch.randn(3, 2, 8, generator=generator)
     weights = torch.rand(2, 5, generator=generator)
     wide = torch.randn(2, 300, 32, generator=generator).to(dtype)  # 16 words a key: the explicit vectors
-    wide_queries = torch.randn(2, 5, 32, generator=generator)  # four at a time, then one
+    wide_queries = torch.randn(2, 7, 32, generator=generator)  # four at a time, then three
     try:
         wide_scored = scores(wide, wide_queries)
         wide_found, wide_ids = select(wide, wide_queries, 5)
