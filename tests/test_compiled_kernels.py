@@ -62,6 +62,66 @@ def test_the_dense_sum_per_head_is_each_heads_weights_times_its_widened_values(d
     assert compiled.head_dense_sum(values, weights[:, :0]).shape == (5, 0, 8)
 
 
+def _softmax_values(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    """softmax(q K^T) V per head in fp64 from the stored numbers, as fp32: the reference of ``attend_dense``."""
+    weights = torch.softmax(torch.einsum("hqd,hnd->hqn", queries.double(), keys.double()), dim=2)
+    return torch.einsum("hqn,hnd->hqd", weights, values.double()).float()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("key_dim,value_dim", [(8, 8), (16, 16), (64, 64), (80, 48), (12, 20)])  # vectors or not
+@pytest.mark.parametrize("queries", [1, 3, 4, 5, 9])  # 4 at a time, then 1 to 3
+@pytest.mark.parametrize("n", [3, 1027, 2600])  # fewer than 8 rows; blocks of 1024 and a remainder
+def test_dense_attention_in_one_pass_is_the_softmax_of_the_scores_times_the_values(dtype, key_dim, value_dim,
+                                                                                  queries, n):
+    generator = torch.Generator().manual_seed(4)
+    book_keys = torch.randn(3, n + 50, key_dim, generator=generator).to(dtype)
+    book_values = torch.randn(3, n + 50, value_dim, generator=generator).to(dtype)
+    keys, values = book_keys[:, 50:], book_values[:, 50:]  # a chapter's view: each head's rows at an offset
+    scale = torch.tensor([0.1, 1.0, 4.0]).view(3, 1, 1)  # flat, ordinary and peaked weights
+    query_rows = torch.randn(3, queries, key_dim, generator=generator) * scale
+    if n > 2048:  # a key in the last block far above the others: every earlier block's sums rescaled to it
+        keys = keys.clone()
+        keys[1, n - 5] = (query_rows[1, 0] * 3).to(dtype)
+    got = compiled.attend_dense(keys, values, query_rows)
+    # fp32 scores of up to ~100 are within ~1e-5 of their fp64 ones, and so are their weights (relative)
+    expected = _softmax_values(keys, values, query_rows)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    coverage = torch.full((n,), 0.5)  # added to, as a generation's running count is
+    kept = torch.full((3 * queries * n + 7,), float("nan"))  # a reused buffer, larger than needed
+    torch.testing.assert_close(compiled.attend_dense(keys, values, query_rows, coverage, kept), got)
+    weights = torch.softmax(torch.einsum("hqd,hnd->hqn", query_rows.double(), keys.double()), dim=2)
+    torch.testing.assert_close(coverage, 0.5 + weights.sum(dim=(0, 1)).float(), rtol=1e-4, atol=1e-5)
+
+
+def test_dense_attention_in_one_pass_floors_exp_as_the_online_softmax_does_and_zeroes_a_nan_row():
+    generator = torch.Generator().manual_seed(5)
+    keys = torch.randn(2, 3000, 16, generator=generator).bfloat16()
+    values = torch.randn(2, 3000, 16, generator=generator).bfloat16()
+    queries = torch.randn(2, 4, 16, generator=generator) * 40  # most weights below e^-87 of the largest
+    expected = _softmax_values(keys, values, queries)
+    torch.testing.assert_close(compiled.attend_dense(keys, values, queries), expected, rtol=1e-4, atol=1e-5)
+    queries[1, 2, 3] = float("nan")  # every score of one query NaN: its row zeros (as nan_to_num makes it), the
+    got = compiled.attend_dense(keys, values, queries)  # other rows as they were
+    assert got[1, 2].eq(0).all()
+    expected[1, 2] = 0
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    coverage = torch.zeros(3000)  # the NaN query adds nothing; every other query's weights sum to one
+    compiled.attend_dense(keys, values, queries, coverage)
+    torch.testing.assert_close(coverage.sum(), torch.tensor(7.0))
+
+
+def test_dense_attention_in_one_pass_refuses_values_it_cannot_pair_with_the_keys():
+    keys = torch.randn(2, 10, 8).bfloat16()
+    with pytest.raises(ValueError, match="values"):
+        compiled.attend_dense(keys, torch.randn(2, 10, 8), torch.randn(2, 1, 8))  # fp32 values, bfloat16 keys
+    with pytest.raises(ValueError, match="values"):
+        compiled.attend_dense(keys, torch.randn(2, 9, 8).bfloat16(), torch.randn(2, 1, 8))
+    with pytest.raises(ValueError, match="kept"):
+        compiled.attend_dense(keys, keys, torch.randn(2, 1, 8), torch.zeros(10), torch.empty(19))  # 20 needed
+    assert compiled.attend_dense(keys[:, :0], keys[:, :0], torch.randn(2, 3, 8)).shape == (2, 3, 8)
+
+
 def test_the_states_it_cannot_read_stay_with_torch():
     assert compiled.usable_states(torch.randn(4, 8).bfloat16()) and compiled.usable_states(torch.randn(4, 7))
     assert not compiled.usable_states(torch.randn(4, 7).bfloat16())  # an odd width has no whole 32-bit words

@@ -538,10 +538,19 @@ def head_dense_values(keys: torch.Tensor, values: torch.Tensor, queries: torch.T
     folded in) -> [H, nq, dh] fp32, softmax(q K^T) V (the value bias not added: the weights sum to one, or to
     zero where ``hidden`` [N] bool hides every token). A block of heads and queries at a time (``dense_blocks``):
     its scores, their softmax and its sums while the scores are in cache; ``coverage`` [N] gets every query's
-    weights added, ``on_weights(heads, queries, weights)`` each block's [h, c, N] (valid during the call)."""
+    weights added, ``on_weights(heads, queries, weights)`` each block's [h, c, N] (valid during the call).
+    Where the scores run compiled and no token is hidden or weight handed out: in one compiled pass
+    (``compiled.attend_dense``) that writes no scores, or, counting coverage, only the weights, into a reused
+    buffer."""
     heads, n, head_dim = keys.shape
     nq = queries.shape[1]
     queries = queries.to(keys.device, torch.float32)
+    if (hidden is None and on_weights is None and choice.scores == "compiled" and values.dtype == keys.dtype
+            and compiled.usable(keys) and compiled.usable(values)
+            and (coverage is None or heads * nq * n * 4 <= kernels.MAX_SCORE_BYTES)):
+        kept = (kernels._scratch("head-dense-weights", heads * nq * n, 1, torch.float32, keys.device)
+                if coverage is not None else None)
+        return compiled.attend_dense(keys, values, queries, coverage, kept)
     out = torch.empty(heads, nq, head_dim, dtype=torch.float32, device=keys.device)
     for head, part in dense_blocks(heads, nq, n):
         weights = _dense_weights(keys[head], queries[head, part], choice, hidden)  # [h, c, N]
