@@ -134,8 +134,9 @@ def test_the_race_is_measured_once_and_kept(monkeypatch):
     wins = selection.grouped_scan_wins(torch.float32, 1, 3, 2, 8, 16)
     assert isinstance(wins, bool)
     kept = [m for m in measurements.default_store().all() if m.name.startswith("decoder-only grouped scan")]
-    assert [m.name for m in kept] == ["decoder-only grouped scan v1 cpu float32 1 KV heads x 4 rows x 2 queries, "
-                                      "d=8, k=16"]  # 3 rows measured as 4
+    version = selection.GROUPED_MEASUREMENT_VERSION
+    assert [m.name for m in kept] == [f"decoder-only grouped scan v{version} cpu float32 1 KV heads x 4 rows x 2 "
+                                      "queries, d=8, k=16"]  # 3 rows measured as 4
     assert kept[0].value["compiled_wins"] == wins and "compiled" in kept[0].reason
     selection.grouped_scan_wins.cache_clear()
 

@@ -38,7 +38,7 @@ GROUPED_SCAN_MIN_KEYS = kernels.COMPILED_MIN_STATES
 GROUPED_SCAN_MAX_ROWS = 64
 GROUPED_MEASURE_KEYS = 65_536  # keys per key-value head of the measurement's synthetic store
 # what the measurement is called in the user's cache folder: a new version measures again
-GROUPED_MEASUREMENT_VERSION = 1
+GROUPED_MEASUREMENT_VERSION = 2  # 2: the compiled scan asks for the rows ahead of it (compiled.PREFETCH_BYTES)
 
 
 def token_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
