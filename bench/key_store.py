@@ -15,7 +15,8 @@ In the same process:
 - the streaming bandwidth: the best of 3 float32 sums over ``--bandwidth-mib`` (1 GiB by default), measured
   just before and just after each row's generation; a row's floor uses the better of its two (a shared machine's
   bandwidth moves by half from minute to minute), ``vs_best_floor`` the best of the whole run;
-- the truncated baseline: the model's own generate() over the first 1,024 states (its own step);
+- the truncated baseline: the model's own generate() over the first 1,024 states (its own step), the best of 3
+  (once for the run: one slow moment would skew every row's floor);
 - the floor of an exact step: L layers x the bytes one layer reads (the store, or that layer's keys: the same
   count of 16-bit numbers when H x d_head = d; a dense step's keys and values where the policy keeps the values,
   k = N) over the bandwidth, plus the model's own step;
@@ -48,6 +49,7 @@ from unlimisum.unlimiformer.keys import KeyStore, build_key_store, key_store_byt
 from unlimisum.unlimiformer.placement import KEY_STORE_MEMORY_FRACTION, IndexPlan, _free_bytes, plan_key_store
 
 TURNS = 3  # one layer's retrieval: the best of this many turns of each store
+BASELINE_TURNS = 3  # the truncated model's step: the best of this many generations
 
 
 def streaming_bandwidth(mebibytes: int = 1024) -> float:
@@ -150,7 +152,8 @@ def run(n_values: list[int], size: str, new_tokens: int, beams_values: list[int]
         for beams in beams_values:
             if beams not in baseline:
                 window = store.states()[:1024].float()
-                baseline[beams] = truncated_seconds_per_token(loaded, window, new_tokens, beams=beams)
+                baseline[beams] = min(truncated_seconds_per_token(loaded, window, new_tokens, beams=beams)
+                                      for _ in range(BASELINE_TURNS))
             layer_bytes = n * max(dim, heads * head_dim) * store.storage_dtype.itemsize
             for k in sorted({min(1024, n), n if n <= dense_max_tokens else 1024}):
                 with_values = k >= n and values is not None  # the dense step's per-layer store reads them too
