@@ -202,7 +202,7 @@ if numba is not None:
         or 2): each key's rows of 8 (32-bit words or fp32 numbers) loaded once, widened in registers and met by
         each query's lanes; the count sums of each key reduced together and stored into out[first + j, row + i].
         Two keys at once load each query's lanes once for both (a key's even and odd dimensions then go into one
-        sum, so that its 2 x count sums stay in registers): 1.26-1.45x for four queries."""
+        sum, so that the 2 x count sums stay in registers)."""
 
         def codegen(context, builder, signature, args):
             if bfloat16:
