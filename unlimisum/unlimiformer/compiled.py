@@ -686,9 +686,9 @@ if numba is not None:
     # block's scores are in cache: no [nq, N] scores written, no softmax pass of their own
 
     def _sum_codegen(bfloat16: bool, count: int):
-        """The code of ``_sum_rows_bf16`` / ``_sum_rows_f32`` for ``count`` queries (1 to 4): for each 8 words
-        (or fp32 numbers) of a row, the queries' sums in registers while every row's 8 are loaded once, widened
-        and met by each query's weight; then added to out."""
+        """The code of ``_sum_of(count)`` for ``count`` queries (1 to 4): for each 8 words (or fp32 numbers) of a
+        row, the queries' sums in registers while every row's 8 are loaded once, widened and met by each query's
+        weight; then added to out."""
 
         def codegen(context, builder, signature, args):
             values_type, weights_type, first_type, rows_type, out_type = signature.args
@@ -730,49 +730,27 @@ if numba is not None:
 
         return codegen
 
-    def _sum_of(bfloat16: bool, count: int):
+    def _sum_of(count: int):
         """An intrinsic: out[first + j] += weights[first + j, :rows] @ values[:rows], j < ``count``, for bfloat16
         values [n, dv/2] uint32 (out [nq, dv]: the even dimensions, then the odd ones) or fp32 values [n, dv]
         (out [nq, dv]); dv/2 or dv a multiple of 8, rows contiguous."""
-        words = numba.types.uint32 if bfloat16 else numba.types.float32
 
         def typer(typingctx, values, weights, first, rows, out):
-            if not (_rows_of(values, words) and _rows_of(weights, numba.types.float32)
+            bfloat16 = _rows_of(values, numba.types.uint32)
+            if not ((bfloat16 or _rows_of(values, numba.types.float32)) and _rows_of(weights, numba.types.float32)
                     and _rows_of(out, numba.types.float32)):
                 return None
             return numba.types.none(values, weights, first, rows, out), _sum_codegen(bfloat16, count)
 
         return _intrinsic(typer)
 
-    _SUMS_BF16 = tuple(_sum_of(True, count) for count in (1, 2, 3, 4))
-    _SUMS_F32 = tuple(_sum_of(False, count) for count in (1, 2, 3, 4))
-    _sum_one_bf16, _sum_two_bf16, _sum_three_bf16, _sum_four_bf16 = _SUMS_BF16
-    _sum_one_f32, _sum_two_f32, _sum_three_f32, _sum_four_f32 = _SUMS_F32
+    _sum_one, _sum_two, _sum_three, _sum_four = (_sum_of(count) for count in (1, 2, 3, 4))
 
     @numba.njit(nogil=True, cache=True, inline="always")
-    def _sum_rows_bf16(value_words, weights, rows, out):
-        """out [nq, dv] (even dimensions, then odd) += weights [nq, :rows] @ the bfloat16 values
-        value_words[:rows] [., dv/2]: SUM_TILE_ROWS rows at a time, four queries at a time (``_sum_of``; dv/2 a
-        multiple of 8)."""
-        queries = weights.shape[0]
-        for start in range(0, rows, SUM_TILE_ROWS):
-            tile = min(SUM_TILE_ROWS, rows - start)
-            tile_rows, tile_weights = value_words[start:start + tile], weights[:, start:start + tile]
-            _prefetch(tile_rows, 0, tile)
-            for first in range(0, queries, 4):
-                count = min(4, queries - first)
-                if count == 4:
-                    _sum_four_bf16(tile_rows, tile_weights, first, tile, out)
-                elif count == 3:
-                    _sum_three_bf16(tile_rows, tile_weights, first, tile, out)
-                elif count == 2:
-                    _sum_two_bf16(tile_rows, tile_weights, first, tile, out)
-                else:
-                    _sum_one_bf16(tile_rows, tile_weights, first, tile, out)
-
-    @numba.njit(nogil=True, cache=True, inline="always")
-    def _sum_rows_f32(values, weights, rows, out):
-        """``_sum_rows_bf16`` for fp32 values [., dv] (dv a multiple of 8)."""
+    def _sum_rows(values, weights, rows, out):
+        """out [nq, dv] += weights [nq, :rows] @ values[:rows]: bfloat16 values [., dv/2] uint32 (out: the even
+        dimensions, then the odd ones) or fp32 values [., dv]; SUM_TILE_ROWS rows at a time, four queries at a
+        time (``_sum_of``; dv/2 or dv a multiple of 8)."""
         queries = weights.shape[0]
         for start in range(0, rows, SUM_TILE_ROWS):
             tile = min(SUM_TILE_ROWS, rows - start)
@@ -781,13 +759,13 @@ if numba is not None:
             for first in range(0, queries, 4):
                 count = min(4, queries - first)
                 if count == 4:
-                    _sum_four_f32(tile_rows, tile_weights, first, tile, out)
+                    _sum_four(tile_rows, tile_weights, first, tile, out)
                 elif count == 3:
-                    _sum_three_f32(tile_rows, tile_weights, first, tile, out)
+                    _sum_three(tile_rows, tile_weights, first, tile, out)
                 elif count == 2:
-                    _sum_two_f32(tile_rows, tile_weights, first, tile, out)
+                    _sum_two(tile_rows, tile_weights, first, tile, out)
                 else:
-                    _sum_one_f32(tile_rows, tile_weights, first, tile, out)
+                    _sum_one(tile_rows, tile_weights, first, tile, out)
 
     @_intrinsic
     def _largest(typingctx, scores, row, start, count):
@@ -908,7 +886,7 @@ if numba is not None:
                 block_peaks[:, start // BLOCK_ROWS] = peak
             rows = value_words[start:start + count]
             if half % _LANES == 0:
-                _sum_rows_bf16(rows, weights, count, out)
+                _sum_rows(rows, weights, count, out)
                 continue
             for r in range(0, count - count % 4, 4):
                 for q in range(queries):
@@ -940,7 +918,7 @@ if numba is not None:
                 block_peaks[:, start // BLOCK_ROWS] = peak
             rows = values[start:start + count]
             if values.shape[1] % _LANES == 0:
-                _sum_rows_f32(rows, weights, count, out)
+                _sum_rows(rows, weights, count, out)
                 continue
             for r in range(0, count - count % 4, 4):
                 for q in range(count_queries):
