@@ -638,13 +638,11 @@ if numba is not None:
         for j in range(count - count % 4, count):
             _add_one_f32(out, weights[j], states[ids[j]])
 
-    @_compile
-    def _dense_sums_bf16(words, weights, even, odd):
-        """even, odd [nq, d/2] = weights [nq, n] @ the bfloat16 states ``words`` [n, d/2] (``_sums_bf16``'s
+    @numba.njit(nogil=True, cache=True, inline="always")
+    def _add_dense_sums_bf16(words, weights, even, odd):
+        """even, odd [nq, d/2] += weights [nq, n] @ the bfloat16 states ``words`` [n, d/2] (``_sums_bf16``'s
         layout): four states at a time, every query's sums taken while they are in cache."""
         n = words.shape[0]
-        even[:] = 0.0
-        odd[:] = 0.0
         for r in range(0, n - n % 4, 4):
             _prefetch(words, r, 4)
             for q in range(weights.shape[0]):
@@ -655,10 +653,16 @@ if numba is not None:
                 _add_one_bf16(even[q], odd[q], weights[q, r], words[r])
 
     @_compile
-    def _dense_sums_f32(states, weights, out):
-        """out [nq, d] = weights [nq, n] @ fp32 states [n, d] (``_dense_sums_bf16``'s order)."""
+    def _dense_sums_bf16(words, weights, even, odd):
+        """even, odd [nq, d/2] = weights [nq, n] @ the bfloat16 states ``words`` [n, d/2]."""
+        even[:] = 0.0
+        odd[:] = 0.0
+        _add_dense_sums_bf16(words, weights, even, odd)
+
+    @numba.njit(nogil=True, cache=True, inline="always")
+    def _add_dense_sums_f32(states, weights, out):
+        """out [nq, d] += weights [nq, n] @ fp32 states [n, d] (``_add_dense_sums_bf16``'s order)."""
         n = states.shape[0]
-        out[:] = 0.0
         for r in range(0, n - n % 4, 4):
             _prefetch(states, r, 4)
             for q in range(weights.shape[0]):
@@ -667,6 +671,12 @@ if numba is not None:
         for r in range(n - n % 4, n):
             for q in range(weights.shape[0]):
                 _add_one_f32(out[q], weights[q, r], states[r])
+
+    @_compile
+    def _dense_sums_f32(states, weights, out):
+        """out [nq, d] = weights [nq, n] @ fp32 states [n, d]."""
+        out[:] = 0.0
+        _add_dense_sums_f32(states, weights, out)
 
     @_compile_parallel
     def _dense_sums_heads_bf16(words, heads, pitch, n, weights, even, odd):
@@ -887,15 +897,8 @@ if numba is not None:
             rows = value_words[start:start + count]
             if half % _LANES == 0:
                 _sum_rows(rows, weights, count, out)
-                continue
-            for r in range(0, count - count % 4, 4):
-                for q in range(queries):
-                    _add_four_bf16(out[q, :half], out[q, half:], weights[q, r], weights[q, r + 1],
-                                   weights[q, r + 2], weights[q, r + 3], rows[r], rows[r + 1], rows[r + 2],
-                                   rows[r + 3])
-            for r in range(count - count % 4, count):
-                for q in range(queries):
-                    _add_one_bf16(out[q, :half], out[q, half:], weights[q, r], rows[r])
+            else:
+                _add_dense_sums_bf16(rows, weights, out[:, :half], out[:, half:])
         _normalise(total, out)
 
     @_compile
@@ -919,14 +922,8 @@ if numba is not None:
             rows = values[start:start + count]
             if values.shape[1] % _LANES == 0:
                 _sum_rows(rows, weights, count, out)
-                continue
-            for r in range(0, count - count % 4, 4):
-                for q in range(count_queries):
-                    _add_four_f32(out[q], weights[q, r], weights[q, r + 1], weights[q, r + 2], weights[q, r + 3],
-                                  rows[r], rows[r + 1], rows[r + 2], rows[r + 3])
-            for r in range(count - count % 4, count):
-                for q in range(count_queries):
-                    _add_one_f32(out[q], weights[q, r], rows[r])
+            else:
+                _add_dense_sums_f32(rows, weights, out)
         _normalise(total, out)
 
     @_compile_parallel
