@@ -1,7 +1,7 @@
 """Time to a summary: whole-process wall time of `unlimisum summarize` on the default path, stage by stage.
 
     python -m bench.time_to_summary [--sizes bart-base,bart-large] [--inputs story,16k,100k,300k]
-                                    [--new-tokens 64] [--before REV] [--quick]
+                                    [--new-tokens 64] [--before REV] [--quick] [--python VENV/bin/python]
 
 The number a reader feels: `unlimisum summarize BOOK --json` run as a fresh process with no environment
 overrides (only HF_HUB_OFFLINE=1 and a cache folder of the benchmark's own), for models of bart-base and
@@ -17,11 +17,13 @@ generate, evidence and support, beside:
   unlimisum uses), measured in this process.
 
 Each input is summarized twice: "first run" with an empty cache folder (this machine's speed choices measured,
-unlimisum/measurements.py) and "later runs" with the folder the first run filled. With ``--before REV`` the same
-commands run the code of git revision REV (a worktree under bench/.cache), in turns with this tree's, so the
-before/after comes from one run. Summaries are forced to ``--new-tokens`` (min = max), greedy (the random
-model's generation config). Inputs: samples/story.epub, the first 16k and 100k tokens of Moby-Dick, and the
-whole of it (../shared/corpus; skipped when absent). Writes bench/results/time_to_summary.json.
+unlimisum/measurements.py, and the retrieval kernels compiled into it: numba's cache lives there too) and "later
+runs" with the folder the first run filled. ``--python``: run the unlimisum installed in that interpreter's
+environment (``pip install .`` in a fresh venv, as a user has it) rather than this tree's source.
+With ``--before REV`` the same commands run the code of git revision REV (a worktree under bench/.cache), in turns
+with this tree's, so the before/after comes from one run. Summaries are forced to ``--new-tokens`` (min = max),
+greedy (the random model's generation config). Inputs: samples/story.epub, the first 16k, 20k and 100k tokens of
+Moby-Dick, and the whole of it (../shared/corpus; skipped when absent). Writes bench/results/time_to_summary.json.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ CORPUS = ROOT.parent / "shared" / "corpus"
 MOBY = CORPUS / "txt_moby-dick_pg2701_utf8-bom.txt"
 TRAINING_TEXTS = [MOBY, CORPUS / "txt_pride-and-prejudice_pg1342_utf8.txt", ROOT / "samples" / "story.txt"]
 WINDOW = 1024
-CUTS = {"16k": 16_384, "100k": 100_000}
+# 20k: past kernels.COMPILED_MIN_STATES, where a first run compiles kernels (the 16k cut is 16,114 tokens)
+CUTS = {"16k": 16_384, "20k": 20_000, "100k": 100_000}
 
 PLAIN = r'''
 import sys, time
@@ -138,23 +141,29 @@ def plain_text(path: Path) -> Path:
     return target
 
 
-def clean_environment(cache_home: Path, code: Path | None) -> dict:
-    """The reader's environment: no unlimisum or thread overrides; this run's cache folder; ``code``: the tree
-    to import unlimisum from (None: this one)."""
+def clean_environment(cache_home: Path, code: Path | None, installed: bool = False) -> dict:
+    """The reader's environment: no unlimisum, numba or thread overrides; this run's cache folder; ``code``: the
+    tree to import unlimisum from (None: this one; ``installed``: none, the interpreter's own install)."""
     env = {key: value for key, value in os.environ.items()
-           if not key.startswith("UNLIMISUM_") and key not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONPATH")}
+           if not key.startswith("UNLIMISUM_") and key not in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONPATH",
+                                                                "NUMBA_CACHE_DIR")}
     env.update(HF_HUB_OFFLINE="1", UNLIMISUM_CACHE_HOME=str(cache_home), XDG_CACHE_HOME=str(cache_home))
-    env["PYTHONPATH"] = str(code or ROOT)
+    if not installed:
+        env["PYTHONPATH"] = str(code or ROOT)
     return env
+
+
+PYTHON = sys.executable  # the interpreter that runs unlimisum (--python: a venv where it is installed)
 
 
 def run_unlimisum(folder: Path, document: Path, new_tokens: int, cache_home: Path, code: Path | None,
                   extra: list[str] = ()) -> dict:
     """One `unlimisum summarize --json -v` process: its wall time, and its stages from the JSON and the log."""
-    command = [sys.executable, "-m", "unlimisum", "summarize", "-m", str(folder), str(document), "--json", "-v",
+    command = [PYTHON, "-m", "unlimisum", "summarize", "-m", str(folder), str(document), "--json", "-v",
                "--max-new-tokens", str(new_tokens), "--min-new-tokens", str(new_tokens), *extra]
     started = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True, env=clean_environment(cache_home, code),
+    done = subprocess.run(command, capture_output=True, text=True,
+                          env=clean_environment(cache_home, code, installed=PYTHON != sys.executable),
                           cwd=tempfile.gettempdir())
     wall = time.perf_counter() - started
     if done.returncode != 0:
@@ -224,7 +233,12 @@ def main(argv=None) -> None:
                         help="first: an empty cache folder (speed choices measured); later: the folder filled")
     parser.add_argument("--extra", default="", help="more summarize options for every run, e.g. --encode-int8")
     parser.add_argument("--name", default="time_to_summary", help="the result file's name (bench/results/NAME.json)")
+    parser.add_argument("--python", default=None,
+                        help="run the unlimisum installed for this interpreter (a venv's bin/python), not this tree")
     args = parser.parse_args(argv)
+    global PYTHON
+    if args.python:
+        PYTHON = args.python
     sizes = ["bart-base"] if args.quick else args.sizes.split(",")
     names = ["story"] if args.quick else args.inputs.split(",")
     trees = {"this tree": None}
@@ -259,9 +273,22 @@ def main(argv=None) -> None:
                 finally:
                     shutil.rmtree(home, ignore_errors=True)
     report(rows, args.new_tokens)
+    first_runs(rows)
     path = write_result(args.name, dict(rows=rows, new_tokens=args.new_tokens, seconds=time.perf_counter() - started,
-                                                threads=torch.get_num_threads()))
+                                        threads=torch.get_num_threads(), python=PYTHON))
     print(f"wrote {path}")
+
+
+def first_runs(rows: list[dict]) -> None:
+    """What a machine's first run costs over its later ones (kernels compiled, speed choices measured), per input."""
+    later = {(row["size"], row["input"], row["tree"]): row for row in rows if row["variant"] == "later runs"}
+    pairs = [(row, later[key]) for row in rows if row["variant"] == "first run"
+             and (key := (row["size"], row["input"], row["tree"])) in later]
+    if pairs:
+        print("\nthe first run of a machine (every cache empty) against the next one:")
+        print_table(["model", "input", "code", "first", "later", "first - later"],
+                    [[first["size"], first["input"], first["tree"], f"{first['wall']:.1f}", f"{second['wall']:.1f}",
+                      f"{first['wall'] - second['wall']:+.1f}"] for first, second in pairs])
 
 
 def report(rows: list[dict], new_tokens: int) -> None:

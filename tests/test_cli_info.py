@@ -190,3 +190,32 @@ def test_info_lists_what_was_measured_on_this_machine_and_how_to_measure_again(i
         assert [entry["name"] for entry in again] == ["cpu bfloat16 speedup"]  # forgotten, then measured anew
     finally:
         precision._cpu_speedup.cache_clear()
+
+
+def test_remeasure_forgets_the_machine_under_every_thread_count_and_its_compiled_kernels(info, monkeypatch,
+                                                                                           tmp_path):
+    from unlimisum import measurements
+    from unlimisum.models import precision
+
+    monkeypatch.setenv("UNLIMISUM_CACHE_HOME", str(tmp_path))
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    identity = measurements.machine_identity()
+    for threads in ("1", "7"):  # what Ray workers of other thread counts kept
+        monkeypatch.setattr(measurements, "machine_identity", lambda t=threads: dict(identity, threads=t))
+        measurements.MeasurementStore().put(measurements.Measurement("x", 1, "2026-01-01T00:00:00+00:00", 0.1, ""))
+    monkeypatch.setattr(measurements, "machine_identity", lambda: identity)
+    kernels = tmp_path / "kernels" / "unlimiformer_1a2b"
+    kernels.mkdir(parents=True)
+    for name in ("compiled._sums_f32-630.py311.nbi", "compiled._sums_f32-630.py311.1.nbc"):
+        (kernels / name).write_bytes(b"machine code")
+    (kernels / "other.program-1.py311.nbi").write_bytes(b"someone else's")
+    shown = info().stdout
+    assert "compiled kernels:  2 files" in shown
+    precision._cpu_speedup.cache_clear()
+    try:
+        info("--remeasure")
+    finally:
+        precision._cpu_speedup.cache_clear()
+    kept = json.loads((tmp_path / "measurements.json").read_text())
+    assert [name for entry in kept.values() for name in entry["measurements"]] in ([], ["cpu bfloat16 speedup"])
+    assert sorted(path.name for path in kernels.iterdir()) == ["other.program-1.py311.nbi"]

@@ -473,6 +473,21 @@ def test_cache_dir_second_run_reads_the_encoded_book_and_cache_commands(summariz
     assert json_lines(CliRunner().invoke(app, ["cache", "list", "--json"]).stdout) == []
 
 
+def test_cache_clear_kernels_needs_no_cache_folder_and_leaves_other_programs_files(monkeypatch, tmp_path):
+    monkeypatch.delenv("UNLIMISUM_CACHE_DIR", raising=False)
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    monkeypatch.setenv("UNLIMISUM_CACHE_HOME", str(tmp_path))
+    folder = tmp_path / "kernels" / "compiled_0f"
+    folder.mkdir(parents=True)
+    (folder / "compiled._dense_sums_f32-675.py311.nbi").write_bytes(b"index")
+    (folder / "compiled._dense_sums_f32-675.py311.1.nbc").write_bytes(b"code")
+    (folder / "mine.solver-12.py311.nbi").write_bytes(b"another program's")
+    cleared = CliRunner().invoke(app, ["cache", "clear", "--kernels"])
+    assert cleared.exit_code == 0 and "removed 2 compiled kernel files, 9 B" in cleared.stderr
+    assert [path.name for path in folder.iterdir()] == ["mine.solver-12.py311.nbi"]
+    assert CliRunner().invoke(app, ["cache", "clear"]).exit_code == 2  # books need their folder, as before
+
+
 @pytest.mark.parametrize("args, message", [
     (["--cache-max-bytes", "1G"], "--cache-max-bytes needs --cache-dir"),
     (["--cache-dir", "c", "--cache-max-bytes", "lots"], "is not a size"),

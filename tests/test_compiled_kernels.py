@@ -10,10 +10,18 @@ import torch
 from unlimisum.unlimiformer import compiled, kernels
 
 
-def test_the_compiled_kernels_run_here():
+@pytest.mark.parametrize("dtype", compiled.SCAN_DTYPES)
+def test_the_compiled_kernels_run_here(dtype):
     """numba is a dependency: where its kernels do not compile or disagree with torch, this fails (the tool would
     fall back to the torch kernels, slower on a CPU without 16-bit units)."""
-    assert compiled.available(torch.bfloat16) and compiled.available(torch.float32)
+    assert [kernel for kernel in compiled.KERNELS if not compiled.ready(kernel, dtype)] == []
+    assert compiled.pending(compiled.KERNELS, dtype) == []
+    assert not compiled.ready("select", torch.float16)  # float16 keys keep the torch kernels and faiss
+
+
+def test_an_unknown_kernel_is_an_error_naming_the_known_ones():
+    with pytest.raises(ValueError, match="unknown compiled kernel 'gather'.*select, select_grouped"):
+        compiled.ready("gather", torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -420,7 +420,7 @@ def test_per_layer_keys_are_exact_search_only():
 def _scanners_available(monkeypatch, *scanners: str) -> None:
     """Only ``scanners`` can read the keys in the measurement (``calibrate_heads``)."""
     monkeypatch.setattr(head_kernels, "faiss_available", lambda dtype: "faiss" in scanners)
-    monkeypatch.setattr(compiled, "usable", lambda keys: "compiled" in scanners)
+    monkeypatch.setattr(compiled, "usable", lambda keys, kernel="select": "compiled" in scanners)
 
 
 def test_the_measurement_chooses_the_fastest_head_kernel_and_says_its_speedup(monkeypatch):

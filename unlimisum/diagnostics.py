@@ -38,20 +38,54 @@ def collect_measurements() -> dict:
     from unlimisum import measurements
 
     store = measurements.default_store()
+    files, size = compiled_kernels_in(measurements.kernel_cache_folder())
     return {
         "file": str(store.path),
         "machine_key": store.key,
         "entries": [{"name": m.name, "measured_at": m.measured_at, "seconds": round(m.seconds, 3), "reason": m.reason}
                     for m in store.all()],
         "remeasure": "unlimisum info --remeasure",
+        "kernels": {"folder": str(measurements.kernel_cache_folder()), "files": files, "bytes": size},
     }
 
 
 def forget_measurements() -> int:
-    """Forget this machine's measurements (each is made again when next needed); how many there were."""
+    """Forget every measurement of this machine (each is made again when next needed) and its compiled kernels
+    (compiled again when next needed); how many measurements there were."""
     from unlimisum import measurements
 
+    clear_compiled_kernels()
     return measurements.default_store().forget()
+
+
+def compiled_kernels_in(folder: Path) -> tuple[int, int]:
+    """(files, bytes) of unlimisum's compiled kernels numba keeps under ``folder`` (``_kernel_files``)."""
+    files = _kernel_files(folder)
+    return len(files), sum(path.stat().st_size for path in files)
+
+
+def clear_compiled_kernels() -> tuple[int, int]:
+    """Remove the compiled kernels (each is compiled again when a run next needs it): (files, bytes) removed. Only
+    unlimisum's are removed: a $NUMBA_CACHE_DIR shared with other programs keeps theirs."""
+    from unlimisum.measurements import kernel_cache_folder
+
+    removed = freed = 0
+    for path in _kernel_files(kernel_cache_folder()):
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except OSError:
+            continue
+        removed, freed = removed + 1, freed + size
+    return removed, freed
+
+
+def _kernel_files(folder: Path) -> list[Path]:
+    """numba's cache files of unlimisum's kernels under ``folder``: an index (.nbi) and machine code (.nbc) per
+    function, named after their module, compiled.py: ``compiled.<function>-<line>.py311...``."""
+    if not folder.is_dir():
+        return []
+    return [path for path in folder.rglob("compiled.*") if path.suffix in (".nbi", ".nbc") and path.is_file()]
 
 
 def collect_versions() -> dict:
@@ -163,10 +197,11 @@ def collect_plan(tokens: int, model: str, index: IndexConfig) -> dict:
         import torch
 
         from unlimisum.unlimiformer import packed
-        from unlimisum.unlimiformer.kernels import kernel_for
+        from unlimisum.unlimiformer.kernels import kernel_for, uses_compiled
         from unlimisum.unlimiformer.placement import storage_dtype
 
-        choice = kernel_for(torch.device(plan.device), storage_dtype(index), d_model)
+        choice = kernel_for(torch.device(plan.device), storage_dtype(index), d_model,
+                            compiled_sums=uses_compiled(tokens, plan.device))
         kernel = choice.reason
         if choice.scores == "packed" and not packed.memory_allows(tokens, d_model):
             kernel = (f"{choice.fallback} for {tokens:,} tokens: the packed copies "
@@ -178,11 +213,12 @@ def collect_plan(tokens: int, model: str, index: IndexConfig) -> dict:
     if keys.kind == "per-layer":  # what its heads run here (measured with the choice under auto)
         import torch
 
-        from unlimisum.unlimiformer import head_kernels
+        from unlimisum.unlimiformer import head_kernels, kernels
         from unlimisum.unlimiformer.placement import storage_dtype
 
         key_kernel = head_kernels.kernel_for(torch.device(plan.device), storage_dtype(index), d_model, heads,
-                                             head_dim).reason
+                                             head_dim, compiled_kernels=kernels.uses_compiled(tokens, plan.device)
+                                             ).reason
     return {
         "model_kind": "seq2seq",
         "tokens": tokens,

@@ -22,6 +22,11 @@ class UnlimisumError(Exception):
         return f"{self.source}: {self.problem}" if self.source else self.problem
 
 
+class UnlimisumWarning(UserWarning):
+    """Base class of unlimisum's warnings: the message is one line for the reader, starting ``unlimisum:`` (the CLI
+    prints it as it is, without the file and line a warning otherwise carries)."""
+
+
 def install_hint(extra: str) -> str:
     """How to install the optional ``extra``: from the package index, and in a clone of the repository."""
     return f'pip install "unlimisum[{extra}]" (in a clone of unlimisum: pip install -e ".[{extra}]")'

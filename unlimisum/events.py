@@ -12,17 +12,21 @@ from typing import Callable
 
 @dataclass(frozen=True)
 class ProgressEvent:
-    """One progress report: ``stage`` is download, cache, tokenize, encode, index, prefill, prepare, generate,
-    evidence or chapter.
+    """One progress report: ``stage`` is download, cache, keys, tokenize, encode, index, prefill, compile, prepare,
+    generate, evidence, support or chapter.
 
     ``download`` (loading a model whose files are not in the Hugging Face cache yet): ``completed`` of
     ``total`` bytes of the files being fetched, from 0 to ``total``; ``document`` is the repository,
     ``info["file"]`` the file being downloaded, ``info["files"]`` how many files there are.
 
     ``cache`` (with a cache of encoded books): 0/1 when it is looked up, 1/1 when the encoded
-    document came from it (then no tokenize/encode/index events follow).
+    document came from it (then no tokenize/encode/index events follow). ``keys`` (after a cache hit whose
+    per-layer keys or values are built from the cached states): ``completed`` of ``total`` tokens projected.
     ``prefill`` (decoder-only models, instead of encode and index): ``completed`` of ``total`` chunks of the
     prompt read, ``info["tokens"]`` and ``info["window"]``.
+    ``compile`` (before ``prepare``, on a machine's first run with a long book): ``completed`` of ``total``
+    retrieval kernels compiled (unlimisum/unlimiformer/compiled.py; most of them while the book was encoded),
+    ``info["seconds_left"]`` an estimate of the rest; not reported where none is left to compile.
     ``prepare`` (before ``generate``): 0 of ``total`` datastores, then all, made ready for retrieval
     (the kernels measured, once per process, and an exact store's packed copies made: seconds at 100k tokens);
     ``info["packed_bytes"]``: the packed kernel's copies made beside the stores, ``info["seconds"]`` the time it
@@ -31,7 +35,8 @@ class ProgressEvent:
     summary's (for a batch, the longest one's).
     ``evidence`` (after ``generate``, unless the evidence pass is off): 0 of ``total`` summaries of the batch,
     then one more as each summary has been read again (its evidence) and its sentences read without their
-    passages (their support).
+    passages (their support). ``support`` (within ``evidence``, unless support is off): ``completed`` of a
+    summary's ``total`` sentences read without their passages.
     ``chapter`` (``summarize(per_chapter=True)``, after the whole-document summary): before each
     batch of chapters, ``completed`` chapters of ``total`` are summarized and ``document`` is the
     title of the next one (``info["titles"]``: the titles of the batch, generated together from

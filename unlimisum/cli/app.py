@@ -12,13 +12,14 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import warnings
 from typing import Any, Sequence
 
 import typer
 from typer.core import TyperCommand, TyperGroup
 
 from unlimisum.version import __version__
-from unlimisum.errors import UnlimisumError
+from unlimisum.errors import UnlimisumError, UnlimisumWarning
 
 # Typer 0.2x parses with its own copy of Click (typer._click); older releases use Click itself.
 _click = getattr(typer, "_click", None) or importlib.import_module("click")
@@ -99,7 +100,9 @@ def fail(error: UnlimisumError | str, code: int = EXIT_FAILURE) -> "typer.Exit":
 
 
 def run_command_line(group, arguments: list[str], prog_name, complete_var, extra: dict) -> int:
-    """Run ``group`` on ``arguments`` and return the exit status, turning every error into one line."""
+    """Run ``group`` on ``arguments`` and return the exit status, turning every error into one line (and each of
+    unlimisum's warnings into its own line, without the file and line Python adds)."""
+    warnings.formatwarning = _warning_line
     try:
         result = TyperGroup.main(group, arguments, prog_name, complete_var, standalone_mode=False, **extra)
     except _NO_ARGS_IS_HELP as error:  # `unlimisum` or `unlimisum tc` alone: its help, as with --help
@@ -115,6 +118,15 @@ def run_command_line(group, arguments: list[str], prog_name, complete_var, extra
         typer.echo(f"unlimisum: error: {error}", err=True)
         return EXIT_FAILURE
     return result if isinstance(result, int) else EXIT_OK
+
+
+_python_warning_format = warnings.formatwarning
+
+
+def _warning_line(message, category, filename, lineno, line=None) -> str:
+    if issubclass(category, UnlimisumWarning):
+        return f"{message}\n"
+    return _python_warning_format(message, category, filename, lineno, line)
 
 
 def usage_message(error, arguments: Sequence[str]) -> str:

@@ -1,8 +1,10 @@
-"""`unlimisum cache list|prune|clear`: the cache of encoded books (`summarize --cache-dir`).
+"""`unlimisum cache list|prune|clear`: the cache of encoded books (`summarize --cache-dir`), and the compiled
+retrieval kernels kept in unlimisum's cache home.
 
     unlimisum cache list --cache-dir ~/.cache/unlimisum          # or UNLIMISUM_CACHE_DIR
     unlimisum cache prune                                        # what interrupted stores left
     unlimisum cache clear --older-than 30d
+    unlimisum cache clear --kernels                              # the compiled kernels (compiled again when needed)
 
 ``list`` only reads: it changes nothing in the cache, not even what interrupted stores left.
 """
@@ -79,6 +81,17 @@ def list_entries(
     if left:
         typer.echo(f"{_folders(len(left))} of interrupted stores, {format_bytes(sum(left))}: "
                    "`unlimisum cache prune` removes them", err=True)
+    _kernels_line()
+
+
+def _kernels_line() -> None:
+    from unlimisum.diagnostics import compiled_kernels_in
+    from unlimisum.measurements import kernel_cache_folder
+
+    files, size = compiled_kernels_in(kernel_cache_folder())
+    if files:
+        typer.echo(f"compiled retrieval kernels: {files} files, {format_bytes(size)} in {kernel_cache_folder()} "
+                   "(`unlimisum cache clear --kernels` removes them)", err=True)
 
 
 @cache_app.command("prune")
@@ -96,8 +109,20 @@ def clear(
     older_than: Optional[str] = typer.Option(
         None, "--older-than", metavar="AGE", help="Only entries unused for this long (e.g. 30d, 12h)."
     ),
+    kernels: bool = typer.Option(
+        False, "--kernels", help="Also remove the compiled retrieval kernels kept in unlimisum's cache home (the "
+        "next long book compiles them again, about 10 s); no --cache-dir needed for them alone.",
+    ),
 ) -> None:
-    """Remove encoded books from the cache (all of them, or those unused for --older-than)."""
+    """Remove encoded books from the cache (all of them, or those unused for --older-than), and with --kernels
+    the compiled retrieval kernels."""
+    if kernels:
+        from unlimisum.diagnostics import clear_compiled_kernels
+
+        files, freed = clear_compiled_kernels()
+        typer.echo(f"removed {files} compiled kernel file{'s' if files != 1 else ''}, {format_bytes(freed)}", err=True)
+        if cache_dir is None:
+            return
     cache = _open(cache_dir)
     seconds = parse_duration(older_than) if older_than is not None else None
     count, freed = cache.clear(older_than_seconds=seconds)

@@ -36,7 +36,8 @@ def info(
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     remeasure: bool = typer.Option(
         False, "--remeasure", help="Forget what was measured on this machine to choose speed settings (the CPU "
-        "dtype, the retrieval kernel) and measure it again now (the kernel for --tokens N; others on next use).",
+        "dtype, the retrieval kernels), under any thread count, and its compiled kernels; measure again now (the "
+        "kernel for --tokens N; the rest, and the compiling, when next needed).",
     ),
 ) -> None:
     """Show versions, devices, the Faiss build, where models are cached, what was measured on this machine,
@@ -137,7 +138,23 @@ def _measurement_lines(found: dict) -> list[str]:
         lines += [f"  {entry['name']} ({when} UTC, took {entry['seconds']:.2f} s)", f"      {entry['reason']}"]
     if not found["entries"]:
         lines.append("  nothing yet (measured on first use, about a second)")
-    return lines + _rows([("kept in", found["file"]), ("measure again", found["remeasure"])])
+    kernels = found.get("kernels") or {}
+    compiled = (f"{kernels['files']} files, {_size(kernels['bytes'])} in {kernels['folder']}" if kernels.get("files")
+                else f"none yet (compiled by the first book of {_compiled_from():,} tokens or more)")
+    return lines + _rows([("kept in", found["file"]), ("measure again", found["remeasure"]),
+                          ("compiled kernels", compiled)])
+
+
+def _size(count: int) -> str:
+    from unlimisum.cli.progress import format_bytes
+
+    return format_bytes(count)
+
+
+def _compiled_from() -> int:
+    from unlimisum.unlimiformer.kernels import COMPILED_MIN_STATES
+
+    return COMPILED_MIN_STATES
 
 
 def _decoder_plan_lines(plan: dict, format_bytes) -> list[str]:

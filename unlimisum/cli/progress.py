@@ -26,6 +26,7 @@ if TYPE_CHECKING:  # results imports torch; keep `unlimisum --help` and completi
     from unlimisum.events import ProgressEvent
     from unlimisum.results import Summary
 
+EVIDENCE_STAGE = "finding evidence (reading the summary again, each sentence without its passages)"
 MEMORY_SAMPLE_SECONDS = 0.25  # how often the live display reads RSS/GPU memory (psutil is cheap, not free)
 CHAPTER_TITLE_CELLS = 40  # chapter titles are cut to this many characters in the live display
 # The live rows at the console's width: the bar is 30 cells when the label keeps LABEL_CELLS beside it,
@@ -267,6 +268,9 @@ class ProgressDisplay(DrawnOnLiveArea):
         self._memory_sampled_at = float("-inf")
         self._stage_started = self._started
         self._stage_units = ""
+        self._stage_total: int | None = None
+        self._stage_description = ""
+        self._evidence_started = self._started
         self._tokens = 0
         self._progress = _StatusProgress(status=self._status_line, console=console, get_time=clock)
         self._area = LiveArea(console, self._progress.get_renderable, enabled=self.live, auto_refresh=auto_refresh)
@@ -406,6 +410,13 @@ class ProgressDisplay(DrawnOnLiveArea):
             keys = event.info.get("key_store_bytes") or 0
             self.log(f"index built: {store_figure(self._datastore_bytes, 0, keys, event.info.get('key_store_values', False))}")
 
+    def _on_keys(self, event: ProgressEvent) -> None:
+        """A cached book's per-layer keys (and values) projected from its states: tokens done, the time left."""
+        if event.completed == 0:
+            self._stage("building the per-layer keys", total=event.total, units="tokens/s")
+            return
+        self._advance(event.completed, rate_count=event.completed)
+
     def _on_chapter(self, event: ProgressEvent) -> None:
         """Per-chapter summaries: a batch of chapters starts (``completed`` done so far), or all are done."""
         if not self._book.active:  # the book's bar appears, its clock starting now
@@ -416,9 +427,20 @@ class ProgressDisplay(DrawnOnLiveArea):
             self._progress.update(self._book_task, description=f"{event.total} chapters summarized")
             self.log(f"{event.total} chapter summaries done")
 
+    def _on_compile(self, event: ProgressEvent) -> None:
+        """A first run on this machine waits for the retrieval kernels to compile (most of them were compiled
+        while the book was encoded): how many are left, and about how long."""
+        left = event.info.get("seconds_left", 0.0)
+        if event.completed == 0:
+            self._stage("compiling retrieval kernels for this machine (once)", total=event.total)
+            self.log(f"compiling {event.total} retrieval kernel{'s' if event.total != 1 else ''} for this machine, "
+                     f"about {format_seconds(left)} (once: later runs load them)")
+        self._progress.update(self._task, completed=event.completed,
+                              rate=f"about {format_seconds(left)} left" if left > 0 else "")
+
     def _on_prepare(self, event: ProgressEvent) -> None:
         if event.completed == 0:
-            self._stage("preparing retrieval (compiling and measuring kernels, packing the store)")
+            self._stage("preparing retrieval (measuring kernels, packing the store)")
             return
         if event.info.get("bytes"):
             self._datastore_bytes = event.info["bytes"]
@@ -427,10 +449,21 @@ class ProgressDisplay(DrawnOnLiveArea):
         self.log(f"retrieval prepared in {format_seconds(event.info.get('seconds', 0.0))}{packed}")
 
     def _on_evidence(self, event: ProgressEvent) -> None:
-        """The evidence pass: each summary read again, then each sentence with its passages hidden."""
+        """The evidence pass: each summary read again, then each sentence with its passages hidden (``support``
+        events in between); a batch's summaries counted, with the time left."""
         if event.completed == 0:
-            self._stage("finding evidence (reading the summary again, each sentence without its passages)",
-                        total=event.total if (event.total or 0) > 1 else None)
+            self._evidence_started = self.clock()
+        if event.completed == 0 or self._stage_description != EVIDENCE_STAGE:  # back from the support stage
+            self._stage(EVIDENCE_STAGE, total=event.total if (event.total or 0) > 1 else None)
+            self._stage_started = self._evidence_started
+        if event.completed:
+            self._advance(event.completed, rate_count=event.completed)
+
+    def _on_support(self, event: ProgressEvent) -> None:
+        """A summary's sentences read again, each without its passages: how many, and the time left."""
+        if event.completed == 0:
+            self._stage(f"measuring support: {event.total:,} sentence{'s' if event.total != 1 else ''} read "
+                        "without their passages", total=event.total, units="sentences/s")
             return
         self._advance(event.completed, rate_count=event.completed)
 
@@ -443,7 +476,7 @@ class ProgressDisplay(DrawnOnLiveArea):
             limit = f"up to {event.total:,} tokens" if event.total else "tokens"
             self.log(f"generating {limit} for {event.document}" if event.document else f"generating {limit}")
             return
-        self._advance(event.completed, rate_count=event.completed)
+        self._advance(event.completed, rate_count=event.completed, bound=True)
 
     # -- results -------------------------------------------------------------------------------
 
@@ -561,16 +594,24 @@ class ProgressDisplay(DrawnOnLiveArea):
         self._book = _ChapterProgress()
 
     def _stage(self, description: str, *, total: int | None = None, units: str = "") -> None:
+        self._stage_description = description
         self._stage_started = self.clock()
         self._stage_units = units
+        self._stage_total = total
         self._progress.reset(
             self._task, total=total, completed=0, description=description, rate="", counted=total is not None
         )
 
-    def _advance(self, completed: int, *, rate_count: float) -> None:
+    def _advance(self, completed: int, *, rate_count: float, bound: bool = False) -> None:
+        """``completed`` of the stage's total, its rate and the time left at that rate (``bound``: the total is
+        a most, as a summary's tokens are: "at most ... left")."""
         elapsed = self.clock() - self._stage_started
-        rate = f"{rate_count / elapsed:,.0f} {self._stage_units}" if elapsed > 0 and self._stage_units else ""
-        self._progress.update(self._task, completed=completed, rate=rate)
+        figures = [f"{rate_count / elapsed:,.0f} {self._stage_units}"] if elapsed > 0 and self._stage_units else []
+        total = self._stage_total
+        if total and 0 < completed < total and elapsed > 0:
+            left = format_seconds(elapsed * (total - completed) / completed)
+            figures.append(f"at most {left} left" if bound else f"{left} left")
+        self._progress.update(self._task, completed=completed, rate=" · ".join(figures))
 
     def _sample_memory(self) -> None:
         if self.memory is None or not self.live:

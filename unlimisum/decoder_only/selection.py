@@ -62,7 +62,8 @@ def grouped_scan_serves(keys: torch.Tensor, queries: torch.Tensor, k: int) -> bo
     rows, heads, group, head_dim = queries.shape
     return (keys.device.type == "cpu" and keys.shape[1] >= GROUPED_SCAN_MIN_KEYS and k > 0
             and 0 < rows * group <= GROUPED_SCAN_MAX_ROWS and kernels.forced_kernel() is None
-            and compiled.usable(keys) and grouped_scan_wins(keys.dtype, heads, rows, group, head_dim, k))
+            and compiled.usable(keys, "select_grouped")
+            and grouped_scan_wins(keys.dtype, heads, rows, group, head_dim, k))
 
 
 @functools.lru_cache(maxsize=None)

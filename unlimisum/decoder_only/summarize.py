@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from unlimisum.config import DecoderOnlyConfig, GenerationOptions, IndexConfig, PromptConfig
-from unlimisum.decoder_only import reading
+from unlimisum.decoder_only import reading, selection
 from unlimisum.decoder_only.plan import (
     RetrievalPlan, default_retrieval_k, default_window, plan_retrieval, store_bytes_per_token, store_devices,
 )
@@ -32,6 +32,7 @@ from unlimisum.results import EMPTY_SUMMARY, GenerationProgress, Summary, Summar
 from unlimisum import coverage, evidence
 from unlimisum.coverage import chapter_token_ranges
 from unlimisum.models import compat
+from unlimisum.unlimiformer import compiled
 from unlimisum.unlimiformer.placement import storage_dtype
 
 # summary tokens read at a time by the reread pass at most: each brings its own far tokens ([G, k, D] per layer)
@@ -150,6 +151,8 @@ class DecoderOnlySummarizer:
                                        tokenizer.all_special_ids)
         started = time.perf_counter()
         token_mass = None
+        if plan.keys_device.type == "cpu" and n_read >= selection.GROUPED_SCAN_MIN_KEYS:
+            compiled.warm(["select_grouped"], plan.storage_dtype)  # compiled while the prompt is read (first run)
         with torch.inference_mode(), reading.session(model, architecture, plan) as cache:
             self.progress(ProgressEvent("prefill", 0, chunks, name, info))
             reading.prefill(model, cache, prompt.ids[:-1], on_chunk=lambda done: self.progress(

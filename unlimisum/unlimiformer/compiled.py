@@ -38,20 +38,26 @@ as ``torch.topk`` breaks them. The heads (or queries, or blocks of states) are s
 That is one OpenMP runtime with torch's only where both load the same library: from pip, numba's links the
 system's ``libgomp.so.1.0.0`` and torch brings its own, so two run side by side and each one's threads spin a
 while after its work on the cores the other then uses (``GOMP_SPINCOUNT=0`` for both measured no faster a
-step). Compiled once per machine: numba caches the machine
-code beside this file, or in its user cache folder where that is read-only. Without numba, or where a kernel
-disagrees with torch on a small store (checked once per process), ``available`` says False and the torch
-kernels and faiss serve (head_kernels.py, kernels.py).
+step). Compiled once per machine, each kernel when a run first needs it (``ready``; ``warm`` compiles them in a
+thread while the book is encoded): numba keeps the machine code in ``kernel_cache_folder()``, the folder kernels/
+of unlimisum's cache home (never in the installed package, which may be read-only or shared; where that folder
+cannot be written, every process compiles again). Without numba, or where a kernel disagrees with torch on a
+small store (checked once per process), ``ready`` says False and the torch kernels and faiss serve
+(head_kernels.py, kernels.py).
 """
 
 from __future__ import annotations
 
-import functools
 import os
-from typing import Callable
+import tempfile
+import threading
+from pathlib import Path
+from typing import Callable, Iterable
 
 import numpy as np
 import torch
+
+from unlimisum.measurements import kernel_cache_folder
 
 SCAN_DTYPES = (torch.bfloat16, torch.float32)  # float16 keys keep the torch kernels and faiss
 BLOCK_ROWS = 1024  # rows scored before their scores are filtered: every query's block of scores stays in L1
@@ -76,17 +82,35 @@ if numba is not None and "NUMBA_THREADING_LAYER" not in os.environ:
     # OpenMP first: torch's own runtime where torch loaded it (see above); numba's thread pool where it cannot
     numba.config.THREADING_LAYER_PRIORITY = ["omp", "tbb", "workqueue"]
 
+
+def _writable(folder: Path) -> bool:
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            return True
+    except OSError:
+        return False
+
+
+# numba chooses where a function's cache lives when the function is decorated (config.CACHE_DIR then): ours is
+# set for this module's decorations only, and given back after them, so other numba code in the process keeps its
+# own. Where the folder cannot be written the kernels are not cached at all (numba would fall back to the package).
+_CACHED = numba is not None and _writable(kernel_cache_folder())
+if numba is not None:
+    _OTHERS_CACHE_DIR = numba.config.CACHE_DIR
+    numba.config.CACHE_DIR = str(kernel_cache_folder()) if _CACHED else ""
+
 # the fp32 rules the kernels may bend: reassociation (to sum with vector registers) and fused multiply-adds,
 # never the ones that assume no infinities or NaNs (the threshold starts at -inf)
 _FAST = {"reassoc", "contract", "nsz"}
 
 
 def _compile(function: Callable) -> Callable:
-    return numba.njit(nogil=True, cache=True, fastmath=_FAST)(function)
+    return numba.njit(nogil=True, cache=_CACHED, fastmath=_FAST)(function)
 
 
 def _compile_parallel(function: Callable) -> Callable:
-    return numba.njit(nogil=True, cache=True, fastmath=_FAST, parallel=True)(function)
+    return numba.njit(nogil=True, cache=_CACHED, fastmath=_FAST, parallel=True)(function)
 
 
 if numba is not None:
@@ -284,7 +308,7 @@ if numba is not None:
     _pair_four_bf16, _pair_three_bf16, _pair_two_bf16 = (_dot_bf16_of(count, 2) for count in (4, 3, 2))
     _pair_four_f32, _pair_three_f32, _pair_two_f32 = (_dot_f32_of(count, 2) for count in (4, 3, 2))
 
-    @numba.njit(nogil=True, cache=True, inline="always")
+    @numba.njit(nogil=True, cache=_CACHED, inline="always")
     def _dot_bf16(words, row, even, odd, first, count, out):
         """``_dot_bf16_of(count, 1)`` for a count of 2, 3 or 4 (so that one loop serves them)."""
         if count == 4:
@@ -294,7 +318,7 @@ if numba is not None:
         else:
             _dot_two_bf16(words, row, even, odd, first, out)
 
-    @numba.njit(nogil=True, cache=True, inline="always")
+    @numba.njit(nogil=True, cache=_CACHED, inline="always")
     def _pair_bf16(words, row, even, odd, first, count, out):
         """``_dot_bf16_of(count, 2)``: keys row and row + 1."""
         if count == 4:
@@ -304,7 +328,7 @@ if numba is not None:
         else:
             _pair_two_bf16(words, row, even, odd, first, out)
 
-    @numba.njit(nogil=True, cache=True, inline="always")
+    @numba.njit(nogil=True, cache=_CACHED, inline="always")
     def _dot_f32(keys, row, queries, first, count, out):
         """``_dot_f32_of(count, 1)`` for a count of 2, 3 or 4."""
         if count == 4:
@@ -314,7 +338,7 @@ if numba is not None:
         else:
             _dot_two_f32(keys, row, queries, first, out)
 
-    @numba.njit(nogil=True, cache=True, inline="always")
+    @numba.njit(nogil=True, cache=_CACHED, inline="always")
     def _pair_f32(keys, row, queries, first, count, out):
         """``_dot_f32_of(count, 2)``: keys row and row + 1."""
         if count == 4:
@@ -352,7 +376,7 @@ if numba is not None:
 
         return signature, codegen
 
-    @numba.njit(nogil=True, cache=True, inline="always")
+    @numba.njit(nogil=True, cache=_CACHED, inline="always")
     def _largest_first(scores, ids, n, k):
         """Reorder scores[:n] (and ids with them) so that their k largest come first, in no order (quickselect)."""
         low, high = 0, n - 1
@@ -376,7 +400,7 @@ if numba is not None:
             else:
                 break
 
-    @numba.njit(nogil=True, cache=True, inline="always")
+    @numba.njit(nogil=True, cache=_CACHED, inline="always")
     def _cut(scores, ids, n, k, room):
         """Drop most of scores[:n] (and their ids) below their k largest: -> (how many are left, k to ``room``; a
         floor that at least k of them reach). A sample of the scores says where about 5k/4 of them lie above, a
@@ -386,7 +410,13 @@ if numba is not None:
         sample = np.empty(64, np.float32)
         for i in range(64):
             sample[i] = scores[(i * n) // 64]
-        sample.sort()
+        for i in range(1, 64):  # an insertion sort: numba's np.sort costs seconds of every first compile
+            value = sample[i]
+            j = i - 1
+            while j >= 0 and sample[j] > value:
+                sample[j + 1] = sample[j]
+                j -= 1
+            sample[j + 1] = value
         floor = sample[max(0, 64 - (80 * k + n - 1) // n)]  # 64 - ceil(64 * 1.25 k / n) of 64, ascending
         reaching = 0
         for i in range(n):
@@ -405,7 +435,7 @@ if numba is not None:
             left += score >= floor
         return left, floor
 
-    @numba.njit(nogil=True, cache=True, inline="always")
+    @numba.njit(nogil=True, cache=_CACHED, inline="always")
     def _keep(block, start, count, kept, kept_ids, held, threshold, k):
         """Append the block's scores above each query's threshold to its candidates; cut a full buffer down to
         little more than the k largest (``_cut``), and raise the threshold."""
@@ -433,7 +463,7 @@ if numba is not None:
                 n, threshold[q] = _cut(kept[q], kept_ids[q], n, k, room)
             held[q] = n
 
-    @numba.njit(nogil=True, cache=True, inline="always")
+    @numba.njit(nogil=True, cache=_CACHED, inline="always")
     def _finish(kept, kept_ids, held, k, out_scores, out_ids):
         for q in range(kept.shape[0]):
             n = held[q]
@@ -514,7 +544,7 @@ if numba is not None:
                     total += keys[r, d] * queries[q, d]
                 out[q, r] = total
 
-    @numba.njit(nogil=True, cache=True, inline="always")
+    @numba.njit(nogil=True, cache=_CACHED, inline="always")
     def _candidates(queries, k):
         """A block's scores [nq, BLOCK_ROWS], the candidates and their ids [nq, 2 k + BLOCK_ROWS], how many each
         query holds, and each query's threshold (none yet)."""
@@ -547,7 +577,7 @@ if numba is not None:
     # --- the grouped select (decoder-only generation, grouped-query attention): the g query heads that share a
     # key-value head make one selection for it, each key scored by the largest of their g scores
 
-    @numba.njit(nogil=True, cache=True, inline="always")
+    @numba.njit(nogil=True, cache=_CACHED, inline="always")
     def _group_max(scored, group, count, out):
         """out [B, :count] = the largest of each row's ``group`` scores: scored [B * group, :count], row b's
         queries b * group .. b * group + group - 1."""
@@ -586,7 +616,7 @@ if numba is not None:
             _keep(block, start, count, kept, kept_ids, held, threshold, k)
         _finish(kept, kept_ids, held, k, out_scores, out_ids)
 
-    @numba.njit(nogil=True, cache=True, inline="always", fastmath=_FAST)
+    @numba.njit(nogil=True, cache=_CACHED, inline="always", fastmath=_FAST)
     def _add_four_bf16(total_even, total_odd, w0, w1, w2, w3, r0, r1, r2, r3):
         """total_even, total_odd [d/2] += w0 r0 + w1 r1 + w2 r2 + w3 r3 for bfloat16 rows r0..r3 [d/2] uint32."""
         for i in range(total_even.shape[0]):
@@ -596,19 +626,19 @@ if numba is not None:
             total_odd[i] += ((w0 * _as_float(x0 & _UPPER) + w1 * _as_float(x1 & _UPPER))
                              + (w2 * _as_float(x2 & _UPPER) + w3 * _as_float(x3 & _UPPER)))
 
-    @numba.njit(nogil=True, cache=True, inline="always", fastmath=_FAST)
+    @numba.njit(nogil=True, cache=_CACHED, inline="always", fastmath=_FAST)
     def _add_one_bf16(total_even, total_odd, weight, row):
         for i in range(total_even.shape[0]):
             total_even[i] += weight * _as_float(row[i] << _SHIFT)
             total_odd[i] += weight * _as_float(row[i] & _UPPER)
 
-    @numba.njit(nogil=True, cache=True, inline="always", fastmath=_FAST)
+    @numba.njit(nogil=True, cache=_CACHED, inline="always", fastmath=_FAST)
     def _add_four_f32(total, w0, w1, w2, w3, r0, r1, r2, r3):
         """total [d] += w0 r0 + w1 r1 + w2 r2 + w3 r3 for fp32 rows r0..r3 [d]."""
         for i in range(total.shape[0]):
             total[i] += (w0 * r0[i] + w1 * r1[i]) + (w2 * r2[i] + w3 * r3[i])
 
-    @numba.njit(nogil=True, cache=True, inline="always", fastmath=_FAST)
+    @numba.njit(nogil=True, cache=_CACHED, inline="always", fastmath=_FAST)
     def _add_one_f32(total, weight, row):
         for i in range(total.shape[0]):
             total[i] += weight * row[i]
@@ -638,7 +668,7 @@ if numba is not None:
         for j in range(count - count % 4, count):
             _add_one_f32(out, weights[j], states[ids[j]])
 
-    @numba.njit(nogil=True, cache=True, inline="always")
+    @numba.njit(nogil=True, cache=_CACHED, inline="always")
     def _add_dense_sums_bf16(words, weights, even, odd):
         """even, odd [nq, d/2] += weights [nq, n] @ the bfloat16 states ``words`` [n, d/2] (``_sums_bf16``'s
         layout): four states at a time, every query's sums taken while they are in cache."""
@@ -659,7 +689,7 @@ if numba is not None:
         odd[:] = 0.0
         _add_dense_sums_bf16(words, weights, even, odd)
 
-    @numba.njit(nogil=True, cache=True, inline="always")
+    @numba.njit(nogil=True, cache=_CACHED, inline="always")
     def _add_dense_sums_f32(states, weights, out):
         """out [nq, d] += weights [nq, n] @ fp32 states [n, d] (``_add_dense_sums_bf16``'s order)."""
         n = states.shape[0]
@@ -756,7 +786,7 @@ if numba is not None:
 
     _sum_one, _sum_two, _sum_three, _sum_four = (_sum_of(count) for count in (1, 2, 3, 4))
 
-    @numba.njit(nogil=True, cache=True, inline="always")
+    @numba.njit(nogil=True, cache=_CACHED, inline="always")
     def _sum_rows(values, weights, rows, out):
         """out [nq, dv] += weights [nq, :rows] @ values[:rows]: bfloat16 values [., dv/2] uint32 (out: the even
         dimensions, then the odd ones) or fp32 values [., dv]; SUM_TILE_ROWS rows at a time, four queries at a
@@ -817,7 +847,7 @@ if numba is not None:
     _MANTISSA = np.uint32(23)  # fp32's mantissa bits
 
     # without reassociation: it would fold the two-part reduction x - n high - n low back into one rounding
-    @numba.njit(nogil=True, cache=True, fastmath={"contract"})
+    @numba.njit(nogil=True, cache=_CACHED, fastmath={"contract"})
     def _exp(x):
         """exp(max(x, -87)) of a float32 x <= 0, within 2 ulp of the true value (Cephes' expf: 2^n times a
         degree-7 polynomial of x - n ln 2, |x - n ln 2| <= ln 2 / 2); branch-free, so that a loop of it runs in
@@ -834,7 +864,7 @@ if numba is not None:
         p = p * r * r + r + np.float32(1.0)
         return p * _as_float(np.uint32(np.int32(whole) + _BIAS) << _MANTISSA)  # times 2^n
 
-    @numba.njit(nogil=True, cache=True, inline="always", fastmath=_FAST)
+    @numba.njit(nogil=True, cache=_CACHED, inline="always", fastmath=_FAST)
     def _softmax_block(scores, first, count, peak, total, sums):
         """scores [nq, first:first + count] -> exp(score - peak), each query's ``peak`` raised to the block's
         largest score first and its running ``total`` and ``sums`` [nq, w] rescaled to it (the online softmax:
@@ -859,7 +889,7 @@ if numba is not None:
                 weights += weight
             total[q] += weights
 
-    @numba.njit(nogil=True, cache=True, inline="always")
+    @numba.njit(nogil=True, cache=_CACHED, inline="always")
     def _normalise(total, sums):
         """Each query's sums [nq, w] divided by its total weight (zeros where it is not a positive number)."""
         for q in range(total.shape[0]):
@@ -961,25 +991,26 @@ if numba is not None:
     # the drivers: one call for all heads (or queries, or blocks of states), spread over the threads by prange;
     # head h's keys are rows[h * pitch:h * pitch + n] (``_head_rows``)
 
-    @_compile_parallel
-    def _select_heads_bf16(words, heads, pitch, n, even, odd, k, out_scores, out_ids):
-        for h in numba.prange(heads):
-            _select_bf16(words[h * pitch:h * pitch + n], even[h], odd[h], k, out_scores[h], out_ids[h])
+    # one driver scores (k == 0: every score into ``out``) or selects (each query's top k) per head: one parallel
+    # function to compile for both, and ``_scores_*`` with one signature (``out`` as the select's blocks, 'A')
 
     @_compile_parallel
-    def _select_heads_f32(keys, heads, pitch, n, queries, k, out_scores, out_ids):
+    def _scan_heads_bf16(words, heads, pitch, n, even, odd, k, out_scores, out_ids, out):
         for h in numba.prange(heads):
-            _select_f32(keys[h * pitch:h * pitch + n], queries[h], k, out_scores[h], out_ids[h])
+            rows = words[h * pitch:h * pitch + n]
+            if k == 0:
+                _scores_bf16(rows, even[h], odd[h], out[h][:, :n])
+            else:
+                _select_bf16(rows, even[h], odd[h], k, out_scores[h], out_ids[h])
 
     @_compile_parallel
-    def _scores_heads_bf16(words, heads, pitch, n, even, odd, out):
+    def _scan_heads_f32(keys, heads, pitch, n, queries, k, out_scores, out_ids, out):
         for h in numba.prange(heads):
-            _scores_bf16(words[h * pitch:h * pitch + n], even[h], odd[h], out[h])
-
-    @_compile_parallel
-    def _scores_heads_f32(keys, heads, pitch, n, queries, out):
-        for h in numba.prange(heads):
-            _scores_f32(keys[h * pitch:h * pitch + n], queries[h], out[h])
+            rows = keys[h * pitch:h * pitch + n]
+            if k == 0:
+                _scores_f32(rows, queries[h], out[h][:, :n])
+            else:
+                _select_f32(rows, queries[h], k, out_scores[h], out_ids[h])
 
     @_compile_parallel
     def _sums_queries_bf16(words, ids, weights, even, odd):
@@ -1015,6 +1046,8 @@ if numba is not None:
     def _select_grouped_heads_f32(keys, heads, pitch, n, queries, group, k, out_scores, out_ids):
         for h in numba.prange(heads):
             _select_grouped_f32(keys[h * pitch:h * pitch + n], queries[h], group, k, out_scores[h], out_ids[h])
+
+    numba.config.CACHE_DIR = _OTHERS_CACHE_DIR  # every kernel is decorated: other numba code keeps its own
 
 
 def _threads() -> int:
@@ -1062,9 +1095,10 @@ def select(keys: torch.Tensor, queries: torch.Tensor, k: int) -> tuple[torch.Ten
     if k == 0 or nq == 0:
         return scores, ids
     rows, pitch = _head_rows(keys)
-    kernel = _select_heads_bf16 if keys.dtype == torch.bfloat16 else _select_heads_f32
+    kernel = _scan_heads_bf16 if keys.dtype == torch.bfloat16 else _scan_heads_f32
     _threads()
-    kernel(rows, heads, pitch, n, *_split_queries(queries, keys.dtype), k, scores.numpy(), ids.numpy())
+    kernel(rows, heads, pitch, n, *_split_queries(queries, keys.dtype), k, scores.numpy(), ids.numpy(),
+           np.empty((heads, nq, 0), np.float32))
     return scores, ids
 
 
@@ -1099,9 +1133,11 @@ def scores(keys: torch.Tensor, queries: torch.Tensor, out: torch.Tensor | None =
     if n == 0 or queries.shape[1] == 0:
         return out
     rows, pitch = _head_rows(keys)
-    kernel = _scores_heads_bf16 if keys.dtype == torch.bfloat16 else _scores_heads_f32
+    kernel = _scan_heads_bf16 if keys.dtype == torch.bfloat16 else _scan_heads_f32
+    nq = queries.shape[1]
     _threads()
-    kernel(rows, heads, pitch, n, *_split_queries(queries, keys.dtype), out.numpy())
+    kernel(rows, heads, pitch, n, *_split_queries(queries, keys.dtype), 0, np.empty((heads, nq, 0), np.float32),
+           np.empty((heads, nq, 0), np.int64), out.numpy())
     return out
 
 
@@ -1217,60 +1253,160 @@ def attend_dense(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor
     return torch.from_numpy(out)
 
 
-def usable_states(states: torch.Tensor) -> bool:
-    """Whether ``weighted_sum`` can read these states [N, d] here."""
-    return usable(states.unsqueeze(0))
+# --- which kernels run here: each compiled when a run first needs it, and checked against torch -----------------
+
+KERNELS = ("select", "select_grouped", "scores", "weighted_sum", "dense_sum", "head_dense_sum", "attend_dense")
+# seconds each kernel took to compile from an empty cache (one dtype; a 2-core EPYC Zen 4 at 2.6 GHz, numba 0.68),
+# for the estimate the display shows while a first run waits for them (select and scores share one driver: the
+# first of the two takes the time); loading a compiled one takes ~0.1 s
+COMPILE_SECONDS = {"select": 6.5, "select_grouped": 4.5, "scores": 0.5, "weighted_sum": 1.0, "dense_sum": 1.7,
+                   "head_dense_sum": 1.5, "attend_dense": 9.5}
+
+_READY: dict[tuple[str, torch.dtype], bool] = {}
+_LOCKS: dict[tuple[str, torch.dtype], threading.Lock] = {}
+_LOCKS_LOCK = threading.Lock()
 
 
-def usable(keys: torch.Tensor) -> bool:
-    """Whether ``select``, ``select_grouped`` and ``scores`` can read these keys [H, n, dh] here."""
+def usable_states(states: torch.Tensor, kernel: str = "weighted_sum") -> bool:
+    """Whether ``kernel`` (``weighted_sum`` or ``dense_sum``) can read these states [N, d] here."""
+    return usable(states.unsqueeze(0), kernel)
+
+
+def usable(keys: torch.Tensor, kernel: str = "select") -> bool:
+    """Whether the compiled ``kernel`` can read these keys [H, n, dh] here: on the CPU, in ``SCAN_DTYPES``, an even
+    dh for bfloat16, and the kernel ``ready`` (compiled or loaded now where it is not yet)."""
     return (keys.device.type == "cpu" and keys.dtype in SCAN_DTYPES
-            and (keys.dtype != torch.bfloat16 or keys.shape[2] % 2 == 0) and available(keys.dtype))
+            and (keys.dtype != torch.bfloat16 or keys.shape[2] % 2 == 0) and ready(kernel, keys.dtype))
 
 
-@functools.lru_cache(maxsize=None)
-def available(dtype: torch.dtype) -> bool:
-    """Whether the compiled kernels run here for keys and states of ``dtype``: numba imports, every kernel
-    compiles (or loads from numba's cache: so that no measurement times a compile), and on a small store they
-    find torch's top-k, scores and sums; checked once per process."""
+def ready(kernel: str, dtype: torch.dtype) -> bool:
+    """Whether the compiled ``kernel`` (one of ``KERNELS``) runs here for keys and states of ``dtype``: numba
+    imports, the kernel compiles (or loads from the kernel cache: so that no measurement times a compile) and on
+    a small store finds what torch finds. Checked once per process; where ``warm`` is compiling it, this waits."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown compiled kernel {kernel!r}; one of {', '.join(KERNELS)}")
     if numba is None or dtype not in SCAN_DTYPES:
         return False
+    key = (kernel, dtype)
+    if key in _READY:
+        return _READY[key]
+    with _LOCKS_LOCK:
+        lock = _LOCKS.setdefault(key, threading.Lock())
+    with lock:
+        if key not in _READY:
+            try:
+                _READY[key] = bool(_CHECKS[kernel](dtype))
+            except Exception:  # noqa: BLE001 - a compiler or loader failure of any kind leaves the torch kernels
+                _READY[key] = False
+        return _READY[key]
+
+
+def pending(kernels: Iterable[str], dtype: torch.dtype) -> list[str]:
+    """Those of ``kernels`` not yet checked (compiled or loaded) in this process for ``dtype``, where they can run."""
+    if numba is None or dtype not in SCAN_DTYPES:
+        return []
+    return [kernel for kernel in kernels if (kernel, dtype) not in _READY]
+
+
+def warm(kernels: Iterable[str], dtype: torch.dtype) -> threading.Thread | None:
+    """Compile (or load) ``kernels`` for ``dtype`` in a thread of their own, so that they are ready when a run first
+    calls them (a book being encoded meanwhile; measured on 2 cores: a 12 s encode took 20 s beside 12 s of
+    compiling, where one after the other take 24 s). The thread, or None when there is nothing to do."""
+    missing = pending(kernels, dtype)
+    if not missing:
+        return None
+    thread = threading.Thread(target=lambda: [ready(kernel, dtype) for kernel in missing],
+                              name="unlimisum-compile", daemon=True)
+    thread.start()
+    return thread
+
+
+def wait_ready(needed: Iterable[tuple[str, torch.dtype]],
+               report: Callable[[int, int, float], None] | None = None) -> None:
+    """Make every (kernel, dtype) of ``needed`` ready here, waiting for ``warm``'s thread where it is compiling
+    one; ``report(done, total, seconds_left)`` before the first and after each, ``seconds_left`` estimated from
+    COMPILE_SECONDS (nothing is reported where every one is ready already)."""
+    missing = [(kernel, dtype) for kernel, dtype in dict.fromkeys(needed) if pending([kernel], dtype)]
+    for done, (kernel, dtype) in enumerate(missing):
+        if report is not None:
+            report(done, len(missing), sum(COMPILE_SECONDS[name] for name, _ in missing[done:]))
+        ready(kernel, dtype)
+    if missing and report is not None:
+        report(len(missing), len(missing), 0.0)
+
+
+def _small_keys(dtype: torch.dtype):
+    """Small stores the checks run on: keys [3, 700, 8] (several blocks and cuts), queries [3, 2, 8]; wide keys
+    [2, 300, 32] (16 words a key: the explicit vectors), queries [2, 7, 32] (four at a time, then three)."""
     generator = torch.Generator().manual_seed(0)
-    keys = torch.randn(3, 700, 8, generator=generator).to(dtype)  # [H, n, dh]: 700 rows, several blocks and cuts
+    keys = torch.randn(3, 700, 8, generator=generator).to(dtype)
     queries = torch.randn(3, 2, 8, generator=generator)
+    wide = torch.randn(2, 300, 32, generator=generator).to(dtype)
+    wide_queries = torch.randn(2, 7, 32, generator=generator)
+    return keys, queries, wide, wide_queries
+
+
+def _scores_of(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("hqd,hnd->hqn", queries, keys.float())
+
+
+def _check_select(dtype: torch.dtype) -> bool:
+    keys, queries, wide, wide_queries = _small_keys(dtype)
+    found = []
+    for k, q in ((keys, queries), (wide, wide_queries)):
+        scores, ids = select(k, q, 5)
+        scores, order = scores.sort(dim=2, descending=True)
+        expected = _scores_of(k, q).topk(5, dim=2)
+        found.append(torch.equal(ids.gather(2, order), expected.indices)
+                     and torch.allclose(scores, expected.values, atol=1e-4))
+    return all(found)
+
+
+def _check_select_grouped(dtype: torch.dtype) -> bool:
+    keys, queries, _, _ = _small_keys(dtype)
+    scores, ids = select_grouped(keys, queries.unsqueeze(0), 5)  # [1, 3, 5]: 3 KV heads of 2 query heads each
+    expected = _scores_of(keys, queries).amax(dim=1).topk(5, dim=1)  # [3, 5]: the largest of each head's 2 scores
+    scores, order = scores[0].sort(dim=1, descending=True)
+    return torch.equal(ids[0].gather(1, order), expected.indices) and torch.allclose(scores, expected.values,
+                                                                                     atol=1e-4)
+
+
+def _check_scores(dtype: torch.dtype) -> bool:
+    keys, queries, wide, wide_queries = _small_keys(dtype)
+    return all(torch.allclose(scores(k, q), _scores_of(k, q), atol=1e-4)
+               for k, q in ((keys, queries), (wide, wide_queries)))
+
+
+def _check_weighted_sum(dtype: torch.dtype) -> bool:
+    keys, _, _, _ = _small_keys(dtype)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, keys.shape[1], (2, 5), generator=generator)
     weights = torch.rand(2, 5, generator=generator)
-    wide = torch.randn(2, 300, 32, generator=generator).to(dtype)  # 16 words a key: the explicit vectors
-    wide_queries = torch.randn(2, 7, 32, generator=generator)  # four at a time, then three
-    try:
-        wide_scored = scores(wide, wide_queries)
-        wide_found, wide_ids = select(wide, wide_queries, 5)
-        found, ids = select(keys, queries, 5)
-        scored = scores(keys, queries)
-        summed = weighted_sum(keys[0], ids[0, :, :5], weights)  # [2, 8]
-        dense = dense_sum(keys[0], scored[0])  # [2, 8]
-        per_head = head_dense_sum(keys, scored)  # [3, 2, 8]
-        grouped, grouped_ids = select_grouped(keys, queries.unsqueeze(0), 5)  # [1, 3, 5]: 3 KV heads of 2 each
-        covered = torch.zeros(300)
-        attended = attend_dense(wide, wide, wide_queries, covered)  # [2, 7, 32]: the keys as their own values
-    except Exception:  # noqa: BLE001 - a compiler or loader failure of any kind leaves the torch kernels
-        return False
-    expected = torch.einsum("hqd,hnd->hqn", queries, keys.float())
-    top = expected.topk(5, dim=2)
-    expected_sums = torch.einsum("qk,qkd->qd", weights, keys[0].float()[ids[0]])
-    found, order = found.sort(dim=2, descending=True)
-    grouped_top = expected.amax(dim=1).topk(5, dim=1)  # [3, 5]: the largest of each head's 2 scores
-    grouped, grouped_order = grouped[0].sort(dim=1, descending=True)
-    wide_expected = torch.einsum("hqd,hnd->hqn", wide_queries, wide.float())
-    wide_found, wide_order = wide_found.sort(dim=2, descending=True)
-    wide_attended = torch.softmax(wide_expected, dim=2) @ wide.float()
-    return bool(torch.allclose(wide_scored, wide_expected, atol=1e-4)
-                and torch.allclose(attended, wide_attended, rtol=1e-4, atol=1e-4)
-                and torch.allclose(covered, torch.softmax(wide_expected, dim=2).sum(dim=(0, 1)), rtol=1e-4,
-                                   atol=1e-5)
-                and torch.equal(wide_ids.gather(2, wide_order), wide_expected.topk(5, dim=2).indices)
-                and torch.equal(ids.gather(2, order), top.indices) and torch.allclose(found, top.values, atol=1e-4)
-                and torch.allclose(scored, expected, atol=1e-4) and torch.allclose(summed, expected_sums, atol=1e-4)
-                and torch.allclose(dense, expected[0] @ keys[0].float(), rtol=1e-4, atol=1e-3)
-                and torch.allclose(per_head, torch.bmm(expected, keys.float()), rtol=1e-4, atol=1e-3)
-                and torch.equal(grouped_ids[0].gather(1, grouped_order), grouped_top.indices)
-                and torch.allclose(grouped, grouped_top.values, atol=1e-4))
+    expected = torch.einsum("qk,qkd->qd", weights, keys[0].float()[ids])
+    return torch.allclose(weighted_sum(keys[0], ids, weights), expected, atol=1e-4)
+
+
+def _check_dense_sum(dtype: torch.dtype) -> bool:
+    keys, queries, _, _ = _small_keys(dtype)
+    weights = _scores_of(keys, queries)[0]  # [2, 700]
+    return torch.allclose(dense_sum(keys[0], weights), weights @ keys[0].float(), rtol=1e-4, atol=1e-3)
+
+
+def _check_head_dense_sum(dtype: torch.dtype) -> bool:
+    keys, queries, _, _ = _small_keys(dtype)
+    weights = _scores_of(keys, queries)  # [3, 2, 700]
+    return torch.allclose(head_dense_sum(keys, weights), torch.bmm(weights, keys.float()), rtol=1e-4, atol=1e-3)
+
+
+def _check_attend_dense(dtype: torch.dtype) -> bool:
+    _, _, wide, wide_queries = _small_keys(dtype)
+    covered = torch.zeros(wide.shape[1])
+    attended = attend_dense(wide, wide, wide_queries, covered)  # [2, 7, 32]: the keys as their own values
+    weights = torch.softmax(_scores_of(wide, wide_queries), dim=2)
+    return (torch.allclose(attended, weights @ wide.float(), rtol=1e-4, atol=1e-4)
+            and torch.allclose(covered, weights.sum(dim=(0, 1)), rtol=1e-4, atol=1e-5))
+
+
+_CHECKS = {"select": _check_select, "select_grouped": _check_select_grouped, "scores": _check_scores,
+           "weighted_sum": _check_weighted_sum, "dense_sum": _check_dense_sum,
+           "head_dense_sum": _check_head_dense_sum, "attend_dense": _check_attend_dense}

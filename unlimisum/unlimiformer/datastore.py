@@ -144,6 +144,11 @@ class Datastore:
         """The packed kernel's copies of the states, where this kind keeps them (the exact store); else None."""
         return None
 
+    def compiled_kernels(self) -> tuple[str, ...]:
+        """The compiled kernels (unlimisum/unlimiformer/compiled.py) this store's search may run: ``prepare``
+        needs them compiled; none for faiss indexes."""
+        return ()
+
     def _check_range(self, start: int, end: int) -> None:
         if not 0 <= start < end <= self.n_tokens:
             raise ValueError(f"a view needs 0 <= start < end <= {self.n_tokens}, got [{start}, {end})")
@@ -172,7 +177,8 @@ class TorchExactDatastore(Datastore):
     def kernel(self) -> kernels.KernelChoice:
         """The measured kernel choice for this store's device, dtype and width."""
         # the first calibration of the process times on this store's own rows where it has enough
-        return kernels.kernel_for(self._states.device, self.storage_dtype, self.dim, sample=self._states)
+        return kernels.kernel_for(self._states.device, self.storage_dtype, self.dim, sample=self._states,
+                                  compiled_sums=kernels.uses_compiled(self.n_tokens, self._states.device))
 
     def prepare(self, queries_per_head: int = 1, retrieval_k: int = 1024) -> None:
         if self.keys is not None:  # the heads score the keys: the states serve sums only, never packed
@@ -180,6 +186,12 @@ class TorchExactDatastore(Datastore):
             self.keys.choice(self.dim, queries_per_head=queries_per_head, k=retrieval_k)
             return
         self.packed()  # calibrates the kernels first (once per process), then packs when that kernel was chosen
+
+    def compiled_kernels(self) -> tuple[str, ...]:
+        keys = self.keys
+        return kernels.compiled_kernels_for(self.n_tokens, self.storage_dtype, self._states.device, self.dim,
+                                            per_layer=keys is not None, values=keys is not None
+                                            and keys.values is not None)
 
     def packed(self) -> "kernels.PackedStates | None":
         """The packed copies the packed kernel reads, made once when that kernel was chosen, the states are

@@ -19,6 +19,7 @@ from unlimisum.models import checkpoint
 from unlimisum.models.quantized import int8_linears
 from unlimisum.models.tokens import encode_text, special_ids
 from unlimisum.config import EncodingConfig, IndexConfig
+from unlimisum.unlimiformer import compiled, kernels
 from unlimisum.unlimiformer.datastore import DatastoreBuilder, IndexPlan, TorchExactDatastore, plan_index
 from unlimisum.document import Document
 from unlimisum.coverage import chapter_token_ranges, token_char_ends
@@ -113,6 +114,10 @@ class DocumentEncoder:
         builder = DatastoreBuilder(n_tokens, self.loaded.model.config.d_model, self._index_plan(n_tokens),
                                    self.plan.index)
         keys_plan = self._key_store_plan(n_tokens, builder.plan)
+        if builder.plan.kind == "exact":  # a first run on this machine compiles its kernels while it encodes
+            compiled.warm(kernels.compiled_kernels_for(n_tokens, builder.dtype, builder.plan.device, builder.dim,
+                                                       per_layer=keys_plan.kind == "per-layer",
+                                                       values=keys_plan.values), builder.dtype)
         keys = None
         if keys_plan.kind == "per-layer":  # each window's kept states projected once per layer, as they come
             values = value_weights(self.loaded.model, self.loaded.architecture) if keys_plan.values else None
@@ -157,21 +162,28 @@ class DocumentEncoder:
                               queries_per_head=max(1, self.plan.queries_per_step // heads),
                               retrieval_k=self.plan.retrieval_k)
 
-    def _cached_keys(self, cached, store, plan: IndexPlan):
+    def _cached_keys(self, cached, store, plan: IndexPlan, name: str = ""):
         """The per-layer keys of a cached book when the plan wants them: the entry's own (memory-mapped) when it
         has them for this model's shape, else rebuilt from its states; the values, when the plan keeps them,
         always built from the states (the cache keeps keys only); None for the shared store."""
         keys_plan = self._key_store_plan(store.n_tokens, plan)
+        if store.kind == "exact":  # a first run on this machine compiles its kernels while the keys are built
+            compiled.warm(kernels.compiled_kernels_for(store.n_tokens, store.storage_dtype, store.states().device,
+                                                       store.dim, per_layer=keys_plan.kind == "per-layer",
+                                                       values=keys_plan.values), store.storage_dtype)
         if store.kind != "exact" or keys_plan.kind != "per-layer":
             return None
         weights = key_weights(self.loaded.model, self.loaded.architecture)
         values = value_weights(self.loaded.model, self.loaded.architecture) if keys_plan.values else None
         stored = cached.keys
+        built = lambda done: self.progress(ProgressEvent("keys", done, store.n_tokens, name))  # noqa: E731
         if stored is not None and matches(stored, weights, store.n_tokens, store.storage_dtype):
             if values is None:
                 return KeyStore(stored.to(store.states().device))  # no copy on the CPU
-            return build_key_store(store.states(), weights, value_weights=values, keys=stored)
-        return build_key_store(store.states(), weights, value_weights=values)
+            built(0)
+            return build_key_store(store.states(), weights, value_weights=values, keys=stored, on_rows=built)
+        built(0)
+        return build_key_store(store.states(), weights, value_weights=values, on_rows=built)
 
     def _index_plan(self, n_tokens: int) -> IndexPlan:
         return plan_index(n_tokens, self.loaded.model.config.d_model, self.plan.index, retrieval_k=self.plan.retrieval_k,
@@ -199,7 +211,7 @@ class DocumentEncoder:
             for start in range(0, n_tokens, 65_536):
                 builder.add(states[start:start + 65_536])
             store = builder.finish()
-        store.keys = self._cached_keys(cached, store, plan)
+        store.keys = self._cached_keys(cached, store, plan, name)
         windows = tuple(tuple(w) for w in cached.meta["windows"])
         ends = cached.token_ends.tolist() if cached.token_ends is not None else None
         chapters = chapter_token_ranges(document, ends, n_tokens)

@@ -36,6 +36,7 @@ import functools
 import math
 import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -78,6 +79,8 @@ class HeadKernelChoice:
     scan_min_rows: int | None = None  # ... from this many keys per head on
     queries_per_head: int = 1  # as measured: a scan serves at most this many (a reading of a summary keeps
     # the kernels: the faiss scan makes a pass per query, the compiled one's work grows with them)
+    kernel_row_seconds: float = 0.0  # the head kernel's top-k, seconds per key of a head, as measured
+    scan_row_seconds: float = 0.0  # ... the scan's, where one was chosen (at the length it won from)
 
     def selects_with_scan(self, keys: torch.Tensor, queries: torch.Tensor) -> bool:
         """Whether ``head_select`` searches ``keys`` [H, n, dh] for ``queries`` [H, nq, dh] with the scan under
@@ -88,30 +91,35 @@ class HeadKernelChoice:
 
 
 _MEASURED: dict[tuple, HeadKernelChoice] = {}
+_LIVE: dict[HeadKernelChoice, measurements.LiveCheck] = {}  # a kept choice's check against the live steps
 
 
 def kernel_for(device: torch.device | str, dtype: torch.dtype, dim: int, heads: int, head_dim: int, *,
-               queries_per_head: int = 1, k: int = 1024) -> HeadKernelChoice:
+               queries_per_head: int = 1, k: int = 1024, compiled_kernels: bool = False) -> HeadKernelChoice:
     """The measured choice for this device, dtype, shape, queries per head and k: measured once per machine
     (kept in the user's cache folder), then reused. The one seam through which the policy and the kernels read
-    the measurement."""
+    the measurement. ``compiled_kernels``: the compiled kernels race too (a store of
+    ``kernels.uses_compiled`` length: they are compiled first where they are not yet); else none is compiled."""
     device = torch.device(device)
     forced = kernels.forced_kernel()
+    compiled_kernels = compiled_kernels and device.type == "cpu" and dtype in compiled.SCAN_DTYPES
     k = max(1, min(k, MEASURE_ROWS // MEASURE_ROWS_PER_K))  # as measured: a larger k is timed as this one
-    key = (str(device), dtype, dim, heads, head_dim, queries_per_head, k, forced)
+    key = (str(device), dtype, dim, heads, head_dim, queries_per_head, k, forced, compiled_kernels)
     if key not in _MEASURED:
         where = "cpu" if device.type == "cpu" else f"{device.type} {kernels._device_model(device)}"
         name = (f"key store kernel v{MEASUREMENT_VERSION} {where} {str(dtype).removeprefix('torch.')} d={dim} "
                 f"{heads}x{head_dim} heads, {queries_per_head} per head, k={k}"
-                + (f" {forced} forced" if forced else ""))
+                + (" compiled" if compiled_kernels else "") + (f" {forced} forced" if forced else ""))
 
         def measured() -> tuple[dict, str]:
-            choice = calibrate_heads(device, dtype, dim, heads, head_dim, queries_per_head=queries_per_head, k=k)
+            choice = calibrate_heads(device, dtype, dim, heads, head_dim, queries_per_head=queries_per_head, k=k,
+                                     compiled_kernels=compiled_kernels)
             return dataclasses.asdict(choice), choice.reason
 
         found = measurements.remembered(name, measured)
         try:
             _MEASURED[key] = HeadKernelChoice(**found.value)
+            _LIVE.setdefault(_MEASURED[key], measurements.LiveCheck(name, kept=found.kept))
         except TypeError:  # an entry another release wrote: measured again, for this process
             _MEASURED[key] = HeadKernelChoice(**measured()[0])
     return _MEASURED[key]
@@ -129,7 +137,7 @@ def measure(candidates: dict[str, Callable], time_one: Callable[[str, Callable],
 def calibrate_heads(device: torch.device | str, dtype: torch.dtype, dim: int, heads: int, head_dim: int, *,
                     queries_per_head: int = 1, k: int = 1024, rows: int = MEASURE_ROWS,
                     long_rows: int = LONG_MEASURE_ROWS, time_one: Callable[[str, Callable], float] | None = None,
-                    shared: kernels.KernelChoice | None = None) -> HeadKernelChoice:
+                    shared: kernels.KernelChoice | None = None, compiled_kernels: bool = True) -> HeadKernelChoice:
     """Time the shared store's scores and top-k (its measured kernel, ``shared``: ``kernels.kernel_for`` when
     None) against the key store's, each head kernel and block size and (on a CPU, where they run) the two scans,
     on synthetic stores of ``rows`` tokens; choose the fastest head kernel and the faster scan, and say how much
@@ -140,7 +148,7 @@ def calibrate_heads(device: torch.device | str, dtype: torch.dtype, dim: int, he
 
     ``time_one(name, run)`` -> seconds (default: the wall clock around one run); UNLIMISUM_SCORE_KERNEL=native
     forces the native head kernel, float32 or packed the float32 one (there is no packed head kernel; neither
-    uses a scan)."""
+    uses a scan). ``compiled_kernels``: False leaves the compiled kernels out (nothing is compiled)."""
     device = torch.device(device)
     time_one = time_one or (lambda name, run: kernels._timed(run, device))  # the wall clock around one run
     generator = torch.Generator(device="cpu").manual_seed(0)
@@ -163,8 +171,9 @@ def calibrate_heads(device: torch.device | str, dtype: torch.dtype, dim: int, he
     if sixteen_bit and forced in (None, "native"):
         candidates["native"] = lambda c=HeadKernelChoice("native", BLOCK_CHOICES[1]): head_select(keys, head_queries,
                                                                                                  k, c)
-    scanners = [name for name in SCANNERS if forced is None and device.type == "cpu" and _scan_usable(name, keys)]
-    if "compiled" in scanners:
+    scanners = [name for name in SCANNERS if forced is None and device.type == "cpu"
+                and (compiled_kernels or name != "compiled") and _scan_usable(name, keys)]
+    if "compiled" in scanners and compiled.usable(keys, "scores"):
         candidates["compiled"] = lambda c=HeadKernelChoice("compiled", BLOCK_CHOICES[2]): head_select(
             keys, head_queries, k, c)
     for name in scanners:
@@ -193,6 +202,11 @@ def calibrate_heads(device: torch.device | str, dtype: torch.dtype, dim: int, he
         if long_ratio < 1:  # it wins at long_rows: from where the two meet, interpolated in log length
             where = math.log(short_ratio) / (math.log(short_ratio) - math.log(long_ratio))  # 0..1 of the way
             scan_min_rows = int(math.ceil(rows * copies ** where / 1024) * 1024)
+    scan_row_seconds = 0.0
+    if scanner is not None and scan_min_rows == rows:
+        scan_row_seconds = seconds[f"{scanner} scan"] / rows
+    elif scan_min_rows is not None:
+        scan_row_seconds = seconds[f"{scanner} scan long"] / (rows * copies)
     if scan_min_rows is None:
         scanner = None
     key_seconds = min([seconds[fastest]] + [seconds[f"{name} scan"] for name in scanners])
@@ -205,13 +219,14 @@ def calibrate_heads(device: torch.device | str, dtype: torch.dtype, dim: int, he
               f"{queries_per_head} quer{'y' if queries_per_head == 1 else 'ies'} per head, k={k:,}: {measured}")
     kernels.release_scratch()  # the races' buffers: the chosen kernel makes its own again
     return dataclasses.replace(choice, speedup=speedup, reason=reason, scanner=scanner, scan_min_rows=scan_min_rows,
-                               queries_per_head=queries_per_head)
+                               queries_per_head=queries_per_head, kernel_row_seconds=seconds[fastest] / rows,
+                               scan_row_seconds=scan_row_seconds)
 
 
 def _scan_usable(scanner: str, keys: torch.Tensor) -> bool:
     """Whether the scan ``scanner`` can read ``keys`` [H, n, dh] here."""
     if scanner == "compiled":
-        return compiled.usable(keys)
+        return compiled.usable(keys, "select")
     return keys.device.type == "cpu" and faiss_available(keys.dtype)
 
 
@@ -316,7 +331,7 @@ def head_scores(keys: torch.Tensor, queries: torch.Tensor, choice: HeadKernelCho
     if choice.scores == "native" and keys.dtype != torch.float32:
         scored = torch.bmm(queries.to(keys.dtype), keys.transpose(1, 2))  # [H, nq, n] in the keys' dtype
         return scored.float() if out is None else out.copy_(scored)  # widened as it is copied: no fp32 temporary
-    if choice.scores == "compiled" and compiled.usable(keys):
+    if choice.scores == "compiled" and compiled.usable(keys, "scores"):
         return compiled.scores(keys, queries, out=out)
     heads, n, head_dim = keys.shape
     nq = queries.shape[1]
@@ -415,7 +430,7 @@ def head_retrieve(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tenso
     weights = torch.softmax(scores, dim=2, dtype=torch.float32).nan_to_num(0.0)  # [H, nq, k']
     shared = shared.unpacked()
     attended = kernels.gathered_attention(states, ids.reshape(heads * nq, -1), weights.reshape(heads * nq, -1),
-                                          shared.widens, shared.fused_gather, _compiled(choice))
+                                          shared.widens, shared.fused_gather, _compiled(choice) or None)
     return ids, weights, attended.view(heads, nq, -1)
 
 
@@ -449,13 +464,19 @@ def head_attend(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tensor,
         if coverage is not None:
             coverage.index_add_(0, ids.reshape(-1), kept.reshape(-1))
         return kernels.dense_values(states, weights, shared).view(heads, nq, dim)
+    started = time.perf_counter()
     top, ids = head_select(keys, queries, k, choice)
+    check = _LIVE.get(choice)
+    if (check is not None and not check.done and n >= MEASURE_ROWS and nq == choice.queries_per_head
+            and k <= MEASURE_ROWS // MEASURE_ROWS_PER_K):  # a step as measured: is the kept choice still right?
+        per_key = choice.scan_row_seconds if choice.selects_with_scan(keys, queries) else choice.kernel_row_seconds
+        check.observe(time.perf_counter() - started, n * per_key)
     weights = torch.softmax(top.view(rows, -1), dim=1, dtype=torch.float32)  # [rows, k]
     ids = ids.view(rows, -1)
     if coverage is not None:
         coverage.index_add_(0, ids.reshape(-1), weights.reshape(-1))
     return kernels.gathered_attention(states, ids, weights, shared.widens, shared.fused_gather,
-                                      _compiled(choice)).view(heads, nq, dim)
+                                      _compiled(choice) or None).view(heads, nq, dim)
 
 
 def _compiled(choice: HeadKernelChoice) -> bool:
@@ -478,7 +499,7 @@ def head_dense_attention(keys: torch.Tensor, states: torch.Tensor, queries: torc
         return flat.new_zeros(heads, nq, dim)
     block = choice.block_rows
     native_values = not shared.widens and states.dtype != torch.float32
-    if (not native_values and kernels._compiled_sums(states, _compiled(choice))
+    if (not native_values and kernels._compiled_sums(states, "dense_sum", _compiled(choice) or None)
             and heads * nq * n * 4 <= kernels.MAX_SCORE_BYTES):
         # on a CPU: every weight, a block of heads and queries at a time into a reused buffer (``dense_blocks``),
         # then one compiled pass over the states for all of them
@@ -546,7 +567,7 @@ def head_dense_values(keys: torch.Tensor, values: torch.Tensor, queries: torch.T
     nq = queries.shape[1]
     queries = queries.to(keys.device, torch.float32)
     if (hidden is None and on_weights is None and choice.scores == "compiled" and values.dtype == keys.dtype
-            and compiled.usable(keys) and compiled.usable(values)
+            and compiled.usable(keys, "attend_dense") and compiled.usable(values, "attend_dense")
             and (coverage is None or heads * nq * n * 4 <= kernels.MAX_SCORE_BYTES)):
         kept = (kernels._scratch("head-dense-weights", heads * nq * n, 1, torch.float32, keys.device)
                 if coverage is not None else None)
@@ -558,14 +579,16 @@ def head_dense_values(keys: torch.Tensor, values: torch.Tensor, queries: torch.T
             coverage += weights.sum(dim=(0, 1))
         if on_weights is not None:
             on_weights(head, part, weights)
-        out[head, part] = _value_sums(values[head], weights)
+        out[head, part] = _value_sums(values[head], weights,
+                                      _compiled(choice) or kernels.uses_compiled(n, keys.device))
     return out
 
 
-def _value_sums(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+def _value_sums(values: torch.Tensor, weights: torch.Tensor, compiled_sums: bool) -> torch.Tensor:
     """[H, nq, dh] fp32 = weights [H, nq, N] fp32 @ values [H, N, dh] per head, from the stored numbers: on a
-    CPU compiled (one read of each value, widened in registers), elsewhere in blocks widened to fp32."""
-    if values.device.type == "cpu" and compiled.usable(values):
+    CPU where ``compiled_sums`` (the store's kernels run compiled) compiled (one read of each value, widened in
+    registers), elsewhere in blocks widened to fp32."""
+    if compiled_sums and values.device.type == "cpu" and compiled.usable(values, "head_dense_sum"):
         return compiled.head_dense_sum(values, weights)
     heads, n, head_dim = values.shape
     out = weights.new_zeros(heads, weights.shape[1], head_dim)

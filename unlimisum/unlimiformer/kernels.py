@@ -65,11 +65,12 @@ BLOCK_CHOICES = (512, 2_048, 8_192)  # rows per block of the blocked passes (wid
 MAX_SCORE_BYTES = 256 * 2**20
 # Rows gathered at a time (16-bit rows plus their fp32 widening stay in a reused buffer of a few MB).
 GATHER_ROWS = 2_048
-# from this many states, the fp32 sums over them run compiled on a CPU (unlimisum/unlimiformer/compiled.py); below,
-# torch's: the first compile (about 10 s per dtype, once per machine) would cost more than a short store saves
+# from this many states, the fp32 sums over them run compiled on a CPU (unlimisum/unlimiformer/compiled.py), and
+# the key store's heads may score compiled (head_kernels.py); below, torch's: the first compile (a few seconds per
+# kernel, once per machine) would cost more than a short store saves, and no kernel is compiled for it at all
 COMPILED_MIN_STATES = 16_384
 # what the measurements of this module are called in the user's cache folder: a new version measures again
-MEASUREMENT_VERSION = 2  # 2: the compiled fp32 gather (unlimisum/unlimiformer/compiled.py)
+MEASUREMENT_VERSION = 3  # 3: the sums timed as the store runs them (compiled from COMPILED_MIN_STATES states)
 # top_k: the block-maxima pre-selection runs with blocks of at least this many columns (about sqrt(N / k));
 # shorter rows save too little against torch.topk over the whole row.
 TOPK_MIN_BLOCK = 8
@@ -97,6 +98,7 @@ class KernelChoice:
     dense_block_rows: int | None = None  # rows per block of the one-pass dense attention; None: block_rows
     fallback: str = "float32"  # the best unpacked kernel measured: serves a store that is not packed
     fused_gather: bool = True  # the native kernel's gather as one fused embedding_bag call, measured faster
+    select_row_cost: float = 0.0  # seconds per stored state of the (unpacked) kernel's top-k, k=LIVE_K, 12 queries
 
     @property
     def widens(self) -> bool:
@@ -117,6 +119,8 @@ class KernelChoice:
 
 
 _CALIBRATED: dict[tuple, KernelChoice] = {}
+_LIVE: dict[KernelChoice, measurements.LiveCheck] = {}  # a kept choice's check against the live steps
+LIVE_K = 1024  # the k its top-k is timed with for that check (the default retrieval k)
 
 
 def forced_kernel() -> str | None:
@@ -127,34 +131,64 @@ def forced_kernel() -> str | None:
     return value or None
 
 
-def kernel_for(device: torch.device, dtype: torch.dtype, dim: int, sample: torch.Tensor | None = None) -> KernelChoice:
+def kernel_for(device: torch.device, dtype: torch.dtype, dim: int, sample: torch.Tensor | None = None, *,
+               compiled_sums: bool = False) -> KernelChoice:
     """The calibrated choice for this device, dtype and width: measured once per machine and kept in the user's
     cache folder (unlimisum/measurements.py), then reused by every process.
 
     ``sample``: a store's states [N, dim] the first measurement may time on instead of a synthetic store
-    of its own (see ``calibrate``)."""
-    key = (str(device), dtype, dim, forced_kernel())
+    of its own (see ``calibrate``). ``compiled_sums``: the store runs the compiled sums (``uses_compiled``): they
+    are timed, compiled first where they are not yet; else the torch ones, and nothing is compiled."""
+    compiled_sums = compiled_sums and torch.device(device).type == "cpu" and dtype in compiled.SCAN_DTYPES
+    key = (str(device), dtype, dim, forced_kernel(), compiled_sums)
     if key not in _CALIBRATED:
-        _CALIBRATED[key] = _remembered_choice(torch.device(device), dtype, dim, forced_kernel(), sample)
+        _CALIBRATED[key] = _remembered_choice(torch.device(device), dtype, dim, forced_kernel(), sample,
+                                              compiled_sums)
     return _CALIBRATED[key]
 
 
+def uses_compiled(n_tokens: int, device: torch.device | str) -> bool:
+    """Whether a store of ``n_tokens`` on ``device`` runs compiled kernels where they are ready: on a CPU, from
+    COMPILED_MIN_STATES tokens (the kernel_for and head_kernels.kernel_for choices for it are measured so)."""
+    return torch.device(device).type == "cpu" and n_tokens >= COMPILED_MIN_STATES
+
+
+def compiled_kernels_for(n_tokens: int, dtype: torch.dtype, device: torch.device | str, dim: int, *,
+                         per_layer: bool = False, values: bool = False) -> tuple[str, ...]:
+    """The compiled kernels (compiled.KERNELS) an exact store of ``n_tokens`` states of width ``dim`` in ``dtype``
+    on ``device`` may run and have measured: with per-layer keys its heads' scores and scan (with the layers'
+    values, the one-pass dense attention and the heads' value sums); and its sums over the states where its
+    kernel widens them to fp32 (``kernel_for``: the native kernel sums in the storage dtype); none for a store
+    shorter than COMPILED_MIN_STATES, off the CPU, or of a dtype they do not read. What ``compiled.warm`` compiles
+    while a book is encoded, and what ``prepare`` waits for."""
+    if not uses_compiled(n_tokens, device) or dtype not in compiled.SCAN_DTYPES:
+        return ()
+    names: tuple[str, ...] = ()
+    if per_layer:
+        names += ("select", "scores") + (("attend_dense", "head_dense_sum") if values else ())
+    if kernel_for(torch.device(device), dtype, dim).widens:  # measured already where a key store was planned
+        names += ("weighted_sum", "dense_sum")
+    return names
+
+
 def _remembered_choice(device: torch.device, dtype: torch.dtype, dim: int, force: str | None,
-                       sample: torch.Tensor | None) -> KernelChoice:
-    """This machine's kept calibration for (device, dtype, width, forced kernel), else ``calibrate`` now."""
+                       sample: torch.Tensor | None, compiled_sums: bool) -> KernelChoice:
+    """This machine's kept calibration for (device, dtype, width, forced kernel, sums), else ``calibrate`` now."""
     where = "cpu" if device.type == "cpu" else f"{device.type} {_device_model(device)}"
     name = (f"retrieval kernel v{MEASUREMENT_VERSION} {where} {str(dtype).removeprefix('torch.')} d={dim}"
-            + (f" {force} forced" if force else ""))
+            + (" compiled sums" if compiled_sums else "") + (f" {force} forced" if force else ""))
 
     def measure() -> tuple[dict, str]:
-        choice = calibrate(device, dtype, dim, force=force, sample=sample)
+        choice = calibrate(device, dtype, dim, force=force, sample=sample, compiled_sums=compiled_sums)
         return dataclasses.asdict(choice), choice.reason
 
     found = measurements.remembered(name, measure)
     try:
-        return KernelChoice(**found.value)
+        choice = KernelChoice(**found.value)
     except TypeError:  # an entry another release wrote: measured again, for this process
-        return calibrate(device, dtype, dim, force=force, sample=sample)
+        return calibrate(device, dtype, dim, force=force, sample=sample, compiled_sums=compiled_sums)
+    _LIVE.setdefault(choice, measurements.LiveCheck(name, kept=found.kept))
+    return choice
 
 
 def _device_model(device: torch.device) -> str:
@@ -165,20 +199,22 @@ def _device_model(device: torch.device) -> str:
 
 def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str | None = None,
               rows: int = CALIBRATION_ROWS, sample: torch.Tensor | None = None,
-              timer: Callable[[Callable[[], object]], float] | None = None) -> KernelChoice:
+              timer: Callable[[Callable[[], object]], float] | None = None,
+              compiled_sums: bool = False) -> KernelChoice:
     """Time the score kernels and their block sizes, the one-pass dense attention, a gather and a dense
     values pass on a store of ``rows`` states, and choose the kernel whose scores and dense pass cost least.
 
     The store is the first ``rows`` of ``sample`` (a real store's states, read in place) when it has that
     many in this dtype and device, all within fp16's range (the packed race copies them); else a synthetic
     one, allocated for the calibration (``rows`` x ``dim`` 16-bit numbers beside the real store).
-    ``timer(run)`` -> seconds of one call of a candidate (default: the clock around it; tests inject one)."""
+    ``timer(run)`` -> seconds of one call of a candidate (default: the clock around it; tests inject one).
+    ``compiled_sums``: the gather and the dense values pass are timed as a store of COMPILED_MIN_STATES or more
+    runs them (compiled, on a CPU where they run), else as a shorter one does (torch)."""
     device = torch.device(device)
     generator = torch.Generator(device="cpu").manual_seed(0)
     sixteen_bit = dtype != torch.float32
     can_pack = sixteen_bit and device.type == "cpu" and packing.available()
     states = _calibration_states(sample, rows, dim, dtype, device, generator, can_pack)  # [rows, d]
-    _compiled_sums(states)  # the compiled sums, where they run, compiled (or loaded) before anything is timed
     queries = torch.randn(CALIBRATION_QUERIES, dim, generator=generator).to(device)  # [nq, d] fp32
     plain = {kernel: KernelChoice(kernel, BLOCK_CHOICES[1], False, 0.0, 0.0) for kernel in SCORE_KERNELS}
     score_runs = {f"float32/{block}": (lambda b=block: float32_scores(states, queries, b)) for block in BLOCK_CHOICES}
@@ -246,6 +282,9 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
     timings.update(blocks)
     dense_block = min(BLOCK_CHOICES, key=lambda b: blocks[f"dense/{blocked}/{b}"])
     choice = KernelChoice(kernel, block, tokens_major, 0.0, 0.0, dense_block_rows=dense_block, fallback=fallback)
+    # the compiled sums run where the chosen kernel widens: compiled (or loaded) before they are timed
+    compiled_sums = compiled_sums and choice.widens and _compiled_sums(states, "weighted_sum", True) and \
+        _compiled_sums(states, "dense_sum", True)
     ids = torch.randint(0, rows, (CALIBRATION_QUERIES, CALIBRATION_GATHER_ROWS // CALIBRATION_QUERIES),
                         generator=generator).to(device)
     weights = torch.rand(ids.shape, generator=generator).to(device)
@@ -253,26 +292,33 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
         dense_values_run, dense_rows = (lambda: quarter_packed.values(weights.new_zeros(CALIBRATION_QUERIES, rows // 4)),
                                         rows // 4)
     else:
-        dense_values_run, dense_rows = (lambda: dense_values(states, weights.new_zeros(CALIBRATION_QUERIES, rows), choice),
-                                        rows)
-    gathers = {"gather": lambda: gathered_attention(states, ids, weights, choice.widens, fused=False)}
+        dense_values_run, dense_rows = (lambda: dense_values(states, weights.new_zeros(CALIBRATION_QUERIES, rows),
+                                                             choice, compiled_sums), rows)
+    gathers = {"gather": lambda: gathered_attention(states, ids, weights, choice.widens, fused=False,
+                                                    compiled_sums=compiled_sums)}
     if not choice.widens:  # the native kernel's gather: fused (embedding_bag) or gathered rows and a bmm
         gathers["gather/fused"] = lambda: gathered_attention(states, ids, weights, False, fused=True)
     costs = _race(dict(gathers, **{"dense values": dense_values_run}), device, timer)
     timings.update({name: costs[name] for name in gathers})
     fused_gather = "gather/fused" in costs and costs["gather/fused"] < costs["gather"]
     costs["gather"] = min(costs["gather"], costs.get("gather/fused", float("inf")))
+    # the chosen (unpacked) kernel's top-k, what a live step's costs are checked against (measurements.LiveCheck)
+    timings["select"] = _race({"select": lambda: select(states, queries, min(LIVE_K, rows // 16), choice.unpacked())},
+                              device, timer)["select"]
     measured = ", ".join(f"{name} {seconds * 1e3:.2f} ms" for name, seconds in timings.items()
                          if seconds < float("inf"))
     unavailable = " (packed unavailable here)" if force == "packed" and not can_pack else ""
     release_scratch()  # the races' widened blocks (up to 24 MiB): the chosen kernel makes its own again
+    sums = "compiled" if compiled_sums else "torch" if choice.widens else "16-bit"
     reason = (f"{kernel} scores{' (forced)' if force else ''}{unavailable}, blocks of {block:,} rows (dense attention "
-              f"{dense_block:,}); measured on {rows:,} x {dim} {str(dtype)[6:]} for {CALIBRATION_QUERIES} queries: "
+              f"{dense_block:,}), {sums} sums; measured on {rows:,} x {dim} {str(dtype)[6:]} for "
+              f"{CALIBRATION_QUERIES} queries: "
               f"{measured}{verdict}")
     return KernelChoice(
         scores=kernel, block_rows=block, tokens_major=tokens_major,
         gather_row_cost=costs["gather"] / ids.numel(), dense_row_cost=costs["dense values"] / dense_rows,
         reason=reason, dense_block_rows=dense_block, fallback=fallback, fused_gather=fused_gather,
+        select_row_cost=timings["select"] / rows,
     )
 
 
@@ -387,12 +433,13 @@ def scores(states: torch.Tensor, queries: torch.Tensor, choice: KernelChoice) ->
 
 
 def gathered_attention(states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, widen: bool,
-                       fused: bool = True, compiled_kernels: bool = False) -> torch.Tensor:
+                       fused: bool = True, compiled_sums: bool | None = None) -> torch.Tensor:
     """sum_j weights[i, j] * states[ids[i, j]]: ids, weights [nq, k] -> [nq, d] fp32.
 
     ``widen`` sums in fp32 (float32 kernel and the approximate stores): on a CPU, for a store of at least
-    COMPILED_MIN_STATES or where the caller's kernels are compiled already (``compiled_kernels``), by the compiled
-    kernel (compiled.weighted_sum: each chosen state read once and widened in registers), elsewhere as below;
+    COMPILED_MIN_STATES (``compiled_sums`` None) or where the caller says so (True: its own kernels run compiled,
+    however short the store), by the compiled kernel (compiled.weighted_sum: each chosen state read once and
+    widened in registers), elsewhere as below;
     otherwise the 16-bit states are summed in their dtype with fp32 accumulation: ``fused``, in one
     ``embedding_bag`` call (fbgemm's kernel on CPUs: no gathered copy; the sums rounded to the storage dtype,
     as a 16-bit bmm rounds them), else gathering at most GATHER_ROWS states at a time into reused buffers
@@ -406,7 +453,7 @@ def gathered_attention(states: torch.Tensor, ids: torch.Tensor, weights: torch.T
         # [nq, k] ids are nq bags of k rows; weights in the storage dtype, as the bmm below rounds them
         return F.embedding_bag(ids, states, mode="sum", per_sample_weights=weights.to(states.dtype)).float()
     widen = widen or states.dtype == torch.float32
-    if widen and _compiled_sums(states, compiled_kernels):  # one read of each chosen state, no gathered copy
+    if widen and _compiled_sums(states, "weighted_sum", compiled_sums):  # one read of each chosen state, no copy
         return compiled.weighted_sum(states, ids, weights)
     out = torch.zeros(nq, d, dtype=torch.float32, device=states.device)
     queries_per_step = max(1, GATHER_ROWS // k)
@@ -474,18 +521,22 @@ def _top_k_of_blocks(logits: torch.Tensor, blocks: torch.Tensor, block: int, k: 
     return values, columns.gather(1, order)
 
 
-def _compiled_sums(states: torch.Tensor, compiled_kernels: bool = False) -> bool:
-    """Whether the fp32 sums over ``states`` [N, d] run compiled: on a CPU, for a store of COMPILED_MIN_STATES or
-    more, or any where the caller's kernels are compiled already (``compiled_kernels``)."""
-    return (compiled_kernels or states.shape[0] >= COMPILED_MIN_STATES) and compiled.usable_states(states)
+def _compiled_sums(states: torch.Tensor, kernel: str, compiled_sums: bool | None = None) -> bool:
+    """Whether the fp32 sums over ``states`` [N, d] run by the compiled ``kernel`` (weighted_sum or dense_sum):
+    on a CPU where it runs, for a store of COMPILED_MIN_STATES or more (``compiled_sums`` None), or as the caller
+    says (True: its own kernels run compiled, however short the store; False: never)."""
+    wanted = states.shape[0] >= COMPILED_MIN_STATES if compiled_sums is None else compiled_sums
+    return wanted and compiled.usable_states(states, kernel)
 
 
-def dense_values(states: torch.Tensor, weights: torch.Tensor, choice: KernelChoice) -> torch.Tensor:
+def dense_values(states: torch.Tensor, weights: torch.Tensor, choice: KernelChoice,
+                 compiled_sums: bool | None = None) -> torch.Tensor:
     """weights [nq, N] @ states [N, d] -> [nq, d] fp32: the second dense pass (fp32 sums on a CPU, from
-    COMPILED_MIN_STATES states: the compiled one of unlimisum/unlimiformer/compiled.py, widened in registers)."""
+    COMPILED_MIN_STATES states or as ``compiled_sums`` says (``_compiled_sums``): the compiled one of
+    unlimisum/unlimiformer/compiled.py, widened in registers)."""
     if not choice.widens and states.dtype != torch.float32:
         return (weights.to(states.dtype) @ states).float()
-    if _compiled_sums(states):
+    if _compiled_sums(states, "dense_sum", compiled_sums):
         return compiled.dense_sum(states, weights)
     out = weights.new_zeros(weights.shape[0], states.shape[1])  # [nq, d]
     for start in range(0, states.shape[0], choice.block_rows):
@@ -567,6 +618,7 @@ def attend(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelCh
     """
     n, nq = states.shape[0], queries.shape[0]
     queries = queries.to(states.device, torch.float32)
+    check = _LIVE.get(choice)
     if packed is None or choice.scores != "packed":
         choice, packed = choice.unpacked(), None
     if k >= n:
@@ -580,7 +632,11 @@ def attend(states: torch.Tensor, queries: torch.Tensor, k: int, choice: KernelCh
         if coverage is not None:
             coverage.index_add_(0, ids.reshape(-1), kept.reshape(-1))
         return dense_values(states, weights, choice) if packed is None else packed.values(weights)
+    started = time.perf_counter()
     logits, ids = select(states, queries, k, choice, packed)
+    if (check is not None and not check.done and packed is None and nq == CALIBRATION_QUERIES and k <= LIVE_K
+            and n >= CALIBRATION_ROWS):  # a step as the measurement timed it: is the kept choice still right?
+        check.observe(time.perf_counter() - started, n * choice.select_row_cost)
     weights = torch.softmax(logits, dim=1, dtype=torch.float32)  # [nq, k]
     if coverage is not None:
         coverage.index_add_(0, ids.reshape(-1), weights.reshape(-1))

@@ -20,11 +20,13 @@ projected and rounded the same way, so a dense step's output moves by at most 2^
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from torch import nn
 
 from unlimisum.models.architectures import Architecture
-from unlimisum.unlimiformer import head_kernels
+from unlimisum.unlimiformer import head_kernels, kernels
 
 BUILD_ROWS = 65_536  # states projected at a time when the keys are built from a whole store (a cache hit)
 
@@ -96,9 +98,11 @@ class KeyStore:
         return view
 
     def choice(self, dim: int, queries_per_head: int = 1, k: int = 1024) -> head_kernels.HeadKernelChoice:
-        """The measured per-head kernel for this store's device and dtype (the shared states are ``dim`` wide)."""
+        """The measured per-head kernel for this store's device and dtype (the shared states are ``dim`` wide),
+        the compiled kernels among the candidates where the store is long enough (``kernels.uses_compiled``)."""
         return head_kernels.kernel_for(self.device, self.dtype, dim, self.heads, self.head_dim,
-                                       queries_per_head=queries_per_head, k=k)
+                                       queries_per_head=queries_per_head, k=k,
+                                       compiled_kernels=kernels.uses_compiled(self.n_tokens, self.device))
 
 
 class KeyStoreBuilder:
@@ -149,14 +153,17 @@ class KeyStoreBuilder:
 
 def build_key_store(states: torch.Tensor, weights: list[torch.Tensor], device: torch.device | str | None = None,
                     rows: int = BUILD_ROWS, value_weights: list[torch.Tensor] | None = None,
-                    keys: torch.Tensor | None = None) -> KeyStore:
+                    keys: torch.Tensor | None = None, on_rows: Callable[[int], None] | None = None) -> KeyStore:
     """The keys (and, given ``value_weights``, the values) of stored states [N, d] (a cached book's), ``rows``
-    states at a time, in the states' dtype; ``keys``: the book's keys as cached, only the values built."""
+    states at a time, in the states' dtype; ``keys``: the book's keys as cached, only the values built.
+    ``on_rows(done)``: after each part, how many states are projected so far."""
     device = device if device is not None else states.device
     builder = KeyStoreBuilder(states.shape[0], weights, states.dtype, device, value_weights,
                               keys.to(device) if keys is not None else None)
     for start in range(0, states.shape[0], rows):
         builder.add(states[start:start + rows])
+        if on_rows is not None:
+            on_rows(min(start + rows, states.shape[0]))
     return builder.finish()
 
 

@@ -22,6 +22,7 @@ from unlimisum.errors import ConfigError, EmptyDocumentError
 from unlimisum.events import ProgressCallback, ProgressEvent
 from unlimisum.models import LoadedModel, compat
 from unlimisum.results import EMPTY_SUMMARY, GenerationProgress, Summary, SummaryStats, peak_rss_bytes
+from unlimisum.unlimiformer import compiled
 from unlimisum.unlimiformer.cache import EncodedCache
 from unlimisum.unlimiformer.datastore import Datastore
 from unlimisum.unlimiformer.encoded import EncodedDocument
@@ -194,6 +195,10 @@ class EncoderDecoderSummarizer:
             recorder = session.recorder = GenerationRecorder([store.n_tokens for store in stores], total, layers,
                                                              end_tokens(self.loaded))
         preparing = time.perf_counter()
+        # a first run on this machine: the kernels the stores run, compiled (most of them while the book was encoded)
+        compiled.wait_ready([(kernel, store.storage_dtype) for store in stores for kernel in store.compiled_kernels()],
+                            lambda done, total, left: self.progress(ProgressEvent("compile", done, total, name,
+                                                                                  {"seconds_left": left})))
         self.progress(ProgressEvent("prepare", 0, batch, name))
         for store in stores:  # kernels measured and stores packed here, not silently inside the first step
             store.prepare(queries_per_head=self._rows_per_document(kwargs), retrieval_k=self.retrieval_k())
@@ -310,7 +315,7 @@ class EncoderDecoderSummarizer:
             for number, (part, store, row, text) in enumerate(zip(parts, stores, rows, texts)):
                 try:
                     found.append(self._part_evidence(reader, part, store, row, text, eos, decode, special_ids,
-                                                     recorder, number))
+                                                     recorder, number, name))
                 except (RuntimeError, ValueError, IndexError, MemoryError) as error:  # the summary is kept
                     found.append(_PartEvidence(None, (), {}, (f"{EVIDENCE_FAILED}: {type(error).__name__}: "
                                                               f"{str(error).splitlines()[0] if str(error) else ''}",)))
@@ -319,7 +324,7 @@ class EncoderDecoderSummarizer:
 
     def _part_evidence(self, reader: SummaryReader, part: "_Part", store: Datastore, row: list[int], text: str,
                        eos: set[int], decode, special_ids: set[int], recorder: GenerationRecorder | None,
-                       number: int) -> "_PartEvidence":
+                       number: int, name: str = "") -> "_PartEvidence":
         started = time.perf_counter()
         ids = row[:returned_length(row, eos)]
         _, members = evidence.sentence_rows(text, ids, decode, special_ids, len(ids))
@@ -333,11 +338,22 @@ class EncoderDecoderSummarizer:
             token_mass = reading.token_mass
             if part.start:  # a chapter's view numbers its tokens from its own start
                 token_mass = evidence.TokenMass(token_mass.positions + part.start, token_mass.mass)
-            support = ((lambda rows, sources: support_of(reader, reading, store, rows, sources, part.start))
-                       if self.retrieval.support else None)
+            support = None
+            if self.retrieval.support:  # reported sentence by sentence: a whole book's take a while
+                sentences, measured = len(members), []
+                self.progress(ProgressEvent("support", 0, sentences, name))
+
+                def support(rows, sources):
+                    value = support_of(reader, reading, store, rows, sources, part.start)
+                    measured.append(value)
+                    self.progress(ProgressEvent("support", min(len(measured), sentences), sentences, name))
+                    return value
+
             records = evidence.build(text, ids, decode, special_ids, token_mass, part.document,
                                      part.encoded.token_ends, part.encoded.n_tokens,
                                      self.retrieval.evidence_passages, support=support)
+            if support is not None:
+                self.progress(ProgressEvent("support", sentences, sentences, name))
         return _PartEvidence(reading.coverage, records,
                              {"evidence": read - started, "support": time.perf_counter() - read})
 

@@ -1,0 +1,182 @@
+"""A machine's first run: only the compiled kernels a store runs are compiled, none for a short one, in a thread
+while the book is encoded, into unlimisum's cache home; what is left is waited for with a time estimate; long
+stages show the time left; a kept speed choice the live steps find slower is measured again."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import warnings
+
+import pytest
+import torch
+
+from tests.test_cli_output import FakeClock, FakeMemory, terminal
+from unlimisum import measurements
+from unlimisum.cli.progress import ProgressDisplay
+from unlimisum.events import ProgressEvent
+from unlimisum.unlimiformer import compiled, kernels
+
+
+def widening(monkeypatch, widens: bool) -> None:
+    """The shared store's measured kernel: float32 (widens, so its sums run compiled) or native."""
+    choice = kernels.KernelChoice("float32" if widens else "native", 512, False, 1e-9, 1e-9)
+    monkeypatch.setattr(kernels, "kernel_for", lambda *args, **options: choice)
+
+
+def test_a_store_under_the_threshold_compiles_nothing(monkeypatch):
+    widening(monkeypatch, True)
+    short = kernels.COMPILED_MIN_STATES - 1
+    assert kernels.compiled_kernels_for(short, torch.bfloat16, "cpu", 768, per_layer=True, values=True) == ()
+    assert not kernels.uses_compiled(short, "cpu") and kernels.uses_compiled(kernels.COMPILED_MIN_STATES, "cpu")
+
+
+@pytest.mark.parametrize("widens, per_layer, values, expected", [
+    (False, True, False, ("select", "scores")),  # a CPU with 16-bit units: the native kernel sums in bfloat16
+    (True, True, False, ("select", "scores", "weighted_sum", "dense_sum")),  # without: the sums widen, compiled
+    (True, True, True, ("select", "scores", "attend_dense", "head_dense_sum", "weighted_sum", "dense_sum")),
+    (True, False, False, ("weighted_sum", "dense_sum")),
+    (False, False, False, ()),
+])
+def test_a_long_store_compiles_the_kernels_it_runs(monkeypatch, widens, per_layer, values, expected):
+    widening(monkeypatch, widens)
+    n = kernels.COMPILED_MIN_STATES
+    assert kernels.compiled_kernels_for(n, torch.bfloat16, "cpu", 768, per_layer=per_layer, values=values) == expected
+    assert kernels.compiled_kernels_for(n, torch.float16, "cpu", 768, per_layer=True) == ()  # no compiled kernel reads
+
+
+def test_warm_compiles_in_a_thread_and_ready_waits_for_it(monkeypatch):
+    monkeypatch.setattr(compiled, "_READY", {})
+    started, release = threading.Event(), threading.Event()
+    calls = []
+
+    def slow_check(dtype):
+        calls.append(dtype)
+        started.set()
+        release.wait(30)
+        return True
+
+    monkeypatch.setitem(compiled._CHECKS, "weighted_sum", slow_check)
+    thread = compiled.warm(["weighted_sum"], torch.float32)
+    assert thread is not None and thread.daemon and started.wait(30)
+    assert compiled.pending(["weighted_sum"], torch.float32) == ["weighted_sum"]
+    threading.Timer(0.2, release.set).start()
+    assert compiled.ready("weighted_sum", torch.float32)  # waits for the thread rather than compiling again
+    thread.join(30)
+    assert calls == [torch.float32] and compiled.pending(["weighted_sum"], torch.float32) == []
+    assert compiled.warm(["weighted_sum"], torch.float32) is None  # nothing left to do
+
+
+def test_a_kernel_that_fails_leaves_the_torch_kernels(monkeypatch):
+    monkeypatch.setattr(compiled, "_READY", {})
+
+    def broken(dtype):
+        raise RuntimeError("LLVM said no")
+
+    monkeypatch.setitem(compiled._CHECKS, "dense_sum", broken)
+    assert not compiled.ready("dense_sum", torch.float32)
+    assert not compiled.usable_states(torch.zeros(4, 8), "dense_sum")
+
+
+def test_the_wait_reports_what_is_left_and_an_estimate(monkeypatch):
+    monkeypatch.setattr(compiled, "_READY", {(kernel, torch.float32): True for kernel in compiled.KERNELS})
+    for kernel in ("select", "scores"):
+        del compiled._READY[(kernel, torch.float32)]
+        monkeypatch.setitem(compiled._CHECKS, kernel, lambda dtype: True)
+    reports = []
+    compiled.wait_ready([("select", torch.float32), ("scores", torch.float32), ("dense_sum", torch.float32)],
+                        lambda *report: reports.append(report))
+    both = compiled.COMPILE_SECONDS["select"] + compiled.COMPILE_SECONDS["scores"]
+    assert reports == [(0, 2, both), (1, 2, compiled.COMPILE_SECONDS["scores"]), (2, 2, 0.0)]
+    reports.clear()
+    compiled.wait_ready([("select", torch.float32)], lambda *report: reports.append(report))
+    assert reports == []  # nothing to wait for: nothing said
+
+
+def test_the_display_says_it_compiles_and_how_long_is_left():
+    console, clock = terminal(), FakeClock()
+    display = ProgressDisplay(console, clock=clock, memory=FakeMemory(), auto_refresh=False)
+    with display:
+        display.begin_document(1, 1, "book.txt")
+        display(ProgressEvent("compile", 0, 2, "Book", {"seconds_left": 8.5}))
+        display.refresh()
+        shown = console.file.getvalue()
+    assert "compiling retrieval kernels for this machine (once)" in shown and "about 8.5 s left" in shown
+    assert "0/2" in shown
+
+
+@pytest.mark.parametrize("stage, info, units", [("encode", {"tokens": 40_000}, "tokens/s"), ("support", {}, ""),
+                                                ("keys", {}, "")])
+def test_long_stages_show_the_time_left(stage, info, units):
+    console, clock = terminal(), FakeClock()
+    display = ProgressDisplay(console, clock=clock, memory=FakeMemory(), auto_refresh=False)
+    with display:
+        display.begin_document(1, 1, "book.txt")
+        display(ProgressEvent(stage, 0, 40, "Book", info))
+        clock.now += 10.0
+        display(ProgressEvent(stage, 10, 40, "Book", info))  # a quarter in 10 s: 30 s left
+        display.refresh()
+        shown = console.file.getvalue()
+    assert "30.0 s left" in shown and "10/40" in shown
+
+
+def test_generation_shows_at_most_the_time_left():
+    console, clock = terminal(), FakeClock()
+    display = ProgressDisplay(console, clock=clock, memory=FakeMemory(), auto_refresh=False)
+    with display:
+        display.begin_document(1, 1, "book.txt")
+        display(ProgressEvent("generate", 0, 256, "Book"))
+        clock.now += 4.0
+        display(ProgressEvent("generate", 64, 256, "Book"))  # the summary may end before its limit
+        display.refresh()
+        shown = console.file.getvalue()
+    assert "at most 12.0 s left" in shown
+
+
+def test_the_kernels_are_cached_under_the_cache_home_and_other_numba_code_keeps_its_own(tmp_path):
+    script = """
+import numba, torch
+from unlimisum.unlimiformer import compiled
+assert compiled.ready("weighted_sum", torch.float32)
+print(numba.config.CACHE_DIR or "-")
+"""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("NUMBA_")}
+    env["UNLIMISUM_CACHE_HOME"] = str(tmp_path / "home")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip() == "-"  # numba's own setting, for other code in the process, is as it was
+    assert list((tmp_path / "home" / "kernels").rglob("compiled._sums_f32*.nbi"))
+
+
+class Steps:
+    """A kept shared-store choice whose measurement said a step costs far less than it does."""
+
+    def __init__(self, tmp_path, monkeypatch):
+        self.store = measurements.MeasurementStore(tmp_path / "m.json", key="k")
+        self.store.put(measurements.Measurement("retrieval kernel", {}, "2026-01-01T00:00:00+00:00", 0.1, ""))
+        self.choice = kernels.KernelChoice("float32", 2048, False, 1e-9, 1e-9, select_row_cost=1e-15)
+        self.check = measurements.LiveCheck("retrieval kernel", kept=True, store=self.store)
+        monkeypatch.setitem(kernels._LIVE, self.choice, self.check)
+
+
+def test_a_kept_choice_whose_live_steps_run_slower_is_measured_again(tmp_path, monkeypatch):
+    steps = Steps(tmp_path, monkeypatch)
+    states = torch.randn(kernels.CALIBRATION_ROWS, 8).to(torch.bfloat16)
+    queries = torch.randn(kernels.CALIBRATION_QUERIES, 8)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for _ in range(measurements.LIVE_SAMPLES):
+            kernels.attend(states, queries, 64, steps.choice)
+    assert steps.check.slower and steps.store.get("retrieval kernel") is None
+    assert any("measured again next time" in str(warning.message) for warning in said)
+
+
+def test_steps_unlike_the_measured_ones_are_not_judged(tmp_path, monkeypatch):
+    steps = Steps(tmp_path, monkeypatch)
+    states = torch.randn(kernels.CALIBRATION_ROWS // 2, 8).to(torch.bfloat16)  # shorter than the measured store
+    for _ in range(measurements.LIVE_SAMPLES):
+        kernels.attend(states, torch.randn(kernels.CALIBRATION_QUERIES, 8), 64, steps.choice)
+        kernels.attend(states, torch.randn(4 * kernels.CALIBRATION_QUERIES, 8), 64, steps.choice)  # 4 beams
+    assert steps.check.ratios == [] and steps.store.get("retrieval kernel") is not None
