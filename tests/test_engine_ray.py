@@ -57,13 +57,30 @@ def idle_cluster(local_ray):
     wait_for_free_cpus(2)
 
 
+WAIT_SECONDS = 120  # the longest any wait of these tests lasts: then it fails, saying what it waited for
+
+
 def wait_for_free_cpus(count: int) -> None:
     """Until Ray's view of free resources shows exactly ``count`` of the instance's 2 CPUs free (it follows
-    the actors that start and end within a moment, a longer one on a loaded machine)."""
+    the actors that start and end within a moment, a longer one on a loaded machine); at most WAIT_SECONDS."""
     from ray._private.state import available_resources_per_node
 
-    while not all(free.get("CPU", 0) == count for free in available_resources_per_node().values()):
+    deadline = time.monotonic() + WAIT_SECONDS
+    while True:
+        free = [node.get("CPU", 0) for node in available_resources_per_node().values()]
+        if all(cpus == count for cpus in free):
+            return
+        if time.monotonic() > deadline:
+            pytest.fail(f"waited {WAIT_SECONDS} s for {count} of Ray's 2 CPUs to be free; its nodes show {free} free")
         time.sleep(0.1)
+
+
+def ray_get(refs, what: str):
+    """``ray.get(refs)``, at most WAIT_SECONDS: then the test fails naming ``what`` it waited for."""
+    try:
+        return ray.get(refs, timeout=WAIT_SECONDS)
+    except ray.exceptions.GetTimeoutError:
+        pytest.fail(f"waited {WAIT_SECONDS} s for {what}")
 
 
 @pytest.fixture
@@ -181,7 +198,7 @@ class Holder:
 def cpus_held(count: int):
     """``count`` of the instance's 2 CPUs taken by other work, until the block ends."""
     holders = [Holder.remote() for _ in range(count)]
-    ray.get([holder.ping.remote() for holder in holders])
+    ray_get([holder.ping.remote() for holder in holders], f"{count} actors holding a CPU each to start")
     wait_for_free_cpus(2 - count)
     try:
         yield
@@ -268,6 +285,9 @@ def test_a_folder_named_unlimisum_in_the_working_directory_and_a_local_instance_
     assert {ip for ip, _ in listening} <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, listening
 
 
+COMMAND_SECONDS = 600  # a whole `unlimisum summarize --engine ray` process of these tests, starting Ray
+
+
 def unlimisum_command(cwd: Path, model: Path, books: list, *options: str, env: dict | None = None,
                       listening: set | None = None) -> subprocess.CompletedProcess:
     """The `unlimisum` command (``python -I -m unlimisum``: nothing from the working directory or PYTHONPATH
@@ -282,10 +302,16 @@ def unlimisum_command(cwd: Path, model: Path, books: list, *options: str, env: d
     output: dict = {}  # read while it runs (a full pipe would stop it), until it ends
     reader = threading.Thread(target=lambda: output.update(zip(("stdout", "stderr"), process.communicate())))
     reader.start()
+    deadline = time.monotonic() + COMMAND_SECONDS
     while reader.is_alive():
         if listening is not None:
             listening.update(listen_addresses(process.pid))
         reader.join(0.5)  # how often the listening sockets are looked at
+        if reader.is_alive() and time.monotonic() > deadline:
+            process.kill()
+            reader.join(WAIT_SECONDS)
+            pytest.fail(f"`unlimisum summarize --engine ray` did not end within {COMMAND_SECONDS} s: "
+                        f"{output.get('stderr', '')[-2000:]}")
     return subprocess.CompletedProcess(command, process.returncode, output["stdout"], output["stderr"])
 
 
@@ -343,11 +369,12 @@ def test_a_worker_that_stops_answering_is_killed_and_seen_to_end_on_a_real_insta
     token = tmp_path / "still-reading"
     token.write_text("")
     busy = Busy.remote()
-    assert ray.get(busy.ready.remote()) == "here"
+    assert ray_get(busy.ready.remote(), "a busy actor to answer") == "here"
     reading = busy.read.remote(str(token))
     engine = ray_engine.RayEngine.__new__(ray_engine.RayEngine)
     engine.ray = ray
     assert engine._end_actor(busy) is True
     with pytest.raises(ray.exceptions.RayActorError):
-        ray.get(reading)  # its book never ends: the worker is gone, though the token still says "read on"
+        # its book never ends: the worker is gone, though the token still says "read on"
+        ray_get(reading, "a killed actor's call to fail")
     assert token.exists()

@@ -50,9 +50,14 @@ def hub_repos(tmp_path_factory):
     return {DEFAULT_MODEL: model, TOKENIZER_REPO: tokenizer}
 
 
+# The stand-in hub answers from a thread of this process: on a busy machine (the suite beside a benchmark) an
+# answer can take longer than the few seconds a real hub is given, so the runs here give it a minute.
+PATIENT = {"UNLIMISUM_HUB_TIMEOUT": "60", "HF_HUB_ETAG_TIMEOUT": "60", "HF_HUB_DOWNLOAD_TIMEOUT": "60"}
+
+
 def first_use_env(endpoint: str, home: Path, **extra) -> dict:
     """The environment of a person's first run: no HF_HUB_OFFLINE, the hub at ``endpoint``, an own cache."""
-    env = dict(process_env(), HF_ENDPOINT=endpoint, HF_HOME=str(home), **extra)
+    env = dict(process_env(), HF_ENDPOINT=endpoint, HF_HOME=str(home), **PATIENT, **extra)
     env.pop("HF_HUB_OFFLINE")
     env.pop("UNLIMISUM_MODEL", None)
     env.pop("HF_HUB_CACHE", None)
@@ -178,3 +183,13 @@ def test_the_files_from_pretrained_reads_are_the_ones_fetched():
     assert hub.needed_files(shards, weights=True) == [
         "model.safetensors.index.json", "params.json", "model-00001-of-00002.safetensors",
         "model-00002-of-00002.safetensors"]
+
+
+def test_the_hub_can_be_given_longer_to_answer(monkeypatch):
+    from unlimisum.models import hub
+
+    monkeypatch.delenv(hub.PROBE_SETTING, raising=False)
+    assert hub.probe_seconds() == hub.PROBE_SECONDS
+    for value, seconds in (("30", 30.0), ("0.5", 0.5), ("soon", hub.PROBE_SECONDS), ("-1", hub.PROBE_SECONDS)):
+        monkeypatch.setenv(hub.PROBE_SETTING, value)
+        assert hub.probe_seconds() == seconds

@@ -12,6 +12,7 @@ so that transformers itself never talks to the hub:
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,8 +23,19 @@ from unlimisum.events import ProgressCallback, ProgressEvent
 from unlimisum.models import compat
 
 # How long the listing request may take before the hub counts as unreachable (seconds). It is
-# the only request before a download, so a machine without network is told so at once.
+# the only request before a download, so a machine without network is told so at once. A slow link (or a
+# busy machine) can give it longer: $UNLIMISUM_HUB_TIMEOUT seconds.
 PROBE_SECONDS = 5.0
+PROBE_SETTING = "UNLIMISUM_HUB_TIMEOUT"
+
+
+def probe_seconds() -> float:
+    """PROBE_SECONDS, or $UNLIMISUM_HUB_TIMEOUT where it is a positive number of seconds."""
+    try:
+        value = float(os.environ.get(PROBE_SETTING, ""))
+    except ValueError:
+        return PROBE_SECONDS
+    return value if value > 0 else PROBE_SECONDS
 # Bytes read from the connection between two progress reports of a file (huggingface_hub reads 10 MiB).
 READ_CHUNK_BYTES = 1024 * 1024
 # Top-level files that are not weights and that config, tokenizer and generation settings are made of.
@@ -116,7 +128,7 @@ class Hub:
         from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, RepositoryNotFoundError
 
         try:
-            info = HfApi().model_info(repo_id, revision="main", files_metadata=True, timeout=PROBE_SECONDS)
+            info = HfApi().model_info(repo_id, revision="main", files_metadata=True, timeout=probe_seconds())
         except compat.hub_connection_errors():
             self._reachable = False
             return None

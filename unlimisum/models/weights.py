@@ -76,8 +76,8 @@ def load_converted(kind: str, folder: Path, model_config, dtype: torch.dtype):
             tensors.update({name: handle.get_slice(name) for name in handle.keys()})
         if not any(part.get_dtype() in WIDE_DTYPES for part in tensors.values()):
             return None  # nothing to convert: the memory map costs nothing beyond the weights themselves
-        with _sequential_reads():
-            model = cls.from_pretrained(None, config=model_config, state_dict=tensors, dtype=dtype, device_map="cpu")
+        with _sequential_reads():  # no device_map: it needs accelerate, which `pip install unlimisum` does not bring
+            model = cls.from_pretrained(None, config=model_config, state_dict=tensors, dtype=dtype)
     _use_generation_config(model, folder)
     return model
 
