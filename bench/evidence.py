@@ -21,8 +21,9 @@ recorded while generating (greedy search and sampling) and by the reread pass (b
 
 With ``--support``, instead: is support (the answer sentence read again with its passages hidden) what it claims,
 on the trained needle: the answer's support against a control that hides as many random tokens of the same
-text (outside the passages), and how often attention's first passage is the one whose removal alone hurts most.
-Writes bench/results/evidence_support.json.
+text (outside the passages), and how often attention's first passage is the one whose removal alone hurts most;
+by hiding the passages from retrieval and by removing them from the input (their windows encoded again), with the
+weights in float32 and bfloat16 (``--dtypes``). Writes bench/results/evidence_support.json.
 
 With ``--real``, instead: what the evidence pass and its support (each sentence read again with its passages
 hidden) cost at real sizes, against generate() on the same store (greedy: the reading recorded while
@@ -30,7 +31,7 @@ generating, whose cost is generation with recording against without; beams: the 
 bart-base and bart-large shapes (random weights), exact stores of ``--tokens`` synthetic states, summaries forced to ``--new-tokens`` (default 64), greedy
 and 4 beams. The summary is cut into sentences of 16 tokens, each with three 33-token passages, as the pass finds
 them. The store is built directly (encoding costs the same with any weights: bench/time_to_summary.py has it).
-Writes bench/results/evidence_real.json.
+Writes bench/results/evidence_real.json (``--name``: another name).
 
 Writes bench/results/evidence.json.
 """
@@ -144,11 +145,14 @@ def decoder_only_cost(n_tokens: int, layers: int, trials: int = 2) -> list[dict]
     return rows
 
 
-def real_cost(sizes: list[str], n_values: list[int], new_tokens: int, beams: list[int], seed: int = 0) -> list[dict]:
-    """generate(), the evidence pass and its support, in seconds, per model size, store size and beam count."""
+def real_cost(sizes: list[str], n_values: list[int], new_tokens: int, beams: list[int], seed: int = 0,
+              key_stores: tuple[str, ...] = ("shared",)) -> list[dict]:
+    """generate(), the evidence pass and its support, in seconds, per model size, store size, key store (the
+    shared store, or per-layer keys built from it as the encoder builds them) and beam count."""
     from bench.common import random_model
     from bench.index_choice import synthetic_store
     from unlimisum.evidence import Source
+    from unlimisum.unlimiformer.keys import build_key_store, key_weights
     from unlimisum.unlimiformer.reread import SummaryReader, end_tokens, returned_length, support_of
 
     rows = []
@@ -156,8 +160,10 @@ def real_cost(sizes: list[str], n_values: list[int], new_tokens: int, beams: lis
     for size in sizes:
         loaded = random_model(size)
         d = loaded.model.config.d_model
-        for n in n_values:
+        for n, key_store in [(n, kind) for n in n_values for kind in key_stores]:
             store = synthetic_store(n, d, IndexConfig(kind="exact", device="cpu"))
+            if key_store == "per-layer":  # k < N here: the keys alone, as the encoder would build them
+                store.keys = build_key_store(store.states(), key_weights(loaded.model, loaded.architecture))
             for num_beams in beams:
                 generation = GenerationOptions(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                                num_beams=num_beams, do_sample=False)
@@ -179,13 +185,13 @@ def real_cost(sizes: list[str], n_values: list[int], new_tokens: int, beams: lis
                         sources = [Source(0, "", 0, 1, 1 / 3, "", peak - 16, peak + 17) for peak in peaks]
                         support_of(reader, reading, store, rows_, sources)
                 finished = time.perf_counter()
-                row = dict(size=size, n_tokens=n, num_beams=num_beams, new_tokens=len(ids) - 1,
+                row = dict(size=size, n_tokens=n, key_store=key_store, num_beams=num_beams, new_tokens=len(ids) - 1,
                            generate_seconds=run.seconds, plain_generate_seconds=plain.seconds,
                            recorded=run.recorder is not None, evidence_seconds=read - started,
                            support_seconds=finished - read, sentences=len(sentences))
                 row["evidence_share"] = row["evidence_seconds"] / row["generate_seconds"]
                 row["with_support_share"] = (row["evidence_seconds"] + row["support_seconds"]) / row["generate_seconds"]
-                print(f"  {size} N={n:,} beams={num_beams}: generate {run.seconds:.1f}s (without recording "
+                print(f"  {size} N={n:,} {key_store} beams={num_beams}: generate {run.seconds:.1f}s (without recording "
                       f"{plain.seconds:.1f}s), evidence "
                       f"{row['evidence_seconds']:.2f}s ({row['evidence_share']:.1%}), support "
                       f"{row['support_seconds']:.2f}s (with it {row['with_support_share']:.1%})", flush=True)
@@ -194,13 +200,16 @@ def real_cost(sizes: list[str], n_values: list[int], new_tokens: int, beams: lis
     return rows
 
 
-def support_check(model: Path, lengths: list[int], trials: int, top_k: int, seed: int = 0) -> dict:
-    """Per needle trial: the answer sentence's support, a same-size random control's, and each passage's own."""
+def support_check(model: Path, lengths: list[int], trials: int, top_k: int, seed: int = 0,
+                  dtype: str = "float32", methods: tuple[str, ...] = ("hiding", "removal")) -> dict:
+    """Per needle trial: the answer sentence's support, a same-size random control's, and each passage's own, by
+    each method (``methods``: hiding from retrieval, removal from the input), with the weights in ``dtype``; and
+    what the supports of the sentence cost against its generation."""
     from unlimisum import evidence
     from unlimisum.document import Document
-    from unlimisum.unlimiformer.reread import SummaryReader, end_tokens, hidden_tokens, returned_length
+    from unlimisum.unlimiformer.reread import SummaryReader, end_tokens, hidden_tokens, returned_length, support_hiding
 
-    loaded = load_model(ModelConfig(name=str(model), device="cpu"))
+    loaded = load_model(ModelConfig(name=str(model), device="cpu", dtype=dtype))
     window = loaded.max_source_length
     summarizer = Summarizer(loaded, generation=GENERATION, retrieval=RetrievalConfig(retrieval_k=top_k),
                             index=IndexConfig(kind="exact", device="cpu"))
@@ -227,48 +236,54 @@ def support_check(model: Path, lengths: list[int], trials: int, top_k: int, seed
                     continue
                 _, members = evidence.sentence_rows(summary, ids, decode, special, len(ids))
                 rows_ = [j for j in members[0] if j >= 1]
-                first, last = min(rows_), max(rows_) + 1
-                chosen = torch.tensor(rows_) - first
-
-                def drop(hidden: torch.Tensor) -> float:
-                    masked = reader.log_probs(reading, encoded.store, first, last, hidden)
-                    return float((reading.log_probs[rows_] - masked[chosen]).mean())
-
                 sources = records[0].sources
                 passages = hidden_tokens(sources, encoded.n_tokens)
                 outside = (~passages).nonzero().squeeze(1).tolist()
                 control = torch.zeros_like(passages)
                 control[rng.sample(outside, int(passages.sum()))] = True
-                alone = [drop(hidden_tokens([source], encoded.n_tokens)) for source in sources]
-                cells.append(dict(length=length, copied=summary == content, support=drop(passages),
-                                  control=drop(control), alone=alone,
-                                  first_hurts_most=max(range(len(alone)), key=alone.__getitem__) == 0))
-            print(f"  {length}x trial {trial}: support {cells[-1]['support']:.2f}, control {cells[-1]['control']:.2f} "
-                  f"nats/token", flush=True)
-    return dict(cells=cells, window=window, top_k=top_k, trials=trials)
+                part = type("Part", (), {"encoded": encoded, "start": 0})
+                for method in methods:
+                    removal = family._removal(part, encoded.store) if method == "removal" else None
+                    drop = lambda hidden: support_hiding(reader, reading, encoded.store, rows_, hidden,  # noqa: E731
+                                                         removal)
+                    started = time.perf_counter()
+                    support = drop(passages)
+                    seconds = time.perf_counter() - started
+                    alone = [drop(hidden_tokens([source], encoded.n_tokens)) for source in sources]
+                    cells.append(dict(length=length, method=method, copied=summary == content, support=support,
+                                      control=drop(control), alone=alone, seconds=seconds,
+                                      generate_seconds=run.seconds,
+                                      first_hurts_most=max(range(len(alone)), key=alone.__getitem__) == 0))
+                    print(f"  {length}x trial {trial} {method}: support {support:.2f}, control "
+                          f"{cells[-1]['control']:.2f} nats/token, {seconds:.2f} s", flush=True)
+    return dict(cells=cells, window=window, top_k=top_k, trials=trials, dtype=dtype)
 
 
 def report_support(result: dict) -> None:
     print(f"support on the needle (k={result['top_k']}): the answer sentence read again with its passages hidden, "
           "against as many random tokens hidden, nats per token")
     rows = []
-    for length in sorted({cell["length"] for cell in result["cells"]}):
-        cells = [cell for cell in result["cells"] if cell["length"] == length]
+    for length, method in sorted({(cell["length"], cell.get("method", "hiding")) for cell in result["cells"]}):
+        cells = [cell for cell in result["cells"] if cell["length"] == length and cell.get("method", "hiding") == method]
         supports = sorted(cell["support"] for cell in cells)
         controls = sorted(cell["control"] for cell in cells)
-        rows.append([f"{length}x", len(cells), f"{sum(c['copied'] for c in cells)}", f"{supports[len(cells) // 2]:.2f}",
-                     f"{supports[0]:.2f}", f"{controls[len(cells) // 2]:.3f}", f"{max(controls):.3f}",
-                     f"{sum(c['first_hurts_most'] for c in cells)}/{len(cells)}"])
-    print_table(["length", "trials", "copied", "support median", "support min", "control median", "control max",
-                 "first passage hurts most"], rows)
+        seconds = sum(cell.get("seconds", 0.0) for cell in cells) / len(cells)
+        rows.append([f"{length}x", method, len(cells), f"{sum(c['copied'] for c in cells)}",
+                     f"{supports[len(cells) // 2]:.2f}", f"{supports[0]:.2f}", f"{controls[len(cells) // 2]:.3f}",
+                     f"{max(controls, key=abs):.3f}", f"{sum(c['first_hurts_most'] for c in cells)}/{len(cells)}",
+                     f"{seconds:.3f}"])
+    print(f"weights in {result.get('dtype', 'float32')}")
+    print_table(["length", "support by", "trials", "copied", "support median", "support min", "control median",
+                 "control farthest from 0", "first passage hurts most", "s per support"], rows)
 
 
 def report_real(result: dict) -> None:
     print(f"the evidence pass and its support against generate() at real sizes ({result['new_tokens']} summary tokens, "
           f"exact store, {result['threads']} threads):")
-    print_table(["model", "tokens", "beams", "generate s", "without recording s", "evidence s",
+    print_table(["model", "tokens", "store", "beams", "generate s", "without recording s", "evidence s",
                  "evidence / generate", "support s", "both / generate"],
-                [[row["size"], f"{row['n_tokens']:,}", row["num_beams"], f"{row['generate_seconds']:.1f}",
+                [[row["size"], f"{row['n_tokens']:,}", row.get("key_store", "shared"), row["num_beams"],
+                  f"{row['generate_seconds']:.1f}",
                   f"{row['plain_generate_seconds']:.1f}" if row["recorded"] else "-",
                   f"{row['evidence_seconds']:.2f}" + (" (recorded)" if row["recorded"] else ""),
                   f"{row['evidence_share']:.1%}", f"{row['support_seconds']:.2f}",
@@ -325,28 +340,37 @@ def main(argv=None) -> None:
     parser.add_argument("--tokens", default="4096,16384,300000", help="store sizes of --real")
     parser.add_argument("--beams", default="1,4", help="beam counts of --real")
     parser.add_argument("--new-tokens", type=int, default=64, help="summary tokens of --real")
+    parser.add_argument("--key-stores", default="shared,per-layer",
+                        help="stores of --real: shared (the encoded states) and/or per-layer (keys built from them)")
+    parser.add_argument("--name", default=None, help="the result file's name (bench/results/NAME.json)")
     parser.add_argument("--support", action="store_true",
-                        help="instead: support against a random control on the needle (writes evidence_support.json)")
+                        help="instead: support against a random control on the needle, by hiding and by removal "
+                        "(writes evidence_support.json)")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="the needle model's weights in --support")
     args = parser.parse_args(argv)
     if args.support:
         torch.set_num_threads(args.threads)
         started = time.perf_counter()
         lengths = [int(n) for n in (args.lengths or ("50" if args.quick else "50,200")).split(",")]
-        result = support_check(args.model, lengths, args.trials or (3 if args.quick else 10), args.top_k)
-        result["seconds"] = time.perf_counter() - started
-        report_support(result)
-        print(f"wrote {write_result('evidence_support', result)}")
+        results = {}
+        for dtype in args.dtypes.split(","):
+            results[dtype] = support_check(args.model, lengths, args.trials or (3 if args.quick else 10), args.top_k,
+                                           dtype=dtype)
+            report_support(results[dtype])
+        result = dict(by_dtype=results, seconds=time.perf_counter() - started)
+        print(f"wrote {write_result(args.name or 'evidence_support', result)}")
         return
     if args.real:
         threads = args.threads if "--threads" in (argv or __import__("sys").argv) else torch.get_num_threads()
         torch.set_num_threads(threads)
         started = time.perf_counter()
         result = dict(rows=real_cost(args.sizes.split(","), [int(n) for n in args.tokens.split(",")], args.new_tokens,
-                                     [int(b) for b in args.beams.split(",")]),
+                                     [int(b) for b in args.beams.split(",")],
+                                     key_stores=tuple(args.key_stores.split(","))),
                       new_tokens=args.new_tokens, threads=threads)
         result["seconds"] = time.perf_counter() - started
         report_real(result)
-        print(f"wrote {write_result('evidence_real', result)}")
+        print(f"wrote {write_result(args.name or 'evidence_real', result)}")
         return
     torch.set_num_threads(args.threads)
     trials = args.trials or (3 if args.quick else 10)

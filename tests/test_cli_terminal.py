@@ -39,6 +39,8 @@ class TerminalRun:
     screen: list[str]  # the final screen, one string per line
     transcript: str  # everything written to the terminal, escape sequences removed
     rows: list[str]  # the final screen's rows unstripped, each as wide as the terminal: joined, wrapped lines are whole
+    raw: bytes = b""  # every byte written to the terminal, escape sequences and all
+    title: str = ""  # the window title the run left set (an OSC 0 or 2 sequence sets it)
 
 
 def run_in_terminal(command: list[str], cwd, *, stdin_data: bytes | None = None) -> tuple[int, list[str]]:
@@ -96,7 +98,7 @@ def run_terminal(command: list[str], cwd, *, stdin_data: bytes | None = None, ty
         os.close(leader)
     transcript = ANSI_ESCAPE.sub("", received.decode("utf-8", "replace"))
     return TerminalRun(process.returncode, [line.rstrip() for line in screen.display], transcript,
-                       list(screen.display))
+                       list(screen.display), bytes(received), screen.title)
 
 
 def summarize_command(model: str, *paths: str) -> list[str]:

@@ -138,3 +138,32 @@ def test_the_states_it_cannot_read_stay_with_torch():
     ids, weights = torch.randint(0, 40, (2, 5)), torch.rand(2, 5)
     torch.testing.assert_close(kernels.gathered_attention(states, ids, weights, True, False),
                                torch.einsum("qk,qkd->qd", weights, states.float()[ids]))
+
+
+@pytest.mark.parametrize("dtype", compiled.SCAN_DTYPES)
+@pytest.mark.parametrize("queries_per_head", [1, 7])  # one at a time, and the explicit vectors (four, then three)
+def test_the_top_k_holds_only_real_candidates_where_fewer_scores_are_numbers(dtype, queries_per_head):
+    """A row of -inf or NaN scores has no candidates: the scan returns the ones that are numbers and marks the
+    rest -inf with id 0 (weight 0 in a softmax), never an entry of memory it did not write."""
+    generator = torch.Generator().manual_seed(5)
+    keys = torch.randn(3, 700, 16, generator=generator)  # [H, n, dh]
+    queries = torch.randn(3, queries_per_head, 16, generator=generator).abs() + 0.1  # every dimension positive
+    keys[0, 3:, 0] = float("-inf")  # head 0: three finite scores, the rest -inf
+    keys[1, :, 0] = float("nan")  # head 1: every score NaN
+    keys[2, 100:, 0] = float("-inf")
+    keys[2, 10, 0] = float("nan")  # head 2: 99 numbers (one NaN among the first hundred)
+    keys = keys.to(dtype)
+    for attempt in range(3):  # fresh outputs each time: garbage would differ from call to call
+        scores, ids = compiled.select(keys, queries, 5)
+        expected = torch.einsum("hqd,hnd->hqn", queries, keys.float())
+        head0 = scores[0].sort(dim=1, descending=True)
+        assert torch.equal(head0.values[:, 3:], torch.full((queries_per_head, 2), float("-inf")))
+        assert torch.equal(ids[0].gather(1, head0.indices)[:, 3:], torch.zeros(queries_per_head, 2, dtype=torch.long))
+        assert sorted(ids[0, 0][head0.indices[0, :3]].tolist()) == [0, 1, 2]
+        torch.testing.assert_close(head0.values[:, :3], expected[0, :, :3].sort(dim=1, descending=True).values)
+        assert torch.equal(scores[1], torch.full((queries_per_head, 5), float("-inf")))
+        assert torch.equal(ids[1], torch.zeros(queries_per_head, 5, dtype=torch.long))
+        top = expected[2].nan_to_num(float("-inf")).topk(5, dim=1)
+        found = scores[2].sort(dim=1, descending=True)
+        torch.testing.assert_close(found.values, top.values)
+        assert torch.equal(ids[2].gather(1, found.indices), top.indices)

@@ -110,6 +110,38 @@ def test_list_and_clear_older_than(tmp_path):
     assert cache.clear()[0] == 1 and cache.entries() == []
 
 
+def test_entries_this_release_cannot_read_are_listed_with_their_size_and_pruned(tmp_path, monkeypatch):
+    """After an upgrade: an entry of an older store format (format 3 had no per-layer keys), one another release
+    encoded, and one whose metadata is damaged never load; `cache list` shows them, `cache prune` removes them."""
+    from typer.testing import CliRunner
+
+    from unlimisum.cli import app
+
+    cache = EncodedCache(tmp_path)
+    kept = cache.store(key(window=1), *entry(), meta("Kept", "kept.txt"))
+    older = cache.store(key(window=2), *entry(), meta("Older", "older.txt"))
+    record = json.loads((older / "meta.json").read_text())
+    record["key"]["format_version"] = 3
+    record.pop("keys")
+    (older / "meta.json").write_text(json.dumps(record))
+    monkeypatch.setattr(unlimisum.version, "__version__", "0.0.1")
+    other = cache.store(key(window=3), *entry(), meta("Other", "other.txt"))
+    monkeypatch.undo()
+    damaged = cache.store(key(window=4), *entry(), meta("Damaged", "damaged.txt"))
+    (damaged / "meta.json").write_text("{not json")
+    assert [entry.title for entry in cache.entries()] == ["Kept"]
+    stale = {folder.name: why for folder, _, why in cache.stale()}
+    assert stale == {older.name: "an older store format (3)",
+                     other.name: "encoded by unlimisum 0.0.1, not this release",
+                     damaged.name: stale[damaged.name]} and "metadata cannot be read" in stale[damaged.name]
+    listed = CliRunner().invoke(app, ["cache", "list", "--cache-dir", str(tmp_path)])
+    assert listed.exit_code == 0 and "1 encoded book" in listed.stderr
+    assert "3 entries this release cannot read" in listed.stderr and "`unlimisum cache prune` removes them" in listed.stderr
+    pruned = CliRunner().invoke(app, ["cache", "prune", "--cache-dir", str(tmp_path)])
+    assert pruned.exit_code == 0 and "removed 3 entries this release cannot read" in pruned.stderr
+    assert sorted(path.name for path in tmp_path.iterdir()) == [kept.name] and cache.load(key(window=1)) is not None
+
+
 def test_another_release_of_unlimisum_never_reads_the_entries_of_this_one(tmp_path, monkeypatch):
     cache = EncodedCache(tmp_path)
     cache.store(key(), *entry(), meta())

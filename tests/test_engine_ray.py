@@ -127,6 +127,18 @@ def test_ray_outputs_and_stdout_equal_the_local_run(summarize, library, tmp_path
     assert len(json.loads(ray_lines[0])["chapters"]) == 2  # small.epub: two chapters, each summarized
 
 
+def test_a_ray_batch_shows_a_books_control_characters_and_never_obeys_them(summarize, tmp_path):
+    from tests.test_hostile_text import acted_on, hostile_text
+
+    (tmp_path / "book.txt").write_text(hostile_text(), encoding="utf-8")
+    (tmp_path / "other.txt").write_text(hostile_text().replace("Chapter 1", "Part 1"), encoding="utf-8")
+    result = summarize(tmp_path / "book.txt", tmp_path / "other.txt", "--per-chapter", "--evidence", "-v",
+                       "--engine", "ray", "--workers", "2")
+    assert result.exit_code == 0, result.output
+    assert acted_on(result.stdout) == [] and acted_on(result.stderr) == []
+    assert "## Chapter 3: \u241b]0;PWNED-TITLE\u2407 The end\u2421" in result.stdout
+
+
 def test_bad_inputs_fail_one_line_each_and_the_others_are_written(summarize, library, tmp_path):
     (tmp_path / "empty.txt").write_text("", encoding="utf-8")  # found on the driver, before Ray starts
     (tmp_path / "broken.pdf").write_bytes(b"%PDF-1.4\nnot really a pdf\n")  # found by the worker that reads it

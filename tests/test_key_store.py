@@ -183,11 +183,15 @@ def test_per_layer_and_shared_stores_pick_the_same_top_k(tiny_loaded, storage_dt
         shared_scores = shared_scores.view(3, heads, 7).permute(1, 0, 2)
         if storage_dtype == "float32":
             assert torch.equal(ids.sort(dim=2).values, shared_ids.sort(dim=2).values)
-        else:  # a winner may differ only where the two stores' scores tie within the keys' one rounding
-            differs = ids.sort(dim=2).values != shared_ids.sort(dim=2).values
-            tolerance = 2**-7 * shared_scores.abs().amax(dim=2, keepdim=True)
+        else:  # a winner may differ only where true scores tie within the keys' one rounding: every winner of
+            # either store is within that rounding of the true k-th score (the stored states, in fp64)
+            exact = torch.einsum("qhd,nd->hqn", torch.einsum("qhe,hed->qhd", q.double(), w_k.double()),
+                                 store.states().double())  # [H, nq, N]
+            kth = exact.topk(7, dim=2).values[:, :, -1:]
+            tolerance = 2**-7 * exact.abs().amax(dim=2, keepdim=True)
+            for winners in (ids, shared_ids):
+                assert exact.gather(2, winners).ge(kth - tolerance).all()
             assert (shared_scores[:, :, -1:] - scores[:, :, -1:]).abs().le(tolerance).all()
-            assert differs.float().mean() < 0.2
         torch.testing.assert_close(scores, shared_scores, rtol=2**-7 if storage_dtype != "float32" else 1e-5,
                                    atol=1e-3 if storage_dtype != "float32" else 1e-5)
     finally:
@@ -477,7 +481,10 @@ def test_a_scan_takes_over_from_the_length_where_it_is_measured_faster(monkeypat
     assert (f"the {scanner} scan selecting" in choice.reason) == (expected_from is not None)
     keys, one, two = torch.zeros(4, 2000, 8), torch.zeros(4, 1, 8), torch.zeros(4, 2, 8)
     assert choice.selects_with_scan(keys, one) == (expected_from is not None and 2000 >= expected_from)
-    assert not choice.selects_with_scan(keys, two)  # measured for one query per head: each more costs more
+    # measured for one query per head: faiss's scan makes a pass per query, not used for more; the compiled one
+    # meets every query of a head in each block of keys, and serves any number (a reading's 16-64)
+    assert choice.selects_with_scan(keys, two) == (scanner == "compiled" and expected_from is not None
+                                                   and 2000 >= expected_from)
 
 
 def test_the_faster_of_the_two_scans_is_raced(monkeypatch):
@@ -585,7 +592,7 @@ def _assert_the_scan_attends_as_the_kernels_do(scanner: str, keys, queries, ids,
     hidden[ids[:, :, :4].reshape(-1)] = True  # the best of every query hidden
     got = head_kernels.head_retrieve(keys, states, queries, 9, scan, shared, exclude=hidden)
     want = head_kernels.head_retrieve(keys, states, queries, 9, plain, shared, exclude=hidden)
-    assert torch.equal(got[0], want[0]) and not hidden[got[0]].any()
+    assert torch.equal(got[0].sort(dim=2).values, want[0].sort(dim=2).values) and not hidden[got[0]].any()
     torch.testing.assert_close(got[2], want[2], **tolerance)
 
 
@@ -661,14 +668,18 @@ def test_retrieve_says_what_each_head_attended_to_and_hides_excluded_tokens():
     shared = kernels.KernelChoice("float32", 128, False, 1e-9, 1e-9)
     reference = torch.einsum("hqd,hnd->hqn", queries, keys)
     ids, weights, attended = head_kernels.head_retrieve(keys, states, queries, 6, choice, shared)
-    assert torch.equal(ids, reference.topk(6, dim=2).indices)
+    best = reference.topk(6, dim=2).indices
+    assert torch.equal(ids.sort(dim=2).values, best.sort(dim=2).values)  # in no particular order
     torch.testing.assert_close(attended, head_kernels.head_attend(keys, states, queries, 6, choice, shared))
     hidden = torch.zeros(300, dtype=torch.bool)
-    hidden[ids[0, 0, :3]] = True  # the three best of one query: hidden from every query
+    hidden[best[0, 0, :3]] = True  # the three best of one query: hidden from every query
     ids, weights, attended = head_kernels.head_retrieve(keys, states, queries, 6, choice, shared, exclude=hidden)
     expected = reference.masked_fill(hidden, float("-inf")).topk(6, dim=2)
-    assert torch.equal(ids, expected.indices) and not hidden[ids].any()
-    torch.testing.assert_close(weights, torch.softmax(expected.values, dim=2))
+    order = ids.argsort(dim=2)
+    ids, weights = ids.gather(2, order), weights.gather(2, order)
+    by_id = expected.indices.argsort(dim=2)
+    assert torch.equal(ids, expected.indices.gather(2, by_id)) and not hidden[ids].any()
+    torch.testing.assert_close(weights, torch.softmax(expected.values, dim=2).gather(2, by_id))
     torch.testing.assert_close(attended, torch.einsum("hqk,hqkd->hqd", weights, states[ids]))
 
 
@@ -712,10 +723,10 @@ def test_retrieve_over_each_layers_values_says_what_each_head_attended_to_and_hi
                                                                values=values)
         assert got.shape == (2, 3, 8) and got_ids.shape == got_weights.shape == (2, 3, 40)
         torch.testing.assert_close(got, torch.einsum("hqd,hed->hqe", attended, w_v), rtol=1e-5, atol=1e-5)
-        # every token in descending weight (the hidden ones last, weighing nothing), as the states' path says
-        torch.testing.assert_close(got_weights, weights)
-        kept = weights > 0
-        assert torch.equal(got_ids[kept], ids[kept])
+        # every token's weight (the hidden ones weighing nothing), as the states' path says, whatever the order
+        torch.testing.assert_close(got_weights.gather(2, got_ids.argsort(dim=2)), weights.gather(2, ids.argsort(dim=2)))
+        assert torch.equal(got_ids.sort(dim=2).values, torch.arange(40).expand(2, 3, 40))
+    # the values' path lists every token in descending weight: the hidden ones last, weighing nothing
     assert got_weights[:, :, -3:].eq(0).all() and hidden[got_ids[:, :, -3:]].all()
 
 

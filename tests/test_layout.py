@@ -15,8 +15,9 @@ PACKAGE = Path(__file__).resolve().parent.parent / "unlimisum"
 
 # Top-down: each unit may import only those before it (docs/development.md, the layout).
 ORDER = [
-    "version", "errors", "config", "files", "measurements", "document", "events", "coverage", "evidence", "results",
-    "ingest", "models", "tensor_cache", "unlimiformer", "decoder_only", "summarizer", "training",
+    "version", "errors", "config", "files", "visible", "measurements", "document", "events", "coverage", "evidence",
+    "results",
+    "ingest", "models", "tensor_cache", "unlimiformer", "decoder_only", "summarizer", "training", "evaluation",
     "diagnostics", "runs", "cli",
 ]
 TOP = {"__init__", "__main__"}  # the public API and `python -m unlimisum`

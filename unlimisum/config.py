@@ -83,8 +83,12 @@ class RetrievalConfig:
     evidence: bool = True
     evidence_passages: int = 3  # passages of the book kept per summary sentence (--evidence-passages)
     # Read each sentence with passages again with them hidden (SentenceEvidence.support): the one check of
-    # evidence by what removing it does; off (--no-support) saves about one more reading of the summary.
+    # evidence by what removing it does; off (--no-support) saves two readings of each sentence.
     support: bool = True
+    # How the passages are taken away for support (--support-by): "hiding" them from retrieval (the states around
+    # them, encoded beside them, stay), or "removal": out of the input, every window that held them encoded again
+    # (unlimisum/unlimiformer/removal.py; an encoder pass per such window, per sentence).
+    support_by: str = "hiding"
 
 
 # The default k for models with long windows (LED: 16,384). bench/decode_speed.py, LED-base shape at 100k

@@ -20,6 +20,7 @@ from typer.core import TyperCommand, TyperGroup
 
 from unlimisum.version import __version__
 from unlimisum.errors import UnlimisumError, UnlimisumWarning
+from unlimisum.visible import visible
 
 # Typer 0.2x parses with its own copy of Click (typer._click); older releases use Click itself.
 _click = getattr(typer, "_click", None) or importlib.import_module("click")
@@ -94,8 +95,9 @@ def _root(
 
 
 def fail(error: UnlimisumError | str, code: int = EXIT_FAILURE) -> "typer.Exit":
-    """Print a one-line error on stderr and return the Exit to raise."""
-    typer.echo(f"unlimisum: error: {error}", err=True)
+    """Print a one-line error on stderr and return the Exit to raise (a file's name or a book's text in it shown
+    with its control characters as symbols: unlimisum/visible.py)."""
+    typer.echo(visible(f"unlimisum: error: {error}"), err=True)
     return typer.Exit(code)
 
 
@@ -109,13 +111,13 @@ def run_command_line(group, arguments: list[str], prog_name, complete_var, extra
         typer.echo(error.ctx.get_help() if error.ctx is not None else error.format_message())
         return EXIT_OK
     except _exceptions.ClickException as error:
-        typer.echo(f"unlimisum: error: {usage_message(error, arguments)}", err=True)
+        typer.echo(visible(f"unlimisum: error: {usage_message(error, arguments)}"), err=True)
         return error.exit_code
     except typer.Abort:
         typer.echo("unlimisum: aborted", err=True)
         return EXIT_FAILURE
     except UnlimisumError as error:  # commands catch their own; this is the safety net
-        typer.echo(f"unlimisum: error: {error}", err=True)
+        typer.echo(visible(f"unlimisum: error: {error}"), err=True)
         return EXIT_FAILURE
     return result if isinstance(result, int) else EXIT_OK
 
@@ -125,8 +127,8 @@ _python_warning_format = warnings.formatwarning
 
 def _warning_line(message, category, filename, lineno, line=None) -> str:
     if issubclass(category, UnlimisumWarning):
-        return f"{message}\n"
-    return _python_warning_format(message, category, filename, lineno, line)
+        return visible(f"{message}") + "\n"
+    return visible(_python_warning_format(message, category, filename, lineno, line))
 
 
 def usage_message(error, arguments: Sequence[str]) -> str:

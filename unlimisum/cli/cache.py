@@ -21,6 +21,7 @@ import typer
 
 from unlimisum.cli.app import EXIT_USAGE, UnlimisumGroup, UnlimisumTyper, app, fail
 from unlimisum.cli.progress import format_bytes
+from unlimisum.visible import json_text, visible
 
 cache_app = UnlimisumTyper(
     name="cache", cls=UnlimisumGroup, help="The cache of encoded books (summarize --cache-dir): list, prune, clear.",
@@ -63,14 +64,14 @@ def list_entries(
     entries = cache.entries()
     if as_json:
         for entry in entries:
-            typer.echo(json.dumps(entry.__dict__, ensure_ascii=False))
+            typer.echo(json_text(json.dumps(entry.__dict__, ensure_ascii=False)))
         return
     now = time.time()
     for entry in entries:
-        name = entry.title or entry.source or "(untitled)"
+        name = entry.title or entry.source or "(untitled)"  # a book's title: shown, never obeyed (visible.py)
         age = _age(now - entry.last_used)
-        typer.echo(f"{entry.key[:12]}  {format_bytes(entry.nbytes):>10}  {entry.n_tokens:>10,} tokens  "
-                   f"used {age:>4} ago  {name}  [{entry.model}]")
+        typer.echo(visible(f"{entry.key[:12]}  {format_bytes(entry.nbytes):>10}  {entry.n_tokens:>10,} tokens  "
+                           f"used {age:>4} ago  {name}  [{entry.model}]"))
     total = sum(entry.nbytes for entry in entries)
     leftovers = cache.leftovers()
     writing = sum(nbytes for _, nbytes, stale in leftovers if not stale)
@@ -81,6 +82,13 @@ def list_entries(
     if left:
         typer.echo(f"{_folders(len(left))} of interrupted stores, {format_bytes(sum(left))}: "
                    "`unlimisum cache prune` removes them", err=True)
+    stale = cache.stale()
+    if stale:
+        reasons = sorted({why for _, _, why in stale})
+        typer.echo(visible(f"{len(stale)} entr{'y' if len(stale) == 1 else 'ies'} this release cannot read "
+                           f"({'; '.join(reasons[:3])}{'; ...' if len(reasons) > 3 else ''}), "
+                           f"{format_bytes(sum(nbytes for _, nbytes, _ in stale))}: `unlimisum cache prune` "
+                           "removes them"), err=True)
     _kernels_line()
 
 
@@ -96,11 +104,16 @@ def _kernels_line() -> None:
 
 @cache_app.command("prune")
 def prune(cache_dir: Optional[Path] = _cache_dir_option()) -> None:
-    """Remove what interrupted stores left (the folders of a killed process's half-written entries); stores
-    under way and encoded books are kept."""
+    """Remove what interrupted stores left (the folders of a killed process's half-written entries) and the
+    entries this release cannot read (an older store format, another release's); stores under way and encoded
+    books it reads are kept."""
     cache = _open(cache_dir)
     removed, freed = cache.remove_leftovers()
+    stale, stale_bytes = cache.remove_stale()
     typer.echo(f"removed {_folders(removed)} of interrupted stores, {format_bytes(freed)}", err=True)
+    if stale:
+        typer.echo(f"removed {stale} entr{'y' if stale == 1 else 'ies'} this release cannot read, "
+                   f"{format_bytes(stale_bytes)}", err=True)
 
 
 @cache_app.command("clear")

@@ -20,6 +20,7 @@ from unlimisum.cli.app import EXIT_FAILURE, app, fail
 from unlimisum.document import Document
 from unlimisum.errors import UnlimisumError
 from unlimisum.ingest import STDIN, expand_paths, read_document
+from unlimisum.visible import json_text, visible
 
 _TITLE_WIDTH = 60  # chapter titles are cut to this many characters in the table
 
@@ -43,24 +44,29 @@ def ingest(
             document = read_document(item, password=password, keep_all=keep_all)
         except UnlimisumError as error:
             failures += 1
-            typer.echo(f"unlimisum: error: {error}", err=True)
+            typer.echo(visible(f"unlimisum: error: {error}"), err=True)
             if as_json:
-                typer.echo(json.dumps({"path": source, "error": error.problem, "error_type": type(error).__name__}, ensure_ascii=False))
+                typer.echo(json_line({"path": source, "error": error.problem, "error_type": type(error).__name__}))
             continue
         for warning in document.metadata.get("warnings", []):
-            typer.echo(f"unlimisum: warning: {source}: {warning}", err=True)
+            typer.echo(visible(f"unlimisum: warning: {source}: {warning}"), err=True)
         if as_json:
-            typer.echo(json.dumps(document_record(document, with_text=text), ensure_ascii=False))
-        elif text:
+            typer.echo(json_line(document_record(document, with_text=text)))
+        elif text:  # the book's own text and titles, their control characters shown as symbols (visible.py)
             header = f"==> {'standard input' if source == STDIN else source} <==\n" if len(inputs) > 1 else ""
-            typer.echo(("\n" if printed else "") + header + render_text(document))
+            typer.echo(visible(("\n" if printed else "") + header + render_text(document)))
         else:
-            typer.echo(("\n" if printed else "") + render_summary(document))
+            typer.echo(visible(("\n" if printed else "") + render_summary(document)))
         printed += 1
     if failures:
         if len(inputs) > 1:
             raise fail(f"{failures} of {len(inputs)} inputs could not be read")
         raise typer.Exit(EXIT_FAILURE)
+
+
+def json_line(record: dict) -> str:
+    """One line of JSON: the document's exact text, every control character escaped (unlimisum/visible.py)."""
+    return json_text(json.dumps(record, ensure_ascii=False))
 
 
 def document_record(document: Document, with_text: bool = False) -> dict:

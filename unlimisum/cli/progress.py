@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING, Callable, Iterable, Iterator
 from rich.cells import cell_len
 from rich.console import Console, RenderableType
 from rich.live import Live
-from rich.markup import escape
+from rich.markup import escape as _markup_escape
 from rich.progress import BarColumn, Progress, ProgressColumn, SpinnerColumn, Task, TextColumn, TimeElapsedColumn
 from rich.table import Column, Table
 from rich.text import Text
+
+from unlimisum.visible import visible
 
 if TYPE_CHECKING:  # results imports torch; keep `unlimisum --help` and completion fast
     from unlimisum.events import ProgressEvent
@@ -35,6 +37,12 @@ MAX_BAR_CELLS = 30
 MIN_BAR_CELLS = 10
 LABEL_CELLS = 40
 MIN_LABEL_CELLS = 12
+
+
+def escape(text: str) -> str:
+    """A string for a Rich markup line: its control characters shown as symbols (unlimisum/visible.py) and its
+    own brackets escaped, so that a book's title or passage is never a terminal sequence nor Rich markup."""
+    return _markup_escape(visible(text))
 
 
 def make_stderr_console() -> Console:
@@ -182,7 +190,8 @@ class _StatusProgress(Progress):
         self._bar = BarColumn(bar_width=MAX_BAR_CELLS)
         super().__init__(
             SpinnerColumn(),
-            TextColumn("{task.description}", table_column=Column(no_wrap=True, overflow="ellipsis")),
+            # descriptions name chapters and books: plain text, never markup (they are made ``visible`` first)
+            TextColumn("{task.description}", markup=False, table_column=Column(no_wrap=True, overflow="ellipsis")),
             self._bar,
             _CountColumn(table_column=Column(no_wrap=True, justify="right")),
             TextColumn("{task.fields[rate]}", table_column=Column(no_wrap=True)),
@@ -410,6 +419,12 @@ class ProgressDisplay(DrawnOnLiveArea):
             keys = event.info.get("key_store_bytes") or 0
             self.log(f"index built: {store_figure(self._datastore_bytes, 0, keys, event.info.get('key_store_values', False))}")
 
+    def overall(self, description: str, completed: int, total: int) -> None:
+        """A row above the stages' (an evaluation's summaries): ``description``, ``completed`` of ``total``."""
+        self._progress.update(self._book_task, description=visible(description), total=total, completed=completed,
+                              visible=True)
+        self.refresh()
+
     def _on_keys(self, event: ProgressEvent) -> None:
         """A cached book's per-layer keys (and values) projected from its states: tokens done, the time left."""
         if event.completed == 0:
@@ -469,7 +484,7 @@ class ProgressDisplay(DrawnOnLiveArea):
 
     def _on_generate(self, event: ProgressEvent) -> None:
         if event.completed == 0 and self._book.active:
-            self._progress.update(self._book_task, description=self._book.generating())
+            self._progress.update(self._book_task, description=visible(self._book.generating()))
             self.refresh()
         if event.completed == 0:
             self._stage("generating tokens", total=event.total, units="tokens/s")
@@ -550,7 +565,7 @@ class ProgressDisplay(DrawnOnLiveArea):
             table.add_column("input", overflow="fold")
             table.add_column("problem", overflow="fold")
             for source, problem in failures:
-                table.add_row(_display_name(source), problem)
+                table.add_row(Text(visible(_display_name(source))), Text(visible(problem)))  # cells: no markup
             self._area.print(table)
             return
         self._area.print(heading, soft_wrap=True)
@@ -572,7 +587,7 @@ class ProgressDisplay(DrawnOnLiveArea):
     def traceback(self, text: str) -> None:
         """The traceback of an unexpected error (only with -vv)."""
         if self.verbose > 1:
-            self._area.print(text, markup=False, soft_wrap=True)
+            self._area.print(visible(text), markup=False, soft_wrap=True)
 
     def note(self, message: str) -> None:
         """A line for the user that is neither an error nor a log (not in quiet mode)."""
@@ -583,7 +598,7 @@ class ProgressDisplay(DrawnOnLiveArea):
 
     def _show_chapter(self, description: str) -> None:
         """Name the chapter being read; redrawn at once, since a chapter may take less than a refresh."""
-        self._progress.update(self._book_task, description=description)
+        self._progress.update(self._book_task, description=visible(description))
         self.log(description)
         self.refresh()
 
@@ -594,6 +609,7 @@ class ProgressDisplay(DrawnOnLiveArea):
         self._book = _ChapterProgress()
 
     def _stage(self, description: str, *, total: int | None = None, units: str = "") -> None:
+        description = visible(description)
         self._stage_description = description
         self._stage_started = self.clock()
         self._stage_units = units
@@ -634,7 +650,7 @@ class ProgressDisplay(DrawnOnLiveArea):
             parts.append(f"GPU {format_bytes(self._gpu)}")
         if self._datastore_bytes is not None:
             parts.append(f"datastore {store_figure(self._datastore_bytes, self._packed_bytes)}")
-        return Text("  " + " · ".join(parts), style="dim")
+        return Text(visible("  " + " · ".join(parts)), style="dim")
 
 
 class _ChapterProgress:
@@ -680,7 +696,7 @@ def coverage_line(summary: Summary, width: int = 48) -> Text:
         name = name[: CHAPTER_TITLE_CELLS - 1] + "\u2026"
     line = Text("  looked at ", style="dim")
     line.append("\u2595" + bar(summary.coverage, width) + "\u258f", style="cyan")
-    line.append(f" most at \"{name}\" ({top.share:.0%})", style="dim")
+    line.append(visible(f" most at \"{name}\" ({top.share:.0%})"), style="dim")
     return line
 
 
@@ -699,9 +715,9 @@ def evidence_lines(summary: Summary, heading: str = "") -> list[RenderableType]:
     if not summary.evidence:
         return []
     title = " ".join(heading.split())
-    lines: list[RenderableType] = [Text(f"  evidence ({title})" if title else "  evidence", style="dim")]
+    lines: list[RenderableType] = [Text(visible(f"  evidence ({title})") if title else "  evidence", style="dim")]
     for number, sentence in enumerate(summary.evidence, start=1):
-        said = Text(" ".join(sentence.sentence.split()))
+        said = Text(visible(" ".join(sentence.sentence.split())))
         support = support_note(sentence)
         if support:
             said.append(f"  {support}", style="bold yellow" if weakly_supported(sentence) else "dim")
@@ -715,8 +731,8 @@ def evidence_lines(summary: Summary, heading: str = "") -> list[RenderableType]:
             chapter = " ".join(source.chapter.split()) or f"Part {source.chapter_index + 1}"
             if len(chapter) > CHAPTER_TITLE_CELLS:
                 chapter = chapter[: CHAPTER_TITLE_CELLS - 1] + "\u2026"
-            line = Text(chapter, style="bold")
-            line.append(f"  \u201c{passage}\u201d", style="dim")
+            line = Text(visible(chapter), style="bold")
+            line.append(visible(f"  \u201c{passage}\u201d"), style="dim")
             lines.append(_hanging(Text(f"{source.share:.0%}  ".rjust(SHARE_CELLS), style="cyan"), line))
     return lines
 

@@ -308,8 +308,14 @@ def summarize(
     support: bool = typer.Option(
         True, "--support/--no-support",
         help="Read each sentence again with its passages hidden, to say how much it depends on them (its "
-        "support); --no-support saves that pass (about one more reading of the summary).",
+        "support); --no-support saves that pass (two readings of each sentence).",
         rich_help_panel=OUTPUT_PANEL,
+    ),
+    support_by: Literal["hiding", "removal"] = typer.Option(
+        "hiding", "--support-by",
+        help="How a sentence's passages are taken away for its support: hidden from retrieval, or removed from "
+        "the input with the windows that held them encoded again (the states around them no longer carry them; "
+        "an encoder pass per such window and sentence).", rich_help_panel=OUTPUT_PANEL,
     ),
     # -- cache of encoded books
     cache_dir: Optional[Path] = typer.Option(
@@ -451,7 +457,7 @@ def summarize(
         index=IndexConfig(kind=index, device=index_device, storage_dtype=storage_dtype, key_store=key_store),
         retrieval=RetrievalConfig(retrieval_k=retrieval_k if retrieval_k is not None else retrieval_k_alias,
                                   evidence=evidence is not False, evidence_passages=evidence_passages,
-                                  support=support),
+                                  support=support, support_by=support_by),
         generation=GenerationOptions(
             max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, num_beams=num_beams,
             no_repeat_ngram_size=no_repeat_ngram_size, length_penalty=length_penalty,

@@ -66,17 +66,21 @@ def cache_from_kwargs(kwargs: dict):
     return kwargs.get("cache", kwargs.get("past_key_values"))
 
 
-def self_attention_prefix(cache, length: int, row: int | None = None):
+def self_attention_prefix(cache, length: int, row: int | None = None, copies: int = 1):
     """A new EncoderDecoderCache holding the first ``length`` positions of ``cache``'s self-attention keys and
     values (an EncoderDecoderCache of DynamicCache layers, as a forward with ``use_cache=True`` or generate()
-    returns it; ``row``: of that batch row only) and an empty cross-attention part; ``cache`` is left as it is.
-    (Not ``crop``: its argument changed meaning within 5.x, and it changes the cache in place.)"""
+    returns it; ``row``: of that batch row only, repeated ``copies`` times) and an empty cross-attention part;
+    ``cache`` is left as it is. (Not ``crop``: its argument changed meaning within 5.x, and it changes the cache
+    in place.)"""
     from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
     rows = slice(None) if row is None else slice(row, row + 1)
     prefix = DynamicCache()
     for index, layer in enumerate(cache.self_attention_cache.layers):
-        prefix.update(layer.keys[rows, :, :length].clone(), layer.values[rows, :, :length].clone(), index)
+        keys, values = layer.keys[rows, :, :length], layer.values[rows, :, :length]
+        if copies > 1:
+            keys, values = keys.repeat(copies, 1, 1, 1), values.repeat(copies, 1, 1, 1)
+        prefix.update(keys.clone(), values.clone(), index)
     return EncoderDecoderCache(prefix, DynamicCache())
 
 

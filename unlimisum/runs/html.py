@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Sequence
 from unlimisum.evidence import weakly_supported
 from unlimisum.runs.output import MARKDOWN_MARKER, document_title, shown_sources, support_note
 from unlimisum.version import __version__
+from unlimisum.visible import visible
 
 if TYPE_CHECKING:  # names for annotations only
     from unlimisum.coverage import CoverageSpan
@@ -49,8 +50,19 @@ def render_html(summary: Summary, document: Document) -> str:
 
 def script_json(value) -> str:
     """``value`` as JSON that is inert inside a ``<script type="application/json">`` element: every ``<`` is
-    escaped (``\\u003c``), so no ``</script>`` or ``<!--`` can occur in it."""
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).replace("<", "\\u003c")
+    escaped (``\\u003c``), so no ``</script>`` or ``<!--`` can occur in it; its strings' control characters shown
+    as symbols (unlimisum/visible.py: one character for one, so offsets into them hold)."""
+    return json.dumps(_visible_strings(value), ensure_ascii=False, separators=(",", ":")).replace("<", "\\u003c")
+
+
+def _visible_strings(value):
+    if isinstance(value, str):
+        return visible(value)
+    if isinstance(value, dict):
+        return {key: _visible_strings(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_visible_strings(item) for item in value]
+    return value
 
 
 def utf16_offsets(text: str, offsets: Sequence[int]) -> list[int]:
@@ -62,7 +74,8 @@ def utf16_offsets(text: str, offsets: Sequence[int]) -> list[int]:
 
 
 def _escape(text: str) -> str:
-    return html.escape(text, quote=True)
+    """Text of the document or the model as the page shows it: HTML-escaped, control characters as symbols."""
+    return html.escape(visible(text), quote=True)
 
 
 def _percent(share: float) -> str:

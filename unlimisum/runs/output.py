@@ -58,6 +58,10 @@ JSON schema (one object per document; JSON Lines on stdout, one file per input w
 A document that failed is, on stdout only, ``{"schema_version": 3, "path": ..., "error": ...,
 "error_type": ...}`` so that a JSON Lines consumer sees every input once.
 
+Text from the document or the model reaches a terminal or a file as text (unlimisum/visible.py): the Markdown
+shows its control characters as symbols (ESC as ␛); the JSON keeps the exact characters, escaped as JSON
+escapes them (DEL and the C1 controls too).
+
 Files written with -o are marked as unlimisum's own — Markdown with ``MARKDOWN_MARKER`` as its
 first line, JSON with ``"written_by": "unlimisum"``, HTML pages (``unlimisum.runs.html``) with the same
 marker line before their doctype — so that folder scans skip them and nothing else is ever overwritten
@@ -73,6 +77,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from unlimisum.files import atomic_write_bytes
+from unlimisum.visible import json_text, visible
 
 if TYPE_CHECKING:  # the summarizer imports torch; keep `unlimisum --help` and completion fast
     from unlimisum.document import Document
@@ -142,14 +147,14 @@ def error_record(source: str, problem: str, error_type: str) -> dict:
 
 
 def to_json_line(record: dict) -> str:
-    """One line of JSON (no newline inside, non-ASCII kept readable)."""
-    return json.dumps(record, ensure_ascii=False)
+    """One line of JSON (no newline inside, non-ASCII kept readable, every control character escaped)."""
+    return json_text(json.dumps(record, ensure_ascii=False))
 
 
 def to_json_file(record: dict) -> str:
     """Indented JSON for a ``.summary.json`` file, marked as unlimisum's, ending with a newline."""
     marked = {"schema_version": record.get("schema_version"), "written_by": WRITTEN_BY, **record}
-    return json.dumps(marked, ensure_ascii=False, indent=2) + "\n"
+    return json_text(json.dumps(marked, ensure_ascii=False, indent=2)) + "\n"
 
 
 def document_title(document: Document) -> str:
@@ -180,7 +185,8 @@ def render_markdown(summary: Summary, document: Document, *, heading: bool, mark
     """The summary as Markdown: the marker line (for files), ``# heading`` (when asked), the text,
     with ``coverage`` a table of where it looked, with ``evidence`` a footnote mark after each sentence and
     the quoted passages under the text, then ``## chapter`` sections (each with its own). ``width``: the
-    terminal's columns, when it is printed on one: the footnotes are wrapped to it at spaces."""
+    terminal's columns, when it is printed on one: the footnotes are wrapped to it at spaces. Control characters
+    of the document's and the model's text are shown as symbols (unlimisum/visible.py)."""
     parts = [MARKDOWN_MARKER] if marker else []
     if heading:
         parts.append(f"# {document_heading(document)}")
@@ -193,7 +199,7 @@ def render_markdown(summary: Summary, document: Document, *, heading: bool, mark
         title = chapter.title or f"Part {number}"  # never a chapter name the book does not have
         text, notes = with_evidence(chapter, notes, width) if evidence else (chapter.text, notes)
         parts.append(f"## {title}\n\n{text}")
-    return "\n\n".join(parts) + "\n"
+    return visible("\n\n".join(parts) + "\n")
 
 
 def shown_sources(sentence: SentenceEvidence) -> tuple[Source, ...]:

@@ -20,7 +20,9 @@ the entry is reported in one line, removed, and the book encoded again; an entry
 process while it is read is a miss. The states are memory-mapped, so a cached 500k-token book costs
 no copy. Least recently used entries go first when the cache exceeds its size cap, which counts the
 folders of stores under way too; those a killed writer left (older than an hour, or whose writer is
-gone) are removed on every store and eviction and by ``cache prune``.
+gone) are removed on every store and eviction and by ``cache prune``. Entries no run of this release can
+read (``stale``: an older store format, another release's states, metadata that cannot be read) are listed
+by ``cache list`` with their size and removed by ``cache prune`` and ``cache clear``.
 """
 
 from __future__ import annotations
@@ -210,26 +212,46 @@ class EncodedCache:
         """Every usable entry, most recently used first."""
         return self._scan()[0]
 
-    def _scan(self) -> tuple[list[EntryInfo], list[Path]]:
-        """(usable entries, most recently used first; folders that are no entry: damaged metadata)."""
-        found, damaged = [], []
+    def stale(self) -> list[tuple[Path, int, str]]:
+        """(folder, bytes, why) of every entry no run of this release can read: written in an older store format
+        or by another release (its key can never match), or whose metadata cannot be read."""
+        return self._scan()[1]
+
+    def remove_stale(self) -> tuple[int, int]:
+        """Remove the ``stale`` entries; (count, bytes) removed."""
+        count = freed = 0
+        for folder, nbytes, _ in self.stale():
+            shutil.rmtree(folder, ignore_errors=True)
+            count, freed = count + 1, freed + nbytes
+        return count, freed
+
+    def _scan(self) -> tuple[list[EntryInfo], list[tuple[Path, int, str]]]:
+        """(usable entries, most recently used first; stale ones: folder, bytes, why)."""
+        found, stale = [], []
         if not self.directory.is_dir():
-            return found, damaged
+            return found, stale
         for folder in self.directory.iterdir():
             if folder.name.startswith(".") or not folder.is_dir():
                 continue
             meta_path = folder / "meta.json"
             try:
                 meta = json.loads(meta_path.read_text(encoding="utf-8"))
-                check_meta(meta)
-                found.append(EntryInfo(folder.name, meta.get("title") or "", meta.get("source") or "",
-                                       str(meta["key"].get("model", "")), meta["n_tokens"], _folder_bytes(folder),
-                                       meta_path.stat().st_mtime))
+                why = _stale_format(meta)
+                if why is None:
+                    check_meta(meta)
+                    found.append(EntryInfo(folder.name, meta.get("title") or "", meta.get("source") or "",
+                                           str(meta["key"].get("model", "")), meta["n_tokens"],
+                                           _folder_bytes(folder), meta_path.stat().st_mtime))
+                    continue
             except FileNotFoundError:  # removed meanwhile, or a folder being removed
                 continue
-            except (OSError, ValueError):
-                damaged.append(folder)
-        return sorted(found, key=lambda entry: entry.last_used, reverse=True), damaged
+            except (OSError, ValueError) as error:
+                why = f"its metadata cannot be read ({' '.join(str(error).split())[:80]})"
+            try:
+                stale.append((folder, _folder_bytes(folder), why))
+            except OSError:  # removed meanwhile
+                continue
+        return sorted(found, key=lambda entry: entry.last_used, reverse=True), stale
 
     def leftovers(self) -> list[tuple[Path, int, bool]]:
         """(folder, bytes, whether it may be removed) of every entry being written, or left half-written by a
@@ -260,7 +282,8 @@ class EncodedCache:
     def clear(self, older_than_seconds: float | None = None) -> tuple[int, int]:
         """Remove entries (only those unused for ``older_than_seconds``, when given); (count, bytes) removed."""
         now, count, freed = time.time(), 0, 0
-        entries, damaged = self._scan()
+        entries, stale = self._scan()
+        damaged = [folder for folder, _, _ in stale]
         for entry in entries:
             if older_than_seconds is not None and now - entry.last_used < older_than_seconds:
                 continue
@@ -284,8 +307,8 @@ class EncodedCache:
         self.remove_leftovers()
         if self.max_bytes is None:
             return 0
-        entries, damaged = self._scan()
-        for folder in damaged:  # never loadable: they go first
+        entries, stale = self._scan()
+        for folder, _, _ in stale:  # never loadable: they go first
             shutil.rmtree(folder, ignore_errors=True)
         writing = sum(nbytes for _, nbytes, _ in self.leftovers())  # stores under way will be entries
         total, removed = sum(entry.nbytes for entry in entries) + writing, 0
@@ -335,6 +358,21 @@ def _as_tensor(array: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     """The torch tensor over a mapped array of ``dtype`` numbers (bfloat16 is stored as uint16); no copy."""
     tensor = torch.from_numpy(array)
     return tensor.view(torch.bfloat16) if dtype == torch.bfloat16 else tensor
+
+
+def _stale_format(meta) -> str | None:
+    """Why an entry with metadata ``meta`` can never be read by this release (an older store format, another
+    release's states), or None."""
+    key = meta.get("key") if isinstance(meta, dict) else None
+    if not isinstance(key, dict):
+        return None  # check_meta says what is wrong
+    version = key.get("format_version")
+    if version != STORE_FORMAT_VERSION:
+        return f"an older store format ({version})" if isinstance(version, int) and version < STORE_FORMAT_VERSION \
+            else f"another store format ({version})"
+    if key.get("unlimisum") != _unlimisum_version():
+        return f"encoded by unlimisum {key.get('unlimisum')}, not this release"
+    return None
 
 
 def check_meta(meta) -> None:

@@ -465,13 +465,18 @@ if numba is not None:
 
     @numba.njit(nogil=True, cache=_CACHED, inline="always")
     def _finish(kept, kept_ids, held, k, out_scores, out_ids):
+        """Each query's k best candidates into out_scores/out_ids [nq, k]. A score of -inf or NaN is never a
+        candidate: where fewer than k were found, the rest say so, -inf with id 0 (weight 0 in any softmax)."""
         for q in range(kept.shape[0]):
             n = held[q]
             if n > k:
                 _largest_first(kept[q], kept_ids[q], n, k)
-            for j in range(k):
+            for j in range(min(n, k)):
                 out_scores[q, j] = kept[q, j]
                 out_ids[q, j] = kept_ids[q, j]
+            for j in range(min(n, k), k):
+                out_scores[q, j] = -np.inf
+                out_ids[q, j] = 0
 
     @_compile
     def _scores_bf16(words, even, odd, out):
@@ -1086,7 +1091,8 @@ def _split_queries(queries: torch.Tensor, dtype: torch.dtype) -> tuple[np.ndarra
 
 def select(keys: torch.Tensor, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(scores [H, nq, k'] fp32, ids [H, nq, k'] int64) of each head's top-k, k' = min(k, n), in no order:
-    keys [H, n, dh] (CPU, ``SCAN_DTYPES``; bfloat16 needs an even dh) scanned once for every query [H, nq, dh]."""
+    keys [H, n, dh] (CPU, ``SCAN_DTYPES``; bfloat16 needs an even dh) scanned once for every query [H, nq, dh].
+    A score of -inf or NaN is never selected: a query with fewer than k' others gets -inf with id 0 for the rest."""
     heads, n, _ = keys.shape
     nq = queries.shape[1]
     k = min(k, n)

@@ -21,6 +21,7 @@ any store is a zero-copy exact store over that token range (a chapter of the boo
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 
 import faiss
 import numpy as np
@@ -144,6 +145,11 @@ class Datastore:
         """The packed kernel's copies of the states, where this kind keeps them (the exact store); else None."""
         return None
 
+    @contextmanager
+    def unpacked(self):
+        """Within the block, searches read the states, not copies of them (the exact store's packed copies)."""
+        yield self
+
     def compiled_kernels(self) -> tuple[str, ...]:
         """The compiled kernels (unlimisum/unlimiformer/compiled.py) this store's search may run: ``prepare``
         needs them compiled; none for faiss indexes."""
@@ -210,6 +216,17 @@ class TorchExactDatastore(Datastore):
                 self._packed = kernels.PackedStates(self._states)
                 self.packed_nbytes = packing.packed_bytes(self.n_tokens, self.dim)  # reported beside the store
         return self._packed
+
+    @contextmanager
+    def unpacked(self):
+        """Within the block, searches read the states themselves, not the packed kernel's copies (support by
+        removal changes some states for one reading: its copies would not follow)."""
+        packed, checked = self._packed, self._packing_checked
+        self._packed, self._packing_checked = None, True
+        try:
+            yield self
+        finally:
+            self._packed, self._packing_checked = packed, checked
 
     def attend(self, queries, k, coverage=None):
         out = kernels.attend(self._states, queries.detach(), min(k, self.n_tokens), self.kernel(), coverage,

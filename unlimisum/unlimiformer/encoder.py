@@ -152,6 +152,19 @@ class DocumentEncoder:
         chapters = chapter_token_ranges(document, ends, n_tokens)
         return EncodedDocument(name, input_ids, store, kept, chapters, seconds, token_ends=ends)
 
+    def encode_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[n, d] encoder states of one sequence ``input_ids`` [n] (at most a window), encoded as the document's
+        windows were (the architecture's encoding path, int8 linear layers with ``--encode-int8``), in the
+        model's dtype: support by removal encodes windows again without a sentence's passages."""
+        plan = plan_windows(len(input_ids), max(2, len(input_ids)), 0.0)
+        kept = []
+        encoder = self.loaded.model.get_encoder()
+        int8 = int8_linears(encoder, self.int8_made) if self.encoding.int8 else nullcontext()
+        with self.loaded.architecture.encoding(encoder), int8:
+            encode_windows(encoder, input_ids, plan, kept.append, batch_size=1,
+                           encoder_inputs=self.loaded.architecture.encoder_inputs)
+        return torch.cat(kept)
+
     def _key_store_plan(self, n_tokens: int, index: IndexPlan) -> KeyStorePlan:
         """The shared store or per-layer keys for this model (placement.plan_key_store)."""
         weights = key_weights(self.loaded.model, self.loaded.architecture)

@@ -77,17 +77,19 @@ class HeadKernelChoice:
     reason: str = ""  # what was measured, for `unlimisum info` and the benchmarks
     scanner: str | None = None  # "compiled" | "faiss": the scan that selects each head's top-k (CPU); None: none
     scan_min_rows: int | None = None  # ... from this many keys per head on
-    queries_per_head: int = 1  # as measured: a scan serves at most this many (a reading of a summary keeps
-    # the kernels: the faiss scan makes a pass per query, the compiled one's work grows with them)
+    queries_per_head: int = 1  # as measured: the faiss scan serves at most this many (it makes a pass per query);
+    # the compiled one any number (each block of keys meets every query in cache: for a reading's 16-64 queries
+    # per head 2-3x faster than the kernels' scores and top-k, measured at 16k and 300k keys)
     kernel_row_seconds: float = 0.0  # the head kernel's top-k, seconds per key of a head, as measured
     scan_row_seconds: float = 0.0  # ... the scan's, where one was chosen (at the length it won from)
 
     def selects_with_scan(self, keys: torch.Tensor, queries: torch.Tensor) -> bool:
         """Whether ``head_select`` searches ``keys`` [H, n, dh] for ``queries`` [H, nq, dh] with the scan under
-        this choice: on a CPU, from ``scan_min_rows`` keys, for no more queries per head than were measured."""
+        this choice: on a CPU, from ``scan_min_rows`` keys; the faiss scan for no more queries per head than were
+        measured, the compiled one for any number."""
         return (self.scanner is not None and self.scan_min_rows is not None and keys.shape[1] >= self.scan_min_rows
-                and queries.shape[1] <= self.queries_per_head and keys.device.type == "cpu"
-                and _scan_usable(self.scanner, keys))
+                and (self.scanner == "compiled" or queries.shape[1] <= self.queries_per_head)
+                and keys.device.type == "cpu" and _scan_usable(self.scanner, keys))
 
 
 _MEASURED: dict[tuple, HeadKernelChoice] = {}
@@ -404,10 +406,10 @@ def head_retrieve(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tenso
                   shared: kernels.KernelChoice, exclude: torch.Tensor | None = None,
                   values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``head_attend`` that also says what each query attended to: (ids [H, nq, k'], weights [H, nq, k'] fp32,
-    attended [H, nq, d] fp32), k' = min(k, N), the weights the softmax of the kernel's own scores (as generation
-    weighs them). ``exclude`` [N] bool: tokens hidden from every query, as if they were not stored (weight 0 where
-    fewer than k' are left). With the layer's ``values`` [H, N, dh] and k >= N, ``attended`` is [H, nq, dh]: the
-    weighted sum of each head's values (``head_dense_values``)."""
+    in no particular order; attended [H, nq, d] fp32), k' = min(k, N), the weights the softmax of the kernel's own
+    scores (as generation weighs them). ``exclude`` [N] bool: tokens hidden from every query, as if they were not
+    stored (weight 0 where fewer than k' are left). With the layer's ``values`` [H, N, dh] and k >= N, ``attended``
+    is [H, nq, dh]: the weighted sum of each head's values (``head_dense_values``)."""
     heads, n, _ = keys.shape
     nq = queries.shape[1]
     wanted = min(k, n)
@@ -422,11 +424,10 @@ def head_retrieve(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tenso
         attended = head_dense_values(keys, values, queries, choice, hidden=hidden, on_weights=keep)
         return ids, weights, attended
     extra = int(hidden.sum()) if hidden is not None else 0  # found, then dropped: fetch as many more
-    scores, ids = head_select(keys, queries, min(n, wanted + extra), choice)  # [H, nq, k + extra]
-    if hidden is not None:
-        scores = scores.masked_fill(hidden[ids], float("-inf"))
-    scores, order = scores.sort(dim=2, descending=True)
-    scores, ids = scores[:, :, :wanted], ids.gather(2, order)[:, :, :wanted]
+    scores, ids = head_select(keys, queries, min(n, wanted + extra), choice)  # [H, nq, k + extra], in no order
+    if extra:  # the hidden ones dropped: the k' best of the rest (an unsorted top-k; a sort cost 4x more)
+        scores, order = scores.masked_fill(hidden[ids], float("-inf")).topk(wanted, dim=2, sorted=False)
+        ids = ids.gather(2, order)
     weights = torch.softmax(scores, dim=2, dtype=torch.float32).nan_to_num(0.0)  # [H, nq, k']
     shared = shared.unpacked()
     attended = kernels.gathered_attention(states, ids.reshape(heads * nq, -1), weights.reshape(heads * nq, -1),
@@ -436,13 +437,21 @@ def head_retrieve(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tenso
 
 def head_attend(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tensor, k: int, choice: HeadKernelChoice,
                 shared: kernels.KernelChoice, coverage: torch.Tensor | None = None,
-                values: torch.Tensor | None = None) -> torch.Tensor:
+                values: torch.Tensor | None = None, exclude: torch.Tensor | None = None) -> torch.Tensor:
     """Exact top-k retrieval attention per head: queries [H, nq, dh] (scaling folded in) -> [H, nq, d] fp32, the
     softmax-weighted sum of each query's top-k shared states [N, d]. k >= N is dense attention: with the layer's
     ``values`` [H, N, dh], [H, nq, dh], the weighted sum of each head's own values (``head_dense_values``).
 
     ``shared``: the shared store's measured kernel, whose gather and dense values pass sum the states here too;
-    ``coverage`` [N] fp32, when given, gets every query's attention weights added to it."""
+    ``coverage`` [N] fp32, when given, gets every query's attention weights added to it. ``exclude`` [N] bool:
+    tokens hidden from every query (``head_retrieve``'s, without what each query attended to: a support reading
+    wants only the output); with it every call takes the same path, whatever the mask holds."""
+    if exclude is not None:
+        hidden = exclude.to(keys.device)
+        if values is not None and k >= keys.shape[1]:  # no weights sorted for ids nobody reads
+            return head_dense_values(keys, values, queries.to(keys.device, torch.float32), choice, coverage,
+                                     hidden=hidden)
+        return head_retrieve(keys, states, queries, k, choice, shared, exclude=hidden, values=values)[2]
     heads, n, _ = keys.shape
     nq, dim = queries.shape[1], states.shape[1]
     rows = heads * nq

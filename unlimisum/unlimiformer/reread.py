@@ -4,14 +4,16 @@ After generate(), each summary (the returned sequence up to its end token) is fe
 every cross-attention retrieving from the same store with the same k and the same kernel as in generation
 (and under the same Tensor Cache, when one bounded the decoder's self-attention). That gives, per summary
 token, the input positions its attention went to (``EvidenceCollector``: the evidence of each sentence and
-the coverage of the returned sequence alone) and its log-probability.
+the coverage of the returned sequence alone).
 
-Then **support**: each sentence that has passages is read again with them hidden from retrieval, the summary
-before it as written (the decoder's self-attention state after the tokens before the sentence, kept from the
-first reading), and the drop in its log-probability per token is its support in nats. Attention says where
-the model looked; support says how much the sentence depended on it (ContextCite measures a source by what
-removing it does; AT2 found raw attention unreliable as attribution on its own). One forward per sentence,
-whose queries are the sentence's own positions: about one more evidence pass for the whole summary.
+Then **support**: each sentence that has passages is read twice more from the same state, the summary before it
+as written (the decoder's self-attention state after the tokens before the sentence, kept from the first
+reading): once with nothing hidden and once with its passages hidden from retrieval, the two readings the same
+computation (the same forward, kernels, dtype and queries: only the mask differs, so hiding nothing gives exactly
+0), the logits the model's own (``final_logits_bias`` included). The drop in the sentence's log-probability per
+token is its support in nats. Attention says where the model looked; support says how much the sentence
+depended on it (ContextCite measures a source by what removing it does; AT2 found raw attention unreliable as
+attribution on its own). Two forwards per sentence, whose queries are the sentence's own positions.
 
 The last returned token is never fed: it predicts nothing (and a summary that used every decoder position
 would need one more). Where generation writes one row per document (greedy search, sampling) with the model's
@@ -40,7 +42,6 @@ class Reading:
     ids: tuple[int, ...]  # the returned sequence through its end token (the start token first)
     token_mass: evidence.TokenMass  # row j: the input positions behind token j (row 0, the start, has none)
     coverage: torch.Tensor  # [N] float32, CPU: attention mass per input token over the returned sequence
-    log_probs: torch.Tensor  # [T] float32, CPU: log p(token j | tokens before it); 0 for j = 0
     prefixes: object  # the self-attention state after each prefix length the ablations start at (``_Prefixes``)
 
 
@@ -92,32 +93,51 @@ class SummaryReader:
         collector = EvidenceCollector([torch.ones(steps, dtype=torch.bool)], [store.n_tokens])
         self._use(store, collector, hidden=None)
         cache = self._new_cache()
+        inputs = inputs.unsqueeze(0)  # [1, T - 1]
         bounds = sorted({0, steps, *(s for s in starts if 0 < s < steps)}) if self._memory is not None else [0, steps]
-        logits, snapshots = [], {}
+        snapshots = {}
         for first, last in zip(bounds, bounds[1:]):
             if self._memory is not None:
                 snapshots[first] = _tensor_cache_of(cache).snapshot()
             collector.first_row = first
-            output = self._forward(inputs[first:last], cache)
+            output = self._forward(inputs[:, first:last], cache)
             cache = output.past_key_values if self._memory is None else cache
-            logits.append(_token_log_probs(output.logits[0], inputs.new_tensor(ids[first + 1:last + 1])))
         positions, mass, coverage = collector.results(0)
         token_mass = evidence.TokenMass(torch.cat([torch.zeros_like(positions[:1]), positions]),
                                         torch.cat([torch.zeros_like(mass[:1]), mass]))
-        log_probs = torch.cat([torch.zeros(1), *[part.cpu() for part in logits]])  # [T]
         prefixes = _Prefixes(self, cache if self._memory is None else None, snapshots)
-        return Reading(ids, token_mass, coverage, log_probs, prefixes)
+        return Reading(ids, token_mass, coverage, prefixes)
 
     def log_probs(self, reading: Reading, store: Datastore, first: int, last: int, hidden: torch.Tensor) -> torch.Tensor:
-        """log p(token j) for j in [first, last) of ``reading.ids`` with the input tokens ``hidden`` ([N] bool)
-        out of retrieval: positions first-1 .. last-2 read again, after the state the first reading left at
-        position first-1. [last - first] float32, CPU."""
+        """log p(token j) for j in [first, last) of ``reading.ids`` with the input tokens ``hidden`` ([N] bool; all
+        False: nothing hidden, by the same computation) out of retrieval: positions first-1 .. last-2 read again,
+        after the state the first reading left at position first-1, the logits the model's own. [last - first]
+        float32, CPU."""
         start = first - 1
         self._use(store, None, hidden=hidden)
         cache = reading.prefixes.at(start)
         inputs = torch.tensor(reading.ids[start:last - 1], dtype=torch.long, device=self.loaded.device)
-        output = self._forward(inputs, cache)
+        output = self._forward(inputs.unsqueeze(0), cache)
         return _token_log_probs(output.logits[0], inputs.new_tensor(reading.ids[first:last])).cpu()
+
+    def log_probs_both(self, reading: Reading, store: Datastore, first: int, last: int,
+                       hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``log_probs`` with nothing hidden and with ``hidden`` hidden, read together: one forward of two rows
+        from the same state (each row's retrieval its own, every other computation row by row the same), or,
+        under a Tensor Cache (whose state is one row), two forwards."""
+        nothing = torch.zeros_like(hidden)
+        if self._memory is not None:
+            return (self.log_probs(reading, store, first, last, nothing),
+                    self.log_probs(reading, store, first, last, hidden))
+        start = first - 1
+        device = store.states().device
+        self.session.stores, self.session.evidence = [store, store], None
+        self.session.hidden = [nothing.to(device), hidden.to(device)]
+        cache = reading.prefixes.at(start, copies=2)
+        inputs = torch.tensor(reading.ids[start:last - 1], dtype=torch.long, device=self.loaded.device)
+        output = self._forward(inputs.unsqueeze(0).repeat(2, 1), cache)
+        targets = inputs.new_tensor(reading.ids[first:last])
+        return (_token_log_probs(output.logits[0], targets).cpu(), _token_log_probs(output.logits[1], targets).cpu())
 
     # -- the forward --------------------------------------------------------------------------
 
@@ -130,28 +150,26 @@ class SummaryReader:
         return self._memory.new_cache() if self._memory is not None else None
 
     def _forward(self, inputs: torch.Tensor, cache):
+        """The decoder over ``inputs`` [rows, L] after ``cache``, every cross-attention retrieving."""
         model = self.loaded.model
-        stand_in = torch.zeros(1, 1, model.config.d_model, dtype=self.loaded.dtype, device=self.loaded.device)
-        attention_mask = torch.ones(1, 1, dtype=torch.long, device=self.loaded.device)
+        rows = inputs.shape[0]
+        stand_in = torch.zeros(rows, 1, model.config.d_model, dtype=self.loaded.dtype, device=self.loaded.device)
+        attention_mask = torch.ones(rows, 1, dtype=torch.long, device=self.loaded.device)
         return model(encoder_outputs=compat.encoder_outputs(stand_in), attention_mask=attention_mask,
-                     decoder_input_ids=inputs.unsqueeze(0), use_cache=True,
-                     **{compat.cache_argument(model): cache})
+                     decoder_input_ids=inputs, use_cache=True, **{compat.cache_argument(model): cache})
 
 
 class GenerationRecorder:
     """The evidence pass's reading, recorded while generate() writes one row per document (greedy search,
     sampling): every step's retrieval is the teacher-forced reading of the returned sequence, so nothing needs
     reading again. Installed as the session's ``recorder`` (the retrieval wrapper hands it each layer's ids and
-    weights), as a stopping criterion that never stops (it sees each token chosen, and which rows have ended),
-    and as a hook on the output embeddings (the raw logits, for each chosen token's log-probability)."""
+    weights) and as a stopping criterion that never stops (it sees which rows have ended)."""
 
     def __init__(self, sizes: Sequence[int], max_positions: int, layers: int, eos: set[int],
                  top: int = EVIDENCE_TOP_POSITIONS):
         self.sizes, self.layers, self.eos, self.top = list(sizes), layers, eos, top
         self.positions = [0] * len(sizes)  # decoder positions recorded per document
         self.finished = [False] * len(sizes)  # the row has written its end token: what follows is padding
-        self.log_probs: list[list[float]] = [[] for _ in sizes]
-        self._logits: torch.Tensor | None = None  # [rows, V] the last step's raw logits
         self.cache = None  # generate()'s self-attention cache at the end (set by the summarizer)
         self._max_positions = max_positions
         # per document, made on its store's device at the first step: the kept input positions and mass of every
@@ -188,19 +206,8 @@ class GenerationRecorder:
             step.zero_()
             self.positions[doc] += n
 
-    def on_logits(self, module, inputs, output) -> None:
-        """Forward hook of the output embeddings: keep the newest position's raw logits."""
-        logits = output[0] if isinstance(output, tuple) else output
-        self._logits = logits[:, -1].float()
-
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
         newest = input_ids[:, -1]  # [rows]
-        if self._logits is not None:
-            chosen = self._logits.gather(1, newest.unsqueeze(1)).squeeze(1) - torch.logsumexp(self._logits, dim=1)
-            for doc, value in enumerate(chosen.tolist()):
-                if not self.finished[doc]:
-                    self.log_probs[doc].append(value)
-            self._logits = None
         for doc, token in enumerate(newest.tolist()):
             if token in self.eos:
                 self.finished[doc] = True
@@ -218,8 +225,7 @@ class GenerationRecorder:
             coverage = self._coverage[doc].float().cpu()
         token_mass = evidence.TokenMass(torch.cat([torch.zeros_like(positions[:1]), positions]),
                                         torch.cat([torch.zeros_like(mass[:1]), mass]))
-        log_probs = torch.tensor([0.0, *self.log_probs[doc][:steps]])
-        return Reading(ids, token_mass, coverage, log_probs, _Prefixes(reader, self.cache, {}, row=doc))
+        return Reading(ids, token_mass, coverage, _Prefixes(reader, self.cache, {}, row=doc))
 
 
 class _Prefixes:
@@ -230,9 +236,10 @@ class _Prefixes:
     def __init__(self, reader: SummaryReader, cache, snapshots: dict, row: int | None = None):
         self.reader, self.cache, self.snapshots, self.row = reader, cache, snapshots, row
 
-    def at(self, length: int):
+    def at(self, length: int, copies: int = 1):
+        """The state after ``length`` positions (``copies`` rows of it: a plain cache only)."""
         if self.cache is not None:
-            return compat.self_attention_prefix(self.cache, length, self.row)
+            return compat.self_attention_prefix(self.cache, length, self.row, copies)
         if length == 0:
             return self.reader._new_cache()
         if length not in self.snapshots:
@@ -266,15 +273,29 @@ def hidden_tokens(sources: Sequence[evidence.Source], n_tokens: int, offset: int
 
 
 def support_of(reader: SummaryReader, reading: Reading, store: Datastore, rows: list[int],
-               sources: Sequence[evidence.Source], offset: int = 0) -> float | None:
+               sources: Sequence[evidence.Source], offset: int = 0, removal=None) -> float | None:
     """A sentence's support: the mean drop, in nats, of log p(token) over its summary tokens ``rows`` (indices
-    into ``reading.ids``) when its passages ``sources`` are hidden; None when it has none (no passages, or a
-    sentence of the start token alone)."""
+    into ``reading.ids``) when its passages ``sources`` are hidden, against the same reading with nothing hidden
+    (``SummaryReader.log_probs`` twice, only the mask told apart); None when it has none (no passages, or a
+    sentence of the start token alone). ``removal`` (a removal.StoreRemoval of the store): the passages also
+    taken out of the input, the windows that held them encoded again, for the second reading."""
     rows = [j for j in rows if j >= 1]
     if not rows or not sources:
         return None
+    return support_hiding(reader, reading, store, rows, hidden_tokens(sources, store.n_tokens, offset), removal)
+
+
+def support_hiding(reader: SummaryReader, reading: Reading, store: Datastore, rows: list[int], hidden: torch.Tensor,
+                   removal=None) -> float:
+    """``support_of`` for the tokens ``hidden`` ([N] bool over the store) rather than a sentence's passages (a
+    control hides random ones); ``rows`` nonempty, every one at least 1."""
     first, last = min(rows), max(rows) + 1
-    masked = reader.log_probs(reading, store, first, last, hidden_tokens(sources, store.n_tokens, offset))
     chosen = torch.tensor(rows) - first
-    drop = reading.log_probs[rows] - masked[chosen]
-    return float(drop.mean())
+    if removal is None:
+        kept, masked = reader.log_probs_both(reading, store, first, last, hidden)
+    else:  # the second reading's store is changed for it: one after the other
+        with store.unpacked():  # its packed copies would not follow the states
+            kept = reader.log_probs(reading, store, first, last, torch.zeros_like(hidden))
+            with removal.removed(hidden):
+                masked = reader.log_probs(reading, store, first, last, hidden)
+    return float((kept[chosen] - masked[chosen]).mean())

@@ -180,7 +180,7 @@ class RetrievalCrossAttention(wrapping.CrossAttentionWrapper):
         k = min(session.retrieval_k, store.n_tokens)
         values = store.keys.layer_values(self.layer_index) if k >= store.n_tokens else None  # [H, N, dh]
         hidden = session.hidden[doc] if session.hidden is not None else None
-        if session.evidence is not None or hidden is not None or session.recorder is not None:
+        if session.evidence is not None or session.recorder is not None:
             # what each query attended to is wanted
             ids, weights, attended = head_kernels.head_retrieve(keys, store.states(), queries, k, choice,
                                                                 store.kernel(), exclude=hidden,
@@ -191,10 +191,10 @@ class RetrievalCrossAttention(wrapping.CrossAttentionWrapper):
                 session.evidence.add(doc, *per_position)
             if session.recorder is not None:
                 session.recorder.add(doc, self.layer_index, *per_position)
-        else:
+        else:  # generation, or a support reading (``hidden``: only its output is wanted)
             coverage = session.coverage[doc] if session.coverage is not None else None
             attended = head_kernels.head_attend(keys, store.states(), queries, k, choice, store.kernel(), coverage,
-                                                values=values)
+                                                values=values, exclude=hidden)
         return attended.view(heads, rows, steps, -1).permute(1, 2, 0, 3), values is not None  # [r, T, H, d or dh]
 
 

@@ -27,6 +27,9 @@ from unlimisum.unlimiformer.cache import EncodedCache
 from unlimisum.unlimiformer.datastore import Datastore
 from unlimisum.unlimiformer.encoded import EncodedDocument
 from unlimisum.unlimiformer.encoder import DocumentEncoder, EncodePlan
+from unlimisum.unlimiformer.encoding import plan_windows
+from unlimisum.unlimiformer.keys import key_weights, value_weights
+from unlimisum.unlimiformer.removal import StoreRemoval
 from unlimisum.unlimiformer.placement import storage_dtype
 from unlimisum.unlimiformer.reread import (GenerationRecorder, Reading, SummaryReader, end_tokens, returned_length,
                                            support_of)
@@ -112,6 +115,11 @@ class EncoderDecoderSummarizer:
                               f"model '{loaded.name}'")
         if retrieval.evidence_passages < 1:
             raise ConfigError(f"evidence passages must be at least 1, got {retrieval.evidence_passages}")
+        if retrieval.support_by not in ("hiding", "removal"):
+            raise ConfigError(f"support by '{retrieval.support_by}' is not one of hiding, removal")
+        if retrieval.support_by == "removal" and index.kind not in ("auto", "exact"):
+            raise ConfigError(f"--support-by removal needs the exact index (its states are encoded again), not "
+                              f"--index {index.kind}")
         self.loaded = loaded
         self.encoding = encoding
         self.index = index
@@ -220,8 +228,6 @@ class EncoderDecoderSummarizer:
             stack.enter_context(torch.inference_mode())
             criteria = [progress]
             if recorder is not None:
-                hook = model.get_output_embeddings().register_forward_hook(recorder.on_logits)
-                stack.callback(hook.remove)
                 criteria.append(recorder)
                 kwargs["return_dict_in_generate"] = True
             output = model.generate(
@@ -341,10 +347,11 @@ class EncoderDecoderSummarizer:
             support = None
             if self.retrieval.support:  # reported sentence by sentence: a whole book's take a while
                 sentences, measured = len(members), []
+                removal = self._removal(part, store) if self.retrieval.support_by == "removal" else None
                 self.progress(ProgressEvent("support", 0, sentences, name))
 
                 def support(rows, sources):
-                    value = support_of(reader, reading, store, rows, sources, part.start)
+                    value = support_of(reader, reading, store, rows, sources, part.start, removal)
                     measured.append(value)
                     self.progress(ProgressEvent("support", min(len(measured), sentences), sentences, name))
                     return value
@@ -356,6 +363,21 @@ class EncoderDecoderSummarizer:
                 self.progress(ProgressEvent("support", sentences, sentences, name))
         return _PartEvidence(reading.coverage, records,
                              {"evidence": read - started, "support": time.perf_counter() - read})
+
+    def _removal(self, part: "_Part", store: Datastore) -> StoreRemoval:
+        """Support by removal over ``part``'s store: the document's windows encoded again without a sentence's
+        passages, as the document was encoded."""
+        encoded, encoder = part.encoded, self._encoder()
+        plan = plan_windows(encoded.n_tokens, self._window(), self.encoding.overlap)
+        if tuple(plan.kept(i) for i in range(plan.n_windows)) != tuple(tuple(w) for w in encoded.windows):
+            raise RuntimeError("the book's windows are not the ones --support-by removal would encode again")
+        projections = {}
+        if store.keys is not None:
+            projections["keys"] = key_weights(self.loaded.model, self.loaded.architecture)
+            if store.keys.values is not None:
+                projections["values"] = value_weights(self.loaded.model, self.loaded.architecture)
+        return StoreRemoval(store, encoded.token_ids, plan, encoder.encode_ids, offset=part.start,
+                            projections=projections)
 
     def _window(self) -> int:
         return self.encoding.window or self.loaded.max_source_length
