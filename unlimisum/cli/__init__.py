@@ -13,6 +13,7 @@ from unlimisum.cli import ingest as _ingest  # noqa: F401  (registers `ingest`)
 from unlimisum.cli import info as _info  # noqa: F401  (registers `info`)
 from unlimisum.cli import tc as _tc  # noqa: F401  (registers `tc fit`)
 from unlimisum.cli import cache as _cache  # noqa: F401  (registers `cache list|prune|clear`)
+from unlimisum.cli import evaluate as _evaluate  # noqa: F401  (registers `evaluate`)
 from unlimisum.cli import train as _train  # noqa: F401  (registers `train`)
 
 __all__ = ["app", "main"]
