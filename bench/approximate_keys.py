@@ -6,11 +6,11 @@ at the share of the attention mass it keeps.
 One decoder layer of a bart-base shape (12 heads of 64 over d=768): N synthetic encoder states as
 bench/index_choice.py builds them (topic clusters, a shared offset, a few large dimensions: IVF's lists have
 something to find, which iid random numbers would not give them), projected by a random key projection per head
-into the key store's bf16 keys [H, N, 64] (unlimisum/unlimiformer/keys.py). Each head's queries are its query
+into the key store's bf16 keys [H, N, 64] (unlimisum/search/keys.py). Each head's queries are its query
 projection of a stored state, scaled so that the softmax over the exact top-k puts a fifth to a half of the mass
 on the best token (peaked, as trained heads are), plus noise.
 
-- **exact**: the per-layer store's compiled scan (unlimisum/unlimiformer/compiled.py ``select``) of every head
+- **exact**: the per-layer store's compiled scan (unlimisum/search/compiled.py ``select``) of every head
   for one query each (a greedy step), best of a few calls; beside it the layer's bandwidth floor, its keys'
   bytes over the streaming bandwidth measured in the same run;
 - **IVF**: faiss ``IndexIVFScalarQuantizer`` over each of the first ``--ivf-heads`` heads' keys (bf16 codes: the
@@ -35,8 +35,8 @@ from bench.common import RESULTS, machine, print_table
 from bench.index_choice import synthetic_store
 from bench.key_store import streaming_bandwidth
 from unlimisum.config import IndexConfig
-from unlimisum.unlimiformer import compiled
-from unlimisum.unlimiformer.keys import build_key_store
+from unlimisum.search import compiled
+from unlimisum.search.keys import build_key_store
 
 DIM, HEADS, HEAD_DIM = 768, 12, 64
 SCALING = HEAD_DIM**-0.5

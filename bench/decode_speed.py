@@ -32,9 +32,9 @@ import torch
 from bench.common import print_table, random_model, write_result
 from bench.index_choice import synthetic_states
 from unlimisum.models import compat
-from unlimisum.unlimiformer import kernels
+from unlimisum.search import kernels
 from unlimisum.config import GenerationOptions, IndexConfig, RetrievalConfig
-from unlimisum.unlimiformer.datastore import DatastoreBuilder, IndexPlan
+from unlimisum.search.datastore import DatastoreBuilder, IndexPlan
 from unlimisum.summarizer import Summarizer
 
 BASELINE_WINDOW = 1024

@@ -20,7 +20,7 @@ import torch
 from bench.common import print_table, random_model, write_result
 from bench.index_choice import synthetic_states
 from unlimisum.config import GenerationOptions, IndexConfig
-from unlimisum.unlimiformer.datastore import DatastoreBuilder, IndexPlan, attention_mass_recall
+from unlimisum.search.datastore import DatastoreBuilder, IndexPlan, attention_mass_recall
 from unlimisum.summarizer import Summarizer
 
 

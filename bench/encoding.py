@@ -16,7 +16,7 @@ import torch
 
 from bench.common import SIZES, matmul_gflops, print_table, random_model, write_result
 from unlimisum.config import IndexConfig
-from unlimisum.unlimiformer.datastore import DatastoreBuilder, plan_index
+from unlimisum.search.datastore import DatastoreBuilder, plan_index
 from unlimisum.unlimiformer.encoding import auto_batch_size, encode_windows, plan_windows
 
 

@@ -152,7 +152,7 @@ def real_cost(sizes: list[str], n_values: list[int], new_tokens: int, beams: lis
     from bench.common import random_model
     from bench.index_choice import synthetic_store
     from unlimisum.evidence import Source
-    from unlimisum.unlimiformer.keys import build_key_store, key_weights
+    from unlimisum.search.keys import build_key_store, key_weights
     from unlimisum.unlimiformer.reread import SummaryReader, end_tokens, returned_length, support_of
 
     rows = []

@@ -286,7 +286,7 @@ def seq2seq(report: Report, section: Section, device: torch.device, sizes: Sizes
     from unlimisum.config import GenerationOptions
     from unlimisum.document import Document
     from unlimisum.summarizer import Summarizer
-    from unlimisum.unlimiformer import kernels
+    from unlimisum.search import kernels
 
     dtype = auto_dtype(device)
     loaded = random_model(sizes.seq2seq_size)

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from unlimisum.config import IndexConfig
-from unlimisum.unlimiformer.datastore import DatastoreBuilder, IndexPlan, attention_mass_recall
+from unlimisum.search.datastore import DatastoreBuilder, IndexPlan, attention_mass_recall
 
 HEAD_DIM = 64
 SCALING = HEAD_DIM**-0.5
@@ -47,7 +47,7 @@ def synthetic_states(n: int, d: int, seed: int = 0) -> torch.Tensor:
 def synthetic_store(n: int, d: int, config, chunk: int = 65_536):
     """An exact-or-planned datastore (``config``: an IndexConfig) of ``synthetic_states``, built ``chunk`` rows at
     a time as the encoder fills it (no [n, d] float32 tensor at once)."""
-    from unlimisum.unlimiformer.datastore import DatastoreBuilder, plan_index
+    from unlimisum.search.datastore import DatastoreBuilder, plan_index
 
     builder = DatastoreBuilder(n, d, plan_index(n, d, config), config)
     for start in range(0, n, chunk):

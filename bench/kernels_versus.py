@@ -3,7 +3,7 @@
     python -m bench.kernels_versus --before REV [--tokens 16384,100000] [--new-tokens 12] [--turns 3]
                                    [--model bart-base|led-base]
 
-``unlimisum/unlimiformer/kernels.py`` of git revision REV is loaded beside this tree's (it must
+``unlimisum/search/kernels.py`` of git revision REV is loaded beside this tree's (it must
 offer the same functions: revisions since the packed kernel). For each N and (k, beams) — k=1,024
 and k=N greedy, k=1,024 with 4 beams at the first N — one generate() over the same store runs
 with each module in turns (A B A B ...), so that a busy moment of a shared machine falls on both
@@ -27,9 +27,9 @@ from bench.decode_speed import exact_store, random_led
 from bench.index_choice import synthetic_states
 from unlimisum.config import GenerationOptions, RetrievalConfig
 from unlimisum.summarizer import Summarizer
-from unlimisum.unlimiformer import datastore, kernels
+from unlimisum.search import datastore, kernels
 
-KERNELS_PATH = "unlimisum/unlimiformer/kernels.py"
+KERNELS_PATH = "unlimisum/search/kernels.py"
 
 
 def kernels_at(revision: str):

@@ -6,7 +6,7 @@ memory-bandwidth floor measured in the same run.
 A model of ``--size``'s shape with random weights (weights do not change cost) generates from synthetic encoder
 states of N tokens (bench/index_choice.py), exact index, k=1,024 and k=N, once with the shared store (the
 paper's one store of states: each head's query projected to d_model numbers) and once with per-layer keys
-(unlimisum/unlimiformer/keys.py: each head scores its own d_head numbers), on the same states in the same run.
+(unlimisum/search/keys.py: each head scores its own d_head numbers), on the same states in the same run.
 The keys are the model's own projections of the states up to ``--synthetic-keys-from`` tokens and random numbers
 of the same shape beyond (their cost to score is the same; projecting a million states would take minutes).
 
@@ -24,7 +24,7 @@ In the same process:
 - memory: the store's and the keys' bytes, and the process's peak resident set after each N.
 
 Per-layer rows are skipped (and say so) when the keys and the store do not fit the policy's memory budget
-(unlimisum/unlimiformer/placement.py); k = N rows run up to ``--dense-max-tokens``. Prints a table and writes
+(unlimisum/search/placement.py); k = N rows run up to ``--dense-max-tokens``. Prints a table and writes
 bench/results/key_store.json (``--json PATH``
 elsewhere). ``--quick``: N = 16,384, 4 tokens, a 256 MiB bandwidth sum, greedy only: a smoke test in under a minute.
 """
@@ -44,9 +44,9 @@ from bench.index_choice import synthetic_store
 from unlimisum.config import GenerationOptions, IndexConfig, RetrievalConfig
 from unlimisum.results import peak_rss_bytes
 from unlimisum.summarizer import Summarizer
-from unlimisum.unlimiformer import head_kernels
-from unlimisum.unlimiformer.keys import KeyStore, build_key_store, key_store_bytes, key_weights, value_weights
-from unlimisum.unlimiformer.placement import KEY_STORE_MEMORY_FRACTION, IndexPlan, _free_bytes, plan_key_store
+from unlimisum.search import head_kernels
+from unlimisum.search.keys import KeyStore, build_key_store, key_store_bytes, key_weights, value_weights
+from unlimisum.search.placement import KEY_STORE_MEMORY_FRACTION, IndexPlan, _free_bytes, plan_key_store
 
 TURNS = 3  # one layer's retrieval: the best of this many turns of each store
 BASELINE_TURNS = 3  # the truncated model's step: the best of this many generations

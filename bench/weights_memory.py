@@ -14,7 +14,7 @@ a store of synthetic states of the same shape (the encoder holds one batch of wi
   checkpoint memory-mapped and converted by transformers, the packed kernel (which its calibration chose
   there, at 1.25x the native scores) forced;
 - ``bf16, after``: this release: the checkpoint read one tensor at a time (unlimisum/models/weights.py), the
-  kernel chosen by the calibration with memory in the rule (unlimisum/unlimiformer/kernels.py).
+  kernel chosen by the calibration with memory in the rule (unlimisum/search/kernels.py).
 
 The ``after`` rows also time, in the same process and in turns on their own store, one layer's exact
 retrieval (12 queries, k=1,024) with the packed copies and with the best unpacked kernel: the speed the
@@ -82,7 +82,7 @@ def child(mode: str, folder: str, n_tokens: int, encode: bool, new_tokens: int) 
     from unlimisum.config import GenerationOptions, IndexConfig, ModelConfig
     from unlimisum.models import load_model, weights
     from unlimisum.summarizer import Summarizer
-    from unlimisum.unlimiformer import kernels
+    from unlimisum.search import kernels
 
     if mode == "bf16, before":
         weights.load_converted = lambda *args, **kwargs: None  # transformers' own memory-mapped conversion
@@ -122,7 +122,7 @@ def packed_speedup(states, choice) -> dict:
     best unpacked kernel, in turns in this process; the copies are made here and freed after."""
     import torch
 
-    from unlimisum.unlimiformer import kernels, packed
+    from unlimisum.search import kernels, packed
 
     if not packed.available():
         return {}

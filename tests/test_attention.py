@@ -5,10 +5,10 @@ import torch
 
 from tests.conftest import ALL_FAMILIES
 from unlimisum.models.architectures import ARCHITECTURES, architecture_for, supported_model_types
-from unlimisum.unlimiformer import kernels
+from unlimisum.search import kernels
 from unlimisum.unlimiformer.retrieval import RetrievalCrossAttention, RetrievalSession, install, retrieval, uninstall
 from unlimisum.config import IndexConfig
-from unlimisum.unlimiformer.datastore import DatastoreBuilder, plan_index
+from unlimisum.search.datastore import DatastoreBuilder, plan_index
 from unlimisum.errors import UnsupportedModelError
 
 TEXT = "The lighthouse keeper counted the ships that passed."

@@ -104,7 +104,7 @@ def test_a_decoder_only_model_gets_its_own_plan(info, tmp_path, family, full_lay
 
 
 def test_plan_says_when_a_store_would_be_too_large_to_pack(info, tiny_model_dir, monkeypatch):
-    from unlimisum.unlimiformer import kernels, packed
+    from unlimisum.search import kernels, packed
 
     if not packed.available():
         pytest.skip("this torch build has no fbgemm fp16 GEMM")

@@ -1,4 +1,4 @@
-"""The compiled sums over the states (unlimisum/unlimiformer/compiled.py): the fp32 sums of the stored numbers,
+"""The compiled sums over the states (unlimisum/search/compiled.py): the fp32 sums of the stored numbers,
 as torch takes them from the widened states, for the gather of each query's top-k and for the dense pass (over
 the states, or per head over a layer's values)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from unlimisum.unlimiformer import compiled, kernels
+from unlimisum.search import compiled, kernels
 
 
 @pytest.mark.parametrize("dtype", compiled.SCAN_DTYPES)

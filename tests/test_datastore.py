@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from unlimisum.unlimiformer import kernels
-from unlimisum.unlimiformer import packed as packing
+from unlimisum.search import kernels
+from unlimisum.search import packed as packing
 from unlimisum.config import IndexConfig
-from unlimisum.unlimiformer.datastore import DatastoreBuilder, IndexPlan, attention_mass_recall, plan_index
+from unlimisum.search.datastore import DatastoreBuilder, IndexPlan, attention_mass_recall, plan_index
 from unlimisum.errors import ConfigError
 
 CPU = IndexPlan("exact", "cpu", "test")
@@ -63,7 +63,7 @@ def kernel(request, monkeypatch):
 
 
 def score_tolerance(queries: torch.Tensor, stored: torch.Tensor, kernel: str) -> float:
-    """The documented precision of a kernel's scores (unlimisum/unlimiformer/kernels.py): exact in fp32; with native
+    """The documented precision of a kernel's scores (unlimisum/search/kernels.py): exact in fp32; with native
     16-bit scores, query and score rounding each cost at most eps/2 relative, so |error| <= eps |q| |s|."""
     if kernel == "float32" or stored.dtype == torch.float32:
         return 1e-4
@@ -475,7 +475,7 @@ def test_plan_follows_the_models_device(monkeypatch):
 
 
 def test_auto_storage_is_bfloat16_whatever_the_model():
-    from unlimisum.unlimiformer.placement import storage_dtype
+    from unlimisum.search.placement import storage_dtype
 
     assert storage_dtype(IndexConfig()) == torch.bfloat16  # whatever the model's dtype
     assert storage_dtype(IndexConfig(storage_dtype="float32")) == torch.float32

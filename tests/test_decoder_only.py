@@ -22,7 +22,7 @@ from unlimisum.decoder_only.cache import RetrievalLayer
 from unlimisum.decoder_only.plan import plan_retrieval
 from unlimisum.errors import UnsupportedModelError
 from unlimisum.models.architectures import architecture_for
-from unlimisum.unlimiformer import kernels
+from unlimisum.search import kernels
 
 N_PROMPT = 90
 WINDOW = 16

@@ -60,7 +60,7 @@ def test_a_chapter_summary_reads_exactly_its_own_tokens(tiny_loaded, monkeypatch
     view = encoded.chapter_store(chapter)
     assert view.n_tokens == chapter.end - chapter.start
     assert view.states().data_ptr() == encoded.store.states()[chapter.start].data_ptr()
-    from unlimisum.unlimiformer.datastore import DatastoreBuilder, IndexPlan
+    from unlimisum.search.datastore import DatastoreBuilder, IndexPlan
 
     builder = DatastoreBuilder(view.n_tokens, view.dim, IndexPlan("exact", "cpu", "test"),
                                IndexConfig(storage_dtype="float32"))

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from tests.tiny_models import SAMPLE_TEXT
 from unlimisum.cli import app
 from unlimisum.runs import ray as ray_engine
-from unlimisum.unlimiformer.packed import MEMORY_LIMIT_ENV
+from unlimisum.search.packed import MEMORY_LIMIT_ENV
 
 ray = pytest.importorskip("ray")
 GIB = 1024**3

@@ -280,8 +280,8 @@ def _spy_gathers(monkeypatch, states):
 @pytest.mark.parametrize("kernel", ["float32", "packed"])
 def test_a_search_by_a_widening_kernel_returns_its_own_fp32_scores_without_gathering(monkeypatch, kernel):
     """The float32 and packed kernels score in fp32 already: the evidence pass's many queries gather nothing."""
-    from unlimisum.unlimiformer import packed
-    from unlimisum.unlimiformer.datastore import TorchExactDatastore
+    from unlimisum.search import packed
+    from unlimisum.search.datastore import TorchExactDatastore
 
     if kernel == "packed" and not packed.available():
         pytest.skip("this torch build has no fbgemm fp16 GEMM")
@@ -303,8 +303,8 @@ def test_a_search_by_a_widening_kernel_returns_its_own_fp32_scores_without_gathe
 def test_the_native_kernels_winners_are_rescored_reading_each_once_in_bounded_blocks(monkeypatch):
     """The native kernel's scores are rounded to 16 bits: the winners are scored again in fp32, each distinct
     state read once (blocks within RESCORE_BYTES), never queries x k x d at once."""
-    from unlimisum.unlimiformer import datastore
-    from unlimisum.unlimiformer.datastore import TorchExactDatastore
+    from unlimisum.search import datastore
+    from unlimisum.search.datastore import TorchExactDatastore
 
     monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", "native")
     torch.manual_seed(0)
@@ -325,8 +325,8 @@ def test_the_native_kernels_winners_are_rescored_reading_each_once_in_bounded_bl
 def test_an_approximate_search_for_many_queries_gathers_in_bounded_blocks(monkeypatch):
     """HNSW and IVF score their candidates in fp32 by gathering them: in blocks of queries, so the evidence pass's
     hundreds of queries do not hold queries x k x d fp32 numbers at once (#34: 3x the memory of exact)."""
-    from unlimisum.unlimiformer import datastore
-    from unlimisum.unlimiformer.datastore import DatastoreBuilder, plan_index
+    from unlimisum.search import datastore
+    from unlimisum.search.datastore import DatastoreBuilder, plan_index
 
     torch.manual_seed(0)
     states = torch.randn(300, 16)

@@ -46,7 +46,7 @@ def test_a_summary_that_fills_the_decoders_positions_keeps_its_evidence(tiny_mod
 def test_the_evidence_pass_on_hnsw_gathers_in_bounded_blocks(tiny_model_dir, tmp_path, monkeypatch):
     """`--index hnsw`: the pass searches every summary position at once; its fp32 rescoring goes in blocks of
     queries, not queries x k x d at once (bart-large defaults: ~24 GiB)."""
-    from unlimisum.unlimiformer import datastore
+    from unlimisum.search import datastore
 
     seen = []
     real = datastore.FaissDatastore._search_block
@@ -381,7 +381,7 @@ def test_removal_encodes_again_the_windows_that_held_the_passage_and_puts_the_st
     from tests.test_needle import make_input
     from unlimisum.config import EncodingConfig
     from unlimisum.unlimiformer.encoding import plan_windows
-    from unlimisum.unlimiformer.keys import build_key_store, key_weights, value_weights
+    from unlimisum.search.keys import build_key_store, key_weights, value_weights
     from unlimisum.unlimiformer.removal import StoreRemoval
 
     text, _, _ = make_input(filler, 64 * 6, 0.5, 3)

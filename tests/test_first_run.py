@@ -17,7 +17,7 @@ from tests.test_cli_output import FakeClock, FakeMemory, terminal
 from unlimisum import measurements
 from unlimisum.cli.progress import ProgressDisplay
 from unlimisum.events import ProgressEvent
-from unlimisum.unlimiformer import compiled, kernels
+from unlimisum.search import compiled, kernels
 
 
 def widening(monkeypatch, widens: bool) -> None:
@@ -138,7 +138,7 @@ def test_generation_shows_at_most_the_time_left():
 def test_the_kernels_are_cached_under_the_cache_home_and_other_numba_code_keeps_its_own(tmp_path):
     script = """
 import numba, torch
-from unlimisum.unlimiformer import compiled
+from unlimisum.search import compiled
 assert compiled.ready("weighted_sum", torch.float32)
 print(numba.config.CACHE_DIR or "-")
 """
@@ -147,7 +147,7 @@ print(numba.config.CACHE_DIR or "-")
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr
     assert run.stdout.strip() == "-"  # numba's own setting, for other code in the process, is as it was
-    assert list((tmp_path / "home" / "kernels").rglob("compiled._sums_f32*.nbi"))
+    assert list((tmp_path / "home" / "kernels").rglob("compiled_loops._sums_f32*.nbi"))
 
 
 class Steps:

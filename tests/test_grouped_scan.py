@@ -1,4 +1,4 @@
-"""The compiled grouped scan of the decoder-only generation step (unlimisum/unlimiformer/compiled.py
+"""The compiled grouped scan of the decoder-only generation step (unlimisum/search/compiled.py
 ``select_grouped``, unlimisum/decoder_only/selection.py ``decode_ids``): under grouped-query attention each key is
 scored by the largest of its group's g scores, and each row and key-value head keeps the top-k by that score, as
 the brute-force reference finds them."""
@@ -10,7 +10,7 @@ import torch
 
 from unlimisum import measurements
 from unlimisum.decoder_only import selection
-from unlimisum.unlimiformer import compiled, kernels
+from unlimisum.search import compiled, kernels
 
 
 def grouped_scores(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:

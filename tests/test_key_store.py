@@ -1,4 +1,4 @@
-"""The key store per decoder layer (unlimisum/unlimiformer/keys.py, head_kernels.py): the same attention as the
+"""The key store per decoder layer (unlimisum/search/keys.py, head_kernels.py): the same attention as the
 shared store and as ordinary cross-attention, built while encoding, in the cache, chosen by plan_key_store."""
 
 from __future__ import annotations
@@ -18,11 +18,11 @@ from unlimisum.document import Chapter, Document
 from unlimisum.errors import ConfigError
 from unlimisum.models import compat
 from unlimisum.summarizer import Summarizer
-from unlimisum.unlimiformer import head_kernels, compiled, kernels
+from unlimisum.search import head_kernels, compiled, kernels
 from unlimisum.unlimiformer.cache import EncodedCache
-from unlimisum.unlimiformer.datastore import DatastoreBuilder, plan_index
-from unlimisum.unlimiformer.keys import build_key_store, key_weights, value_weights
-from unlimisum.unlimiformer.placement import (
+from unlimisum.search.datastore import DatastoreBuilder, plan_index
+from unlimisum.search.keys import build_key_store, key_weights, value_weights
+from unlimisum.search.placement import (
     KEY_STORE_MIN_TOKENS, IndexPlan, plan_key_store, validate_index_config,
 )
 from unlimisum.unlimiformer.retrieval import RetrievalCrossAttention, RetrievalSession, install, uninstall
@@ -55,6 +55,17 @@ def _summarizer(loaded, index: IndexConfig, k: int = 100_000, beams: int = 1, st
     return Summarizer(loaded, index=index, retrieval=RetrievalConfig(retrieval_k=k), generation=generation,
                       cache=cache)
 
+
+
+def sorted_search(keys: torch.Tensor, queries: torch.Tensor, k: int,
+                  choice: head_kernels.HeadKernelChoice) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each head's top-k by ``head_select`` under ``choice``, rescored exactly in fp32 from the stored keys and
+    sorted descending: (scores, ids) [H, nq, k'], k' = min(k, N)."""
+    _, ids = head_kernels.head_select(keys, queries, min(k, keys.shape[1]), choice)
+    heads = torch.arange(keys.shape[0]).view(-1, 1, 1)
+    exact = torch.einsum("hqkd,hqd->hqk", keys[heads, ids].float(), queries.float())
+    scores, order = exact.sort(dim=2, descending=True)
+    return scores, ids.gather(2, order)
 
 needs_faiss_scan = pytest.mark.skipif(not head_kernels.faiss_available(torch.float32),
                                       reason="this faiss cannot scan memory it does not own (faiss < 1.10)")
@@ -178,7 +189,7 @@ def test_per_layer_and_shared_stores_pick_the_same_top_k(tiny_loaded, storage_dt
             w_k = attention.k_proj.weight.view(heads, head_dim, -1)
             shared_scores, shared_ids = store.search(torch.einsum("qhe,hed->qhd", q, w_k).reshape(-1, store.dim), 7)
             choice = store.keys.choice(store.dim)
-            scores, ids = head_kernels.head_search(store.keys.layer(1), q.permute(1, 0, 2), 7, choice)  # [H, nq, 7]
+            scores, ids = sorted_search(store.keys.layer(1), q.permute(1, 0, 2), 7, choice)  # [H, nq, 7]
         shared_ids = shared_ids.view(3, heads, 7).permute(1, 0, 2)
         shared_scores = shared_scores.view(3, heads, 7).permute(1, 0, 2)
         if storage_dtype == "float32":
@@ -509,7 +520,7 @@ def test_every_head_kernel_gives_the_brute_force_top_k_and_attention():
     for choice in (head_kernels.HeadKernelChoice("float32", 64), head_kernels.HeadKernelChoice("native", 256),
                    head_kernels.HeadKernelChoice("compiled", 256)):
         torch.testing.assert_close(head_kernels.head_scores(keys, queries, choice), reference)
-        scores, ids = head_kernels.head_search(keys, queries, 5, choice)
+        scores, ids = sorted_search(keys, queries, 5, choice)
         expected_scores, expected_ids = reference.topk(5, dim=2)
         assert torch.equal(ids, expected_ids)
         torch.testing.assert_close(scores, expected_scores)
@@ -645,7 +656,7 @@ def test_the_compiled_scan_leaves_keys_it_cannot_read_to_torch():
     assert not choice.selects_with_scan(odd, queries)
     reference = torch.einsum("hqd,hnd->hqn", queries, odd.float())
     torch.testing.assert_close(head_kernels.head_scores(odd, queries, choice), reference)  # the float32 kernel
-    assert torch.equal(head_kernels.head_search(odd, queries, 4, choice)[1], reference.topk(4, dim=2).indices)
+    assert torch.equal(sorted_search(odd, queries, 4, choice)[1], reference.topk(4, dim=2).indices)
     empty = compiled.select(torch.randn(2, 0, 8), torch.randn(2, 3, 8), 4)
     assert empty[0].shape == empty[1].shape == (2, 3, 0)
 
@@ -654,7 +665,7 @@ def test_a_search_beyond_the_scores_budget_goes_in_slices_with_the_same_top_k(mo
     generator = torch.Generator().manual_seed(4)
     keys, queries = torch.randn(2, 5000, 8, generator=generator), torch.randn(2, 3, 8, generator=generator)
     monkeypatch.setattr(kernels, "MAX_SCORE_BYTES", 2 * 3 * 4 * 700)  # slices of 700 keys
-    scores, ids = head_kernels.head_search(keys, queries, 20, head_kernels.HeadKernelChoice("float32", 256))
+    scores, ids = sorted_search(keys, queries, 20, head_kernels.HeadKernelChoice("float32", 256))
     expected = torch.einsum("hqd,hnd->hqn", queries, keys).topk(20, dim=2)
     assert torch.equal(ids, expected.indices)
     torch.testing.assert_close(scores, expected.values)

@@ -1,7 +1,7 @@
 """The package reads top-down as the pipeline: no unit imports a unit below it, none imports the CLI.
 
 Every import in unlimisum/ is read from the source (those inside functions too), reduced to the
-top-level units it connects (``unlimisum.unlimiformer.kernels`` -> ``unlimiformer``), and checked
+top-level units it connects (``unlimisum.search.kernels`` -> ``unlimiformer``), and checked
 against ``ORDER``: a unit may import only units before it. The package root (the public API, which
 loads its names lazily) and ``__main__`` are the top and may import anything.
 """
@@ -17,10 +17,12 @@ PACKAGE = Path(__file__).resolve().parent.parent / "unlimisum"
 ORDER = [
     "version", "errors", "config", "files", "visible", "measurements", "document", "events", "coverage", "evidence",
     "results",
-    "ingest", "models", "tensor_cache", "unlimiformer", "decoder_only", "summarizer", "training", "evaluation",
+    "ingest", "models", "tensor_cache", "search", "unlimiformer", "decoder_only", "summarizer", "training", "evaluation",
     "diagnostics", "runs", "cli",
 ]
 TOP = {"__init__", "__main__"}  # the public API and `python -m unlimisum`
+METHODS = ("unlimiformer", "decoder_only")  # side by side above the search: neither imports the other
+MAX_MODULE_LINES = 800
 
 
 def unit_of(module: str) -> str:
@@ -80,6 +82,107 @@ def test_no_unit_imports_a_unit_below_it():
     upward = [f"{where}: {source} imports {to}" for source, to, where in edges()
               if source not in TOP and (to in TOP or ORDER.index(to) > ORDER.index(source))]
     assert not upward, "imports against the layout:\n" + "\n".join(upward)
+
+
+def test_the_two_methods_import_neither_each_other():
+    between = [f"{where}: {source} imports {to}" for source, to, where in edges() if {source, to} == set(METHODS)]
+    assert not between, between
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Every module of the package -> the modules of the package it imports (``from a.b import c`` where c is a
+    module: a.b.c, not the package a.b)."""
+    modules = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {}
+    for module, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+            if isinstance(node, ast.Import):
+                targets |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(parts + ([node.module] if node.module else []))
+                submodules = {f"{base}.{alias.name}" for alias in node.names} & modules.keys()
+                targets |= submodules if len(submodules) == len(node.names) else submodules | {base}
+        graph[module] = {target for target in targets if target in modules and target != module}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's algorithm, iterative)."""
+    index, low, on_stack, stack, found, counter = {}, {}, set(), [], [], 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_circle_file_by_file():
+    assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]  # the finder finds one
+    assert not circles(module_graph()), circles(module_graph())
+
+
+def test_no_module_is_over_the_size_a_reader_keeps_in_mind():
+    long = {str(path.relative_to(PACKAGE.parent)): lines for path in PACKAGE.rglob("*.py")
+            if (lines := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES}
+    assert not long, long
+
+
+def test_outside_the_search_only_its_public_names_are_used():
+    """The search (stores, kernels, their measurement) is one unit; the rest of the package uses the names its
+    modules make public, never one with a leading underscore."""
+    private = []
+    for path in PACKAGE.rglob("*.py"):
+        if "search" in path.relative_to(PACKAGE).parts:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        bound = set()  # local names of search modules
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("unlimisum.search"):
+                for alias in node.names:
+                    if alias.name.startswith("_"):
+                        private.append(f"{path.name}:{node.lineno} imports {alias.name}")
+                    elif node.module == "unlimisum.search":
+                        bound.add(alias.asname or alias.name)
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound
+                    and node.attr.startswith("_")):
+                private.append(f"{path.name}:{node.lineno} uses {node.value.id}.{node.attr}")
+    assert not private, private
 
 
 def test_nothing_below_the_cli_imports_it():

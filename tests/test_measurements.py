@@ -13,7 +13,7 @@ import torch
 
 from unlimisum import measurements
 from unlimisum.measurements import Measurement, MeasurementStore, race, remembered
-from unlimisum.unlimiformer import kernels
+from unlimisum.search import kernels
 
 
 def test_a_race_calls_a_clear_loser_once_and_the_others_in_turns():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from unlimisum.runs.ray_plan import GIB, NodeFree, WorkerPlacementError, nodes_from_ray, plan_workers
-from unlimisum.unlimiformer import packed
+from unlimisum.search import packed
 
 BIG = NodeFree("big", cpus=16, memory=64 * GIB)
 SMALL = NodeFree("small", cpus=2, memory=8 * GIB)

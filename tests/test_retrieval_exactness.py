@@ -16,7 +16,7 @@ from tests.tiny_models import SAMPLE_TEXT
 from unlimisum.models import compat
 from unlimisum.unlimiformer.retrieval import RetrievalSession, install
 from unlimisum.config import GenerationOptions, IndexConfig, RetrievalConfig
-from unlimisum.unlimiformer.datastore import DatastoreBuilder, plan_index
+from unlimisum.search.datastore import DatastoreBuilder, plan_index
 from unlimisum.models import LoadedModel
 from unlimisum.summarizer import Summarizer
 

@@ -9,8 +9,8 @@ from unlimisum.config import EncodingConfig, GenerationOptions, IndexConfig, Mod
 from unlimisum.document import Chapter, Document
 from unlimisum.errors import ConfigError, EmptyDocumentError, ModelNotFoundError, UnsupportedModelError
 from unlimisum.summarizer import Summarizer, summarize
-from unlimisum.unlimiformer import kernels
-from unlimisum.unlimiformer import packed as packing
+from unlimisum.search import kernels
+from unlimisum.search import packed as packing
 
 SHORT = "The lighthouse keeper counted the ships that passed in the night."
 EXACT = IndexConfig(kind="exact", device="cpu", storage_dtype="float32")

@@ -231,7 +231,7 @@ def test_retrieval_and_tensor_cache_together(tiny_loaded):
     """Unlimiformer cross-attention + Tensor Cache: W >= length equals retrieval alone, greedy and beams."""
     from unlimisum.unlimiformer.retrieval import RetrievalSession, retrieval
     from unlimisum.config import IndexConfig
-    from unlimisum.unlimiformer.datastore import DatastoreBuilder, plan_index
+    from unlimisum.search.datastore import DatastoreBuilder, plan_index
 
     loaded = tiny_loaded("bart")
     states, mask = _encoded(loaded)

@@ -66,7 +66,7 @@ class IndexConfig:
     # memory), where each head scores its own d_head-dim query: the same bytes read per layer, H times fewer
     # multiply-adds. auto: per-layer when the index is exact, the input has at least KEY_STORE_MIN_TOKENS tokens,
     # the store and the keys fit the memory budget and the keys are measured faster on this machine
-    # (unlimisum/unlimiformer/placement.py, plan_key_store).
+    # (unlimisum/search/placement.py, plan_key_store).
     key_store: str = "auto"
 
 

@@ -103,7 +103,7 @@ def collect_versions() -> dict:
         "tokenizers": _package_version("tokenizers"),
         "huggingface_hub": _package_version("huggingface_hub"),
         "faiss": _faiss_version(),
-        "numba": _package_version("numba"),  # compiles the CPU retrieval kernels (unlimiformer/compiled.py)
+        "numba": _package_version("numba"),  # compiles the CPU retrieval kernels (search/compiled.py)
         "typer": _package_version("typer"),
         "rich": _package_version("rich"),
     }
@@ -183,8 +183,8 @@ def collect_plan(tokens: int, model: str, index: IndexConfig) -> dict:
     """The index kind and device ``plan_index`` chooses for ``tokens`` states of the model's hidden size, or the
     decoder-only plan (``collect_decoder_plan``) when the model's config says it is one."""
     from unlimisum.models.decoder_architectures import BY_MODEL_TYPE
-    from unlimisum.unlimiformer.datastore import plan_index
-    from unlimisum.unlimiformer.placement import plan_key_store
+    from unlimisum.search.datastore import plan_index
+    from unlimisum.search.placement import plan_key_store
 
     config = model_config(model)
     if config is not None and getattr(config, "model_type", None) in BY_MODEL_TYPE:
@@ -196,9 +196,9 @@ def collect_plan(tokens: int, model: str, index: IndexConfig) -> dict:
     if plan.kind == "exact":  # what an exact step runs here, measured now (~0.3 s)
         import torch
 
-        from unlimisum.unlimiformer import packed
-        from unlimisum.unlimiformer.kernels import kernel_for, uses_compiled
-        from unlimisum.unlimiformer.placement import storage_dtype
+        from unlimisum.search import packed
+        from unlimisum.search.kernels import kernel_for, uses_compiled
+        from unlimisum.search.placement import storage_dtype
 
         choice = kernel_for(torch.device(plan.device), storage_dtype(index), d_model,
                             compiled_sums=uses_compiled(tokens, plan.device))
@@ -213,8 +213,8 @@ def collect_plan(tokens: int, model: str, index: IndexConfig) -> dict:
     if keys.kind == "per-layer":  # what its heads run here (measured with the choice under auto)
         import torch
 
-        from unlimisum.unlimiformer import head_kernels, kernels
-        from unlimisum.unlimiformer.placement import storage_dtype
+        from unlimisum.search import head_kernels, kernels
+        from unlimisum.search.placement import storage_dtype
 
         key_kernel = head_kernels.kernel_for(torch.device(plan.device), storage_dtype(index), d_model, heads,
                                              head_dim, compiled_kernels=kernels.uses_compiled(tokens, plan.device)
@@ -251,7 +251,7 @@ def collect_decoder_plan(tokens: int, model: str, config, index: IndexConfig) ->
         MIN_SINKS, default_retrieval_k, default_window, kv_shape, plan_retrieval, store_bytes_per_token, store_devices,
     )
     from unlimisum.models.architectures import architecture_for
-    from unlimisum.unlimiformer.placement import storage_dtype
+    from unlimisum.search.placement import storage_dtype
 
     architecture = architecture_for(config)  # UnsupportedModelError when no layer is full attention
     max_positions = architecture.max_positions(config)

@@ -25,7 +25,7 @@ class ProgressEvent:
     ``prefill`` (decoder-only models, instead of encode and index): ``completed`` of ``total`` chunks of the
     prompt read, ``info["tokens"]`` and ``info["window"]``.
     ``compile`` (before ``prepare``, on a machine's first run with a long book): ``completed`` of ``total``
-    retrieval kernels compiled (unlimisum/unlimiformer/compiled.py; most of them while the book was encoded),
+    retrieval kernels compiled (unlimisum/search/compiled.py; most of them while the book was encoded),
     ``info["seconds_left"]`` an estimate of the rest; not reported where none is left to compile.
     ``prepare`` (before ``generate``): 0 of ``total`` datastores, then all, made ready for retrieval
     (the kernels measured, once per process, and an exact store's packed copies made: seconds at 100k tokens);

@@ -77,7 +77,7 @@ def cache_home() -> Path:
 
 
 def kernel_cache_folder() -> Path:
-    """Where the compiled retrieval kernels are kept (unlimisum/unlimiformer/compiled.py): $NUMBA_CACHE_DIR where it
+    """Where the compiled retrieval kernels are kept (unlimisum/search/compiled.py): $NUMBA_CACHE_DIR where it
     is set, else the folder ``kernels`` of the cache home (never the installed package)."""
     explicit = os.environ.get("NUMBA_CACHE_DIR", "").strip()
     return Path(explicit).expanduser() if explicit else cache_home() / KERNEL_FOLDER

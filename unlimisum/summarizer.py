@@ -21,7 +21,7 @@ from unlimisum.events import ProgressCallback, ProgressEvent  # noqa: F401  (par
 from unlimisum.models import LoadedModel, load_model
 from unlimisum.results import EMPTY_SUMMARY, Summary, SummaryStats  # noqa: F401  (part of this module's API)
 from unlimisum.unlimiformer.cache import EncodedCache
-from unlimisum.unlimiformer.datastore import Datastore
+from unlimisum.search.datastore import Datastore
 from unlimisum.unlimiformer.encoded import EncodedDocument
 from unlimisum.unlimiformer.summarize import EncoderDecoderSummarizer, Generated
 

@@ -14,14 +14,14 @@ from typing import Callable
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
-from unlimisum.cli.progress import DrawnOnLiveArea, LiveArea, ProgressDisplay, format_seconds
+from unlimisum.cli.live import DrawnOnLiveArea, LiveArea, format_seconds
 
 
 class BatchProgress(DrawnOnLiveArea):
     """Counts of a batch and their live row; ``update`` after every change, ``paused`` around stdout writes."""
 
-    def __init__(self, display: ProgressDisplay, total: int, *, clock: Callable[[], float] = time.monotonic):
-        self.display = display
+    def __init__(self, display, total: int, *, clock: Callable[[], float] = time.monotonic):
+        self.display = display  # the run's ProgressDisplay: its console, and whether it draws live
         self.total = total  # documents to summarize (the skipped and those failed before reading aside)
         self.clock = clock
         self.started = clock()

@@ -152,7 +152,7 @@ def _size(count: int) -> str:
 
 
 def _compiled_from() -> int:
-    from unlimisum.unlimiformer.kernels import COMPILED_MIN_STATES
+    from unlimisum.search.kernels import COMPILED_MIN_STATES
 
     return COMPILED_MIN_STATES
 

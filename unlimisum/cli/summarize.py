@@ -379,39 +379,10 @@ def summarize(
         raise fail(f"{describe(ctx, 'skip_existing')} needs --output-dir", EXIT_USAGE)
     as_json, as_html = _output_format(ctx, as_json, output_format, output_dir)
     decided: dict[str, tuple] = {}  # option -> (the value used, the source of the option that set it aside)
-    if quiet and verbose:  # the one given on the higher level wins: the command line over the file
-        if rank(ctx, "quiet") == rank(ctx, "verbose"):
-            raise fail(" and ".join(describe_all(ctx, "quiet", "verbose")) + " contradict each other", EXIT_USAGE)
-        if rank(ctx, "quiet") > rank(ctx, "verbose"):
-            verbose, decided["verbose"] = 0, (0, option_source(ctx, "quiet"))
-        else:
-            quiet, decided["quiet"] = False, (False, option_source(ctx, "verbose"))
-    if min_new_tokens is not None and min_new_tokens > (max_new_tokens or DEFAULT_MAX_NEW_TOKENS):
-        if max_new_tokens is None:
-            shown = [describe(ctx, "min_new_tokens", value=True),
-                     f"--max-new-tokens {DEFAULT_MAX_NEW_TOKENS} (the default)"]
-        else:
-            shown = describe_all(ctx, "min_new_tokens", "max_new_tokens", value=True)
-        raise fail(" exceeds ".join(shown), EXIT_USAGE)
-    for name, value in (("temperature", temperature), ("repetition_penalty", repetition_penalty), ("top_p", top_p)):
-        if value is not None and value <= 0:
-            got = f", got {value}" if from_command_line(ctx, name) else ""
-            raise fail(f"{describe(ctx, name)} must be greater than 0{got}", EXIT_USAGE)
-    if prompt.count("{text}") != 1:
-        shown = f": {prompt!r}" if from_command_line(ctx, "prompt") else ""
-        raise fail(f"{describe(ctx, 'prompt')} must contain {{text}} exactly once, where the document goes{shown}",
-                   EXIT_USAGE)
-    if system is not None and "{text}" in system:
-        shown = f": {system!r}" if from_command_line(ctx, "system") else ""
-        raise fail(f"{describe(ctx, 'system')} must not contain {{text}}: the document goes where --prompt puts "
-                   f"it{shown}", EXIT_USAGE)
-    if retrieval_k is not None and retrieval_k_alias is not None and retrieval_k != retrieval_k_alias:
-        if rank(ctx, "retrieval_k") == rank(ctx, "retrieval_k_alias"):
-            raise fail(" and ".join(describe_all(ctx, "retrieval_k", "retrieval_k_alias", value=True))
-                       + " disagree (--topk is the old name of --retrieval-k)", EXIT_USAGE)
-        if rank(ctx, "retrieval_k_alias") > rank(ctx, "retrieval_k"):
-            retrieval_k = retrieval_k_alias
-            decided["retrieval_k"] = (retrieval_k, option_source(ctx, "retrieval_k_alias"))
+    quiet, verbose = _display_level(ctx, quiet, verbose, decided)
+    _check_generation(ctx, min_new_tokens, max_new_tokens, temperature, repetition_penalty, top_p)
+    _check_prompt(ctx, prompt, system)
+    retrieval_k = _retrieval_k(ctx, retrieval_k, retrieval_k_alias, decided)
     if cache_max_bytes is not None and cache_dir is None:
         raise fail(f"{describe(ctx, 'cache_max_bytes')} needs --cache-dir (or UNLIMISUM_CACHE_DIR)", EXIT_USAGE)
     if tc_window is not None and not (tensor_cache or tc_params is not None):
@@ -420,44 +391,14 @@ def summarize(
         memory = tensor_cache_settings(tensor_cache or tc_params is not None, tc_params, tc_window)
     except ConfigError as error:
         raise fail(error, EXIT_USAGE)
-    if engine == "local":
-        for name, value in (("workers", workers), ("gpus_per_worker", gpus_per_worker),
-                            ("cpus_per_worker", cpus_per_worker)):
-            if value is not None:
-                local = f" ({describe(ctx, 'engine')})" if option_source(ctx, "engine") == CONFIG else ""
-                raise fail(f"{describe(ctx, name)} needs --engine ray{local}", EXIT_USAGE)
-    else:
-        from unlimisum.runs import require_ray
-
-        try:
-            require_ray()
-        except ConfigError as error:
-            raise fail(error, EXIT_USAGE)
-    sampling_options = [name for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p))
-                        if value is not None]
-    if sample is False and sampling_options:  # as for --quiet and --verbose: the higher level wins
-        highest = max(rank(ctx, name) for name in sampling_options)
-        if highest == rank(ctx, "sample"):
-            named = describe_all(ctx, "sample", *[name for name in sampling_options if rank(ctx, name) == highest])
-            which = "which samples" if len(named) == 2 else "which sample"
-            raise fail(f"{named[0]} contradicts {', '.join(named[1:])}, {which}", EXIT_USAGE)
-        if highest > rank(ctx, "sample"):
-            sample = None
-        else:
-            for name in sampling_options:
-                decided[name] = (None, option_source(ctx, "sample"))
-            temperature = top_k = top_p = None
-            sampling_options = []
-    do_sample = True if sample or sampling_options else sample  # None: the model's own
-    if do_sample != ctx.params.get("sample"):  # a sampling option given (it samples) set --sample's value
-        decided["sample"] = (do_sample, option_source(ctx, max(sampling_options, key=lambda name: rank(ctx, name))))
+    _check_engine(ctx, engine, workers, gpus_per_worker, cpus_per_worker)
+    do_sample, temperature, top_k, top_p = _sampling(ctx, sample, temperature, top_k, top_p, decided)
     settings = SummarizeSettings(
         model=ModelConfig(name=model, tokenizer=tokenizer, device=device, dtype=dtype, trust_remote_code=trust_remote_code),
         encoding=EncodingConfig(overlap=overlap, batch_size=encode_batch, window=window, int8=encode_int8),
         index=IndexConfig(kind=index, device=index_device, storage_dtype=storage_dtype, key_store=key_store),
-        retrieval=RetrievalConfig(retrieval_k=retrieval_k if retrieval_k is not None else retrieval_k_alias,
-                                  evidence=evidence is not False, evidence_passages=evidence_passages,
-                                  support=support, support_by=support_by),
+        retrieval=RetrievalConfig(retrieval_k=retrieval_k, evidence=evidence is not False,
+                                  evidence_passages=evidence_passages, support=support, support_by=support_by),
         generation=GenerationOptions(
             max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, num_beams=num_beams,
             no_repeat_ngram_size=no_repeat_ngram_size, length_penalty=length_penalty,
@@ -508,6 +449,106 @@ def summarize(
         if result.total > 1 and not result.pipe_closed:
             display.failure_report(result.failures, result.total)
         raise typer.Exit(EXIT_FAILURE)
+
+
+# -- the options checked, and reconciled where two of them disagree (the higher level wins: the command line
+# over a --config file); ``decided`` notes each value set aside, for the run manifest
+
+
+def _display_level(ctx, quiet: bool, verbose: int, decided: dict) -> tuple[bool, int]:
+    """(quiet, verbose) once --quiet and --verbose are reconciled: the one given on the higher level wins; a usage
+    error where both are given on the same level."""
+    if quiet and verbose:
+        if rank(ctx, "quiet") == rank(ctx, "verbose"):
+            raise fail(" and ".join(describe_all(ctx, "quiet", "verbose")) + " contradict each other", EXIT_USAGE)
+        if rank(ctx, "quiet") > rank(ctx, "verbose"):
+            verbose, decided["verbose"] = 0, (0, option_source(ctx, "quiet"))
+        else:
+            quiet, decided["quiet"] = False, (False, option_source(ctx, "verbose"))
+    return quiet, verbose
+
+
+def _check_generation(ctx, min_new_tokens: int | None, max_new_tokens: int | None, temperature: float | None,
+                      repetition_penalty: float | None, top_p: float | None) -> None:
+    """A usage error for a minimum length above the maximum, or a sampling setting that is not positive."""
+    if min_new_tokens is not None and min_new_tokens > (max_new_tokens or DEFAULT_MAX_NEW_TOKENS):
+        if max_new_tokens is None:
+            shown = [describe(ctx, "min_new_tokens", value=True),
+                     f"--max-new-tokens {DEFAULT_MAX_NEW_TOKENS} (the default)"]
+        else:
+            shown = describe_all(ctx, "min_new_tokens", "max_new_tokens", value=True)
+        raise fail(" exceeds ".join(shown), EXIT_USAGE)
+    for name, value in (("temperature", temperature), ("repetition_penalty", repetition_penalty), ("top_p", top_p)):
+        if value is not None and value <= 0:
+            got = f", got {value}" if from_command_line(ctx, name) else ""
+            raise fail(f"{describe(ctx, name)} must be greater than 0{got}", EXIT_USAGE)
+
+
+def _check_prompt(ctx, prompt: str, system: str | None) -> None:
+    """A usage error unless --prompt holds {text} once and --system not at all."""
+    if prompt.count("{text}") != 1:
+        shown = f": {prompt!r}" if from_command_line(ctx, "prompt") else ""
+        raise fail(f"{describe(ctx, 'prompt')} must contain {{text}} exactly once, where the document goes{shown}",
+                   EXIT_USAGE)
+    if system is not None and "{text}" in system:
+        shown = f": {system!r}" if from_command_line(ctx, "system") else ""
+        raise fail(f"{describe(ctx, 'system')} must not contain {{text}}: the document goes where --prompt puts "
+                   f"it{shown}", EXIT_USAGE)
+
+
+def _retrieval_k(ctx, retrieval_k: int | None, alias: int | None, decided: dict) -> int | None:
+    """--retrieval-k, or --topk (its old name) where only it is given or it is given on the higher level."""
+    if retrieval_k is not None and alias is not None and retrieval_k != alias:
+        if rank(ctx, "retrieval_k") == rank(ctx, "retrieval_k_alias"):
+            raise fail(" and ".join(describe_all(ctx, "retrieval_k", "retrieval_k_alias", value=True))
+                       + " disagree (--topk is the old name of --retrieval-k)", EXIT_USAGE)
+        if rank(ctx, "retrieval_k_alias") > rank(ctx, "retrieval_k"):
+            retrieval_k = alias
+            decided["retrieval_k"] = (retrieval_k, option_source(ctx, "retrieval_k_alias"))
+    return retrieval_k if retrieval_k is not None else alias
+
+
+def _check_engine(ctx, engine: str, workers: int | None, gpus_per_worker: float | None,
+                  cpus_per_worker: int | None) -> None:
+    """A usage error for a Ray option without --engine ray, or --engine ray without Ray installed."""
+    if engine == "local":
+        for name, value in (("workers", workers), ("gpus_per_worker", gpus_per_worker),
+                            ("cpus_per_worker", cpus_per_worker)):
+            if value is not None:
+                local = f" ({describe(ctx, 'engine')})" if option_source(ctx, "engine") == CONFIG else ""
+                raise fail(f"{describe(ctx, name)} needs --engine ray{local}", EXIT_USAGE)
+        return
+    from unlimisum.runs import require_ray
+
+    try:
+        require_ray()
+    except ConfigError as error:
+        raise fail(error, EXIT_USAGE)
+
+
+def _sampling(ctx, sample: bool | None, temperature: float | None, top_k: int | None, top_p: float | None,
+              decided: dict) -> tuple[bool | None, float | None, int | None, float | None]:
+    """(do_sample, temperature, top_k, top_p): a sampling option given samples; --no-sample against one of them
+    is settled as --quiet against --verbose (the higher level wins). do_sample None: the model's own setting."""
+    sampling_options = [name for name, value in (("temperature", temperature), ("top_k", top_k), ("top_p", top_p))
+                        if value is not None]
+    if sample is False and sampling_options:
+        highest = max(rank(ctx, name) for name in sampling_options)
+        if highest == rank(ctx, "sample"):
+            named = describe_all(ctx, "sample", *[name for name in sampling_options if rank(ctx, name) == highest])
+            which = "which samples" if len(named) == 2 else "which sample"
+            raise fail(f"{named[0]} contradicts {', '.join(named[1:])}, {which}", EXIT_USAGE)
+        if highest > rank(ctx, "sample"):
+            sample = None
+        else:
+            for name in sampling_options:
+                decided[name] = (None, option_source(ctx, "sample"))
+            temperature = top_k = top_p = None
+            sampling_options = []
+    do_sample = True if sample or sampling_options else sample
+    if do_sample != ctx.params.get("sample"):  # a sampling option given (it samples) set --sample's value
+        decided["sample"] = (do_sample, option_source(ctx, max(sampling_options, key=lambda name: rank(ctx, name))))
+    return do_sample, temperature, top_k, top_p
 
 
 def _output_format(ctx, as_json: bool, output_format: str, output_dir: Path | None) -> tuple[bool, bool]:
@@ -599,6 +640,6 @@ def tensor_cache_settings(enabled: bool, params_file: Path | None, window: int |
 
 def check_index_settings(index: IndexConfig) -> None:
     """Raise ConfigError now, before the model loads, for index options this machine cannot honour."""
-    from unlimisum.unlimiformer.datastore import plan_index
+    from unlimisum.search.datastore import plan_index
 
     plan_index(1, 1, index)  # validates kind/device and CUDA presence for --index-device gpu

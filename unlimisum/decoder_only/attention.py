@@ -21,7 +21,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from unlimisum.unlimiformer import kernels
+from unlimisum.search import kernels
 
 ATTENTION_NAME = "unlimisum_retrieval"
 

@@ -30,7 +30,7 @@ from unlimisum.decoder_only.plan import RetrievalPlan
 from unlimisum.decoder_only.positions import Rotation
 from unlimisum.decoder_only.sliding import WindowLayer
 from unlimisum.decoder_only.store import LayerStore
-from unlimisum.unlimiformer import kernels
+from unlimisum.search import kernels
 
 
 def _gather(stored: torch.Tensor, ids: torch.Tensor, device) -> torch.Tensor:

@@ -7,10 +7,10 @@ attend to the same k tokens. With one query head per key-value head it is every 
 - ``token_ids``: every query its own top-k (brute force over the far tokens; prefill in token
   mode, the exact reference).
 - ``decode_ids``: the same rule for one step's queries (every beam), scored by unlimisum's
-  measured exact kernel (unlimiformer/kernels.py) in one streaming pass per key-value head; on a
+  measured exact kernel (search/kernels.py) in one streaming pass per key-value head; on a
   CPU, where measured faster on this machine (``grouped_scan_wins``, kept in the user's cache
   folder: unlimisum/measurements.py), by the compiled grouped scan instead
-  (unlimiformer/compiled.py ``select_grouped``: scores, the max over the group and a running
+  (search/compiled.py ``select_grouped``: scores, the max over the group and a running
   top-k in one pass over each key-value head's keys, widened in registers, exact fp32 scores).
 - ``BlockIndex``: prefill in block mode. Far tokens are grouped into blocks when they leave the
   local window, each represented by the few keys that drew the most attention while they were
@@ -27,7 +27,7 @@ import math
 import torch
 
 from unlimisum import measurements
-from unlimisum.unlimiformer import compiled, kernels
+from unlimisum.search import compiled, kernels
 
 SCORE_BYTES = 64 * 2**20  # float32 block or token scores of one slice
 # the compiled grouped scan serves stores from this many far keys: below, the first compile (tens of seconds per
@@ -38,7 +38,7 @@ GROUPED_SCAN_MIN_KEYS = kernels.COMPILED_MIN_STATES
 GROUPED_SCAN_MAX_ROWS = 64
 GROUPED_MEASURE_KEYS = 65_536  # keys per key-value head of the measurement's synthetic store
 # what the measurement is called in the user's cache folder: a new version measures again
-GROUPED_MEASUREMENT_VERSION = 2  # 2: the compiled scan asks for the rows ahead of it (compiled.PREFETCH_BYTES)
+GROUPED_MEASUREMENT_VERSION = 2  # 2: the compiled scan asks for the rows ahead of it (llvm.PREFETCH_BYTES)
 
 
 def token_ids(scores: torch.Tensor, k: int) -> torch.Tensor:

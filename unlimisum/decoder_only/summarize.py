@@ -32,8 +32,8 @@ from unlimisum.results import EMPTY_SUMMARY, GenerationProgress, Summary, Summar
 from unlimisum import coverage, evidence
 from unlimisum.coverage import chapter_token_ranges
 from unlimisum.models import compat
-from unlimisum.unlimiformer import compiled
-from unlimisum.unlimiformer.placement import storage_dtype
+from unlimisum.search import compiled
+from unlimisum.search.placement import storage_dtype
 
 # summary tokens read at a time by the reread pass at most: each brings its own far tokens ([G, k, D] per layer)
 EVIDENCE_CHUNK = 64

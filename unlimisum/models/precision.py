@@ -95,11 +95,6 @@ def _cpu_speedup(dtype: torch.dtype) -> float:
         return measure_cpu_speedup(dtype)[0]
 
 
-def cpu_bfloat16_speedup() -> float:
-    """float32 time / bfloat16 time of the encoder's matmuls here (``cpu_speedup(torch.bfloat16)``)."""
-    return cpu_speedup(torch.bfloat16)
-
-
 def measure_cpu_speedup(dtype: torch.dtype = torch.bfloat16, *, timer: Timer | None = None,
                         shapes: tuple[tuple[int, int, int], ...] = PROBE_SHAPES) -> tuple[float, str]:
     """(float32 time / ``dtype`` time, what was measured): each shape of ``shapes`` raced in turns

@@ -133,7 +133,7 @@ class SummarizeWorker:
         import torch
 
         from unlimisum.runs.runner import BatchRunner
-        from unlimisum.unlimiformer.packed import MEMORY_LIMIT_ENV
+        from unlimisum.search.packed import MEMORY_LIMIT_ENV
 
         if not os.path.isdir(self.cwd):
             raise SharedStorageError(

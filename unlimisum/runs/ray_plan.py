@@ -7,7 +7,7 @@ and at most one per book. Without ``--cpus-per-worker`` the CPUs are shared out:
 at the cluster's free CPUs divided by the workers wanted and goes down until that many fit. Each
 worker then reserves its node's free memory divided by the workers placed there (the smallest
 such share over the nodes used), and its retrieval kernels budget that share, not the machine's
-(``unlimisum.unlimiformer.packed.MEMORY_LIMIT_ENV``).
+(``unlimisum.search.packed.MEMORY_LIMIT_ENV``).
 
 Pure functions of the nodes' free resources (``ray._private.state.available_resources_per_node``
 gives them): tested without Ray.

@@ -8,7 +8,7 @@ store format), in a folder of its own under the cache directory::
     <cache>/<key>/ids.bin      [N] token ids, raw little-endian int64
     <cache>/<key>/ends.bin     [N] each token's end character in the text, int64 (when the tokenizer
                                gives offsets: the chapters are mapped through them on loading)
-    <cache>/<key>/keys.bin     [L, H, N, d_head] the per-layer key store (unlimisum/unlimiformer/keys.py),
+    <cache>/<key>/keys.bin     [L, H, N, d_head] the per-layer key store (unlimisum/search/keys.py),
                                in the states' dtype, when the run that encoded the book built it and the
                                entry with it stays within the cache's size cap and half the free disk
                                (``keys_fit``); a hit without it rebuilds the keys from the states

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from unlimisum.coverage import TokenRange
-from unlimisum.unlimiformer.datastore import Datastore
+from unlimisum.search.datastore import Datastore
 
 
 @dataclass

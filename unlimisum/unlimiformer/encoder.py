@@ -19,18 +19,18 @@ from unlimisum.models import checkpoint
 from unlimisum.models.quantized import int8_linears
 from unlimisum.models.tokens import encode_text, special_ids
 from unlimisum.config import EncodingConfig, IndexConfig
-from unlimisum.unlimiformer import compiled, kernels
-from unlimisum.unlimiformer.datastore import DatastoreBuilder, IndexPlan, TorchExactDatastore, plan_index
+from unlimisum.search import compiled, kernels
+from unlimisum.search.datastore import DatastoreBuilder, IndexPlan, TorchExactDatastore, plan_index
 from unlimisum.document import Document
 from unlimisum.coverage import chapter_token_ranges, token_char_ends
 from unlimisum.events import ProgressEvent
 from unlimisum.unlimiformer.encoded import EncodedDocument
 from unlimisum.unlimiformer.cache import CacheKey, EncodedCache, text_sha256
 from unlimisum.unlimiformer.encoding import auto_batch_size, encode_windows, plan_windows
-from unlimisum.unlimiformer.keys import (
+from unlimisum.search.keys import (
     KeyStore, KeyStoreBuilder, build_key_store, key_weights, matches, value_weights,
 )
-from unlimisum.unlimiformer.placement import KeyStorePlan, plan_key_store
+from unlimisum.search.placement import KeyStorePlan, plan_key_store
 from unlimisum.errors import ConfigError, EmptyDocumentError
 from unlimisum.models import LoadedModel
 

@@ -31,7 +31,7 @@ import torch
 
 from unlimisum import evidence
 from unlimisum.models import LoadedModel, compat
-from unlimisum.unlimiformer.datastore import Datastore
+from unlimisum.search.datastore import Datastore
 from unlimisum.unlimiformer.retrieval import EVIDENCE_TOP_POSITIONS, EvidenceCollector, RetrievalSession, retrieval
 
 

@@ -21,7 +21,7 @@ from torch import nn
 
 from unlimisum.models import wrapping
 from unlimisum.models.architectures import Architecture
-from unlimisum.unlimiformer import head_kernels, kernels
+from unlimisum.search import head_kernels, kernels
 
 
 @dataclass

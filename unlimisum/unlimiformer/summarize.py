@@ -22,15 +22,15 @@ from unlimisum.errors import ConfigError, EmptyDocumentError
 from unlimisum.events import ProgressCallback, ProgressEvent
 from unlimisum.models import LoadedModel, compat
 from unlimisum.results import EMPTY_SUMMARY, GenerationProgress, Summary, SummaryStats, peak_rss_bytes
-from unlimisum.unlimiformer import compiled
+from unlimisum.search import compiled
 from unlimisum.unlimiformer.cache import EncodedCache
-from unlimisum.unlimiformer.datastore import Datastore
+from unlimisum.search.datastore import Datastore
 from unlimisum.unlimiformer.encoded import EncodedDocument
 from unlimisum.unlimiformer.encoder import DocumentEncoder, EncodePlan
 from unlimisum.unlimiformer.encoding import plan_windows
-from unlimisum.unlimiformer.keys import key_weights, value_weights
+from unlimisum.search.keys import key_weights, value_weights
 from unlimisum.unlimiformer.removal import StoreRemoval
-from unlimisum.unlimiformer.placement import storage_dtype
+from unlimisum.search.placement import storage_dtype
 from unlimisum.unlimiformer.reread import (GenerationRecorder, Reading, SummaryReader, end_tokens, returned_length,
                                            support_of)
 from unlimisum.unlimiformer.retrieval import RetrievalSession, retrieval

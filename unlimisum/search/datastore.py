@@ -4,7 +4,7 @@ One copy of the states in 16 bits serves both the search (which tokens each head
 to) and the value lookup (the attention output in hidden space). How:
 
 - exact (CPU and GPU): a 16-bit torch tensor; ``attend`` reads it once per call for every
-  query of a decoder step (unlimisum/unlimiformer/kernels.py: one scores matmul, then a gather of the
+  query of a decoder step (unlimisum/search/kernels.py: one scores matmul, then a gather of the
   top-k or a dense pass), with the kernel measured on the machine that runs.
 - ivf: the exact buffer (a faiss code buffer) plus an ``IndexIVFScalarQuantizer`` trained at
   ``finish`` on a strided sample of it. Inverted lists keep their own codes and int64 ids, so
@@ -14,7 +14,7 @@ to) and the value lookup (the attention output in hidden space). How:
 
 Approximate kinds find their candidates with faiss (which may round the query to bf16 on
 CPUs with AVX512-BF16) and score the ids found in fp32, so scores do not depend on the CPU;
-the exact kind's precision is documented in unlimisum/unlimiformer/kernels.py. ``view(start, end)`` of
+the exact kind's precision is documented in unlimisum/search/kernels.py. ``view(start, end)`` of
 any store is a zero-copy exact store over that token range (a chapter of the book).
 """
 
@@ -27,11 +27,13 @@ import faiss
 import numpy as np
 import torch
 
-from unlimisum.unlimiformer import kernels
-from unlimisum.unlimiformer import packed as packing
+from unlimisum.search import kernels
+from unlimisum.search.flat import SCALAR_QUANTIZER as _SCALAR_QUANTIZER
+from unlimisum.search.flat import new_flat_index
+from unlimisum.search import packed as packing
 from unlimisum.config import IndexConfig
 from unlimisum.errors import ConfigError
-from unlimisum.unlimiformer.placement import APPROXIMATE_KINDS, IndexPlan, plan_index, storage_dtype, validate_index_config
+from unlimisum.search.placement import APPROXIMATE_KINDS, IndexPlan, plan_index, storage_dtype, validate_index_config
 
 __all__ = ["IndexPlan", "plan_index", "DatastoreBuilder", "Datastore", "attention_mass_recall",
            "TorchExactDatastore", "FaissDatastore", "IVFDatastore", "HNSWDatastore"]
@@ -49,7 +51,6 @@ HNSW_M = 32
 HNSW_EF_CONSTRUCTION = 80
 HNSW_EF_PER_K = 2
 
-_SCALAR_QUANTIZER = {torch.float16: faiss.ScalarQuantizer.QT_fp16, torch.bfloat16: faiss.ScalarQuantizer.QT_bf16}
 
 
 # fp32 states gathered at once to score a search's top-k exactly (an approximate index's candidates, the native
@@ -60,7 +61,7 @@ RESCORE_BYTES = 256 * 2**20
 class Datastore:
     """The encoded input, ready for search and value lookup. Build it with ``DatastoreBuilder``."""
 
-    # the exact store's per-layer keys (unlimisum/unlimiformer/keys.py), which its heads score instead of the
+    # the exact store's per-layer keys (unlimisum/search/keys.py), which its heads score instead of the
     # states when present (the states then serve the weighted sums); set by the encoder, shared by views
     keys = None
 
@@ -151,7 +152,7 @@ class Datastore:
         yield self
 
     def compiled_kernels(self) -> tuple[str, ...]:
-        """The compiled kernels (unlimisum/unlimiformer/compiled.py) this store's search may run: ``prepare``
+        """The compiled kernels (unlimisum/search/compiled.py) this store's search may run: ``prepare``
         needs them compiled; none for faiss indexes."""
         return ()
 
@@ -201,7 +202,7 @@ class TorchExactDatastore(Datastore):
 
     def packed(self) -> "kernels.PackedStates | None":
         """The packed copies the packed kernel reads, made once when that kernel was chosen, the states are
-        within fp16's range and the copies fit their memory budget (unlimisum/unlimiformer/packed.py); else None.
+        within fp16's range and the copies fit their memory budget (unlimisum/search/packed.py); else None.
         A view reads its book's copies (a window of them) when the book's store is packed, and never packs its
         own rows: a book is packed once for all its chapters."""
         if not self._packing_checked and self.kernel().scores == "packed":
@@ -479,14 +480,6 @@ def attention_mass_recall(exact: Datastore, approx: Datastore, queries: torch.Te
 # --- faiss plumbing -----------------------------------------------------------------------------
 
 
-def new_flat_index(dim: int, dtype: torch.dtype) -> faiss.Index:
-    """An empty exact inner-product index of ``dim``-wide vectors stored as ``dtype`` (float32: flat; 16-bit:
-    a scalar quantizer whose codes are the numbers bit for bit); KeyError for another dtype."""
-    if dtype == torch.float32:
-        return faiss.IndexFlatIP(dim)
-    return faiss.IndexScalarQuantizer(dim, _SCALAR_QUANTIZER[dtype], faiss.METRIC_INNER_PRODUCT)
-
-
 def _new_hnsw_index(dim: int, dtype: torch.dtype) -> faiss.Index:
     if dtype == torch.float32:
         index = faiss.IndexHNSWFlat(dim, HNSW_M, faiss.METRIC_INNER_PRODUCT)
@@ -506,4 +499,3 @@ def _codes_view(codes, n: int, dim: int, dtype: torch.dtype) -> torch.Tensor:
     """[n, dim] torch view of a faiss code buffer holding ``dtype`` numbers; no copy."""
     raw = faiss.rev_swig_ptr(codes.data(), n * dim * dtype.itemsize)  # numpy uint8 over faiss memory
     return torch.from_numpy(raw).view(dtype).view(n, dim)
-

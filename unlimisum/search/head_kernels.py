@@ -1,7 +1,7 @@
 """Exact retrieval attention over a key store per decoder layer: each head scores its own keys.
 
 One decoder layer's step for one document: ``queries`` [H, nq, dh] (per head: its beams, steps and rows, the
-model's scaling folded in), that layer's ``keys`` [H, N, dh] (unlimisum/unlimiformer/keys.py) and the shared
+model's scaling folded in), that layer's ``keys`` [H, N, dh] (unlimisum/search/keys.py) and the shared
 ``states`` [N, d]:
 
 - scores per head, [H, nq, N] = queries @ keys^T: one pass over the keys, one multiply-add per number read for
@@ -9,7 +9,7 @@ model's scaling folded in), that layer's ``keys`` [H, N, dh] (unlimisum/unlimifo
   accumulation, the scores rounded to it: 2^-8 relative in bf16), for CPUs with 16-bit units and GPUs;
   ``float32``: blocks of every head's rows widened to fp32 into a reused buffer that stays in cache, then one
   batched matmul per block (exact fp32 scores of the stored keys), for CPUs without them.
-  ``compiled``: numba's kernels of unlimisum/unlimiformer/compiled.py (CPU, bfloat16 or fp32 keys), every
+  ``compiled``: numba's kernels of unlimisum/search/compiled.py (CPU, bfloat16 or fp32 keys), every
   query of a head against each row while it is in cache, the keys widened in registers (the float32 kernel's
   numbers);
 - top-k per head (``kernels.top_k`` over the [H * nq, N] rows), then the softmax of those scores; or, on a CPU
@@ -45,8 +45,8 @@ import numpy as np
 import torch
 
 from unlimisum import measurements
-from unlimisum.unlimiformer import compiled, kernels
-from unlimisum.unlimiformer import packed as packing
+from unlimisum.search import compiled, kernels
+from unlimisum.search import packed as packing
 
 HEAD_KERNELS = ("native", "float32", "compiled")
 SCANNERS = ("compiled", "faiss")  # the scans that select each head's top-k in one pass (CPU)
@@ -56,11 +56,10 @@ MEASURE_ROWS = 16_384  # synthetic rows of the measurement: both stores at least
 # scores do not): where it wins only here, it takes over from the length where the two meet
 LONG_MEASURE_ROWS = 131_072
 # what the measurements of this module are called in the user's cache folder: a new version measures again
-MEASUREMENT_VERSION = 4  # 4: the compiled scans ask for the rows ahead of them (compiled.PREFETCH_BYTES)
+MEASUREMENT_VERSION = 4  # 4: the compiled scans ask for the rows ahead of them (llvm.PREFETCH_BYTES)
 MEASURE_REPEATS = 3
 # a top-k of each query's scores is selected from at least this many rows per measured k (k = rows / 16)
 MEASURE_ROWS_PER_K = 16
-RESCORE_BYTES = 256 * 2**20  # fp32 keys gathered at once to rescore a search's top-k
 # a dense step's scores scored, softmaxed and summed at once (``dense_blocks``): in the L3 of most CPUs, and
 # below glibc's largest mmap threshold (32 MiB), above which every fresh tensor is page-faulted in again
 DENSE_SCORE_BYTES = 8 * 2**20
@@ -243,12 +242,12 @@ def scan_select(scanner: str, keys: torch.Tensor, queries: torch.Tensor, k: int)
 
 
 def _faiss_index(rows: torch.Tensor):
-    """The exact store's flat inner-product index (``datastore.new_flat_index``) over ``rows`` [n, dh] (CPU,
+    """The exact store's flat inner-product index (``flat.new_flat_index``) over ``rows`` [n, dh] (CPU,
     contiguous), reading them where they are: its code buffer made a view of the tensor's memory (faiss >= 1.10's
     MaybeOwnedVector), nothing copied. The tensor must outlive the index."""
     import faiss
 
-    from unlimisum.unlimiformer.datastore import new_flat_index
+    from unlimisum.search.flat import new_flat_index
 
     n, head_dim = rows.shape
     index = new_flat_index(head_dim, rows.dtype)
@@ -375,31 +374,6 @@ def head_select(keys: torch.Tensor, queries: torch.Tensor, k: int,
         top, order = top.topk(min(k, top.shape[1]), dim=1, sorted=False)
         ids = ids.gather(1, order)
     return top.view(heads, nq, -1), ids.view(heads, nq, -1)
-
-
-def head_rescore(keys: torch.Tensor, queries: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """[H, nq, k] exact fp32 scores of the stored keys ``ids`` [H, nq, k] for queries [H, nq, dh], gathered in
-    blocks of queries within RESCORE_BYTES."""
-    heads, nq, k = ids.shape
-    head_dim = keys.shape[2]
-    queries = queries.to(keys.device, torch.float32)
-    block = max(1, RESCORE_BYTES // (4 * heads * max(k, 1) * head_dim))
-    head_index = torch.arange(heads, device=keys.device).view(heads, 1, 1)
-    parts = []
-    for first in range(0, nq, block):
-        chosen = ids[:, first:first + block]  # [H, b, k]
-        gathered = keys[head_index, chosen].float()  # [H, b, k, dh]
-        parts.append(torch.einsum("hbkd,hbd->hbk", gathered, queries[:, first:first + block]))
-    return torch.cat(parts, dim=1) if parts else ids.float()
-
-
-def head_search(keys: torch.Tensor, queries: torch.Tensor, k: int,
-                choice: HeadKernelChoice) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each head's top-k: (scores [H, nq, k'] fp32, rescored exactly from the stored keys, sorted descending;
-    ids [H, nq, k'] int64), k' = min(k, N)."""
-    _, ids = head_select(keys, queries, min(k, keys.shape[1]), choice)
-    scores, order = head_rescore(keys, queries, ids).sort(dim=2, descending=True)
-    return scores, ids.gather(2, order)
 
 
 def head_retrieve(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tensor, k: int, choice: HeadKernelChoice,

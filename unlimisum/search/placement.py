@@ -11,7 +11,7 @@ The policy in one paragraph (the numbers come from bench/index_choice.py):
   attention mass and is slower to build and to search).
 
 Where an exact search scores: ``plan_key_store`` -> ``KeyStorePlan``. The shared store serves every
-decoder layer (the paper's memory saving); a key store per layer (unlimisum/unlimiformer/keys.py) takes
+decoder layer (the paper's memory saving); a key store per layer (unlimisum/search/keys.py) takes
 L times the store's bytes and lets each head score its own d_head-dim query, H times fewer multiply-adds
 for the same bytes read. ``key_store="auto"`` uses it when all of these hold:
 
@@ -22,7 +22,7 @@ for the same bytes read. ``key_store="auto"`` uses it when all of these hold:
   process (which holds the model by then), or on a GPU ``gpu_memory_fraction`` of its free memory: the
   other half stays for the decoder, the evidence pass and everything else on the machine;
 - the key store's scores and top-k are measured at least ``KEY_STORE_MIN_SPEEDUP`` times faster than the
-  shared store's on this machine (unlimisum/unlimiformer/head_kernels.py, ``kernel_for``).
+  shared store's on this machine (unlimisum/search/head_kernels.py, ``kernel_for``).
 
 ``key_store="per-layer"`` uses it whenever the index is exact (``kind="auto"`` then plans exact);
 ``"shared"`` never. Where every head attends to every token (``retrieval_k >= n_tokens``: a dense step, bound
@@ -72,7 +72,7 @@ def storage_dtype(config: IndexConfig) -> torch.dtype:
     "auto" is bfloat16 whatever the model: 2 bytes per number like float16, but the float32
     range (encoder states beyond +-65504 are stored, not turned into inf), and the dtype the
     fast 16-bit matmul units of CPUs (AVX512-BF16, AMX) and GPUs read. Its 8-bit mantissa is
-    the documented precision of scores (unlimisum/unlimiformer/kernels.py). The choice never depends on the
+    the documented precision of scores (unlimisum/search/kernels.py). The choice never depends on the
     machine, so neither do results beyond that precision.
     """
     if config.storage_dtype == "auto":
@@ -228,7 +228,7 @@ def plan_key_store(n_tokens: int, dim: int, layers: int, heads: int, head_dim: i
                                          f"({store_bytes / 2**20:,.0f} MiB) exceed {budget / 2**20:,.0f} MiB "
                                          f"({fraction:.0%} of the memory left)")
     if speedup is None:
-        from unlimisum.unlimiformer import head_kernels
+        from unlimisum.search import head_kernels
 
         speedup = lambda: head_kernels.kernel_for(index.device, dtype, dim, heads, head_dim,  # noqa: E731
                                                   queries_per_head=queries_per_head, k=retrieval_k).speedup
@@ -244,7 +244,7 @@ def _free_bytes(device: str) -> int:
     """Memory left for a store on ``device``: a GPU's free memory, else the usable memory beside this process."""
     if torch.device(device).type == "cuda":
         return torch.cuda.mem_get_info(torch.device(device))[0]
-    from unlimisum.unlimiformer import packed
+    from unlimisum.search import packed
 
     usable = packed.usable_memory()
     return 0 if usable is None else max(0, usable - packed.resident_memory())

@@ -9,7 +9,7 @@ weighted sum of its top-k stored states. How the store is read:
 - k < N: one pass scores every query against the whole store, the top-k are selected, then
   either the k winners are gathered (k small next to N; with the native kernel one fused
   ``embedding_bag`` call, no gathered copy, where measured faster; in fp32 on a CPU, the compiled sum of
-  unlimisum/unlimiformer/compiled.py, no gathered copy either) or a second dense pass sums the
+  unlimisum/search/compiled.py, no gathered copy either) or a second dense pass sums the
   masked softmax over every state (k a large share of N).
 
 Three score kernels, the same result within the documented precision:
@@ -21,7 +21,7 @@ Three score kernels, the same result within the documented precision:
 - ``float32``: blocks of the store are widened to fp32 into a reused buffer that stays in cache
   and multiplied with the fp32 query: exact fp32 scores; faster on CPUs without 16-bit units.
 - ``packed`` (CPU, torch builds with fbgemm): the store packed once in fbgemm's fp16 layout, widened in
-  registers, fp32 arithmetic (unlimisum/unlimiformer/packed.py): the float32 kernel's scores within fp32 rounding, at
+  registers, fp32 arithmetic (unlimisum/search/packed.py): the float32 kernel's scores within fp32 rounding, at
   the cost of two packed copies beside the store (about 2.6x its bytes). Chosen only when measured
   ``PACKED_MIN_SPEEDUP`` times faster than the best unpacked kernel; a store that is not packed (its copies
   over their memory budget, a value beyond fp16's range) runs that best unpacked kernel (``KernelChoice.fallback``).
@@ -50,9 +50,9 @@ import torch
 import torch.nn.functional as F
 
 from unlimisum import measurements
-from unlimisum.unlimiformer import compiled
-from unlimisum.unlimiformer import packed as packing
-from unlimisum.unlimiformer.packed import PackedStates
+from unlimisum.search import compiled
+from unlimisum.search import packed as packing
+from unlimisum.search.packed import PackedStates
 
 SCORE_KERNELS = ("native", "float32", "packed")
 # Calibration store: large enough to leave the caches (as real stores do), small enough to time quickly.
@@ -65,7 +65,7 @@ BLOCK_CHOICES = (512, 2_048, 8_192)  # rows per block of the blocked passes (wid
 MAX_SCORE_BYTES = 256 * 2**20
 # Rows gathered at a time (16-bit rows plus their fp32 widening stay in a reused buffer of a few MB).
 GATHER_ROWS = 2_048
-# from this many states, the fp32 sums over them run compiled on a CPU (unlimisum/unlimiformer/compiled.py), and
+# from this many states, the fp32 sums over them run compiled on a CPU (unlimisum/search/compiled.py), and
 # the key store's heads may score compiled (head_kernels.py); below, torch's: the first compile (a few seconds per
 # kernel, once per machine) would cost more than a short store saves, and no kernel is compiled for it at all
 COMPILED_MIN_STATES = 16_384
@@ -533,7 +533,7 @@ def dense_values(states: torch.Tensor, weights: torch.Tensor, choice: KernelChoi
                  compiled_sums: bool | None = None) -> torch.Tensor:
     """weights [nq, N] @ states [N, d] -> [nq, d] fp32: the second dense pass (fp32 sums on a CPU, from
     COMPILED_MIN_STATES states or as ``compiled_sums`` says (``_compiled_sums``): the compiled one of
-    unlimisum/unlimiformer/compiled.py, widened in registers)."""
+    unlimisum/search/compiled.py, widened in registers)."""
     if not choice.widens and states.dtype != torch.float32:
         return (weights.to(states.dtype) @ states).float()
     if _compiled_sums(states, "dense_sum", compiled_sums):

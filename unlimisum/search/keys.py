@@ -1,7 +1,7 @@
 """The key store per decoder layer: ``K_l = h_e W_k^l`` for every layer, 16-bit, head-major ``[H, N, d_head]``;
 and, where every head attends to every token (k >= N), the values ``V_l = h_e W_v^l`` beside them.
 
-The shared store (unlimisum/unlimiformer/datastore.py) serves every layer with one copy of the states: each
+The shared store (unlimisum/search/datastore.py) serves every layer with one copy of the states: each
 head's query is projected into hidden space (``q W_k^T``, d_model numbers), so every stored number meets one
 query per head. With the keys of each layer stored, each head scores its own d_head-dim query against its own
 contiguous block: the same bytes read per layer, H times fewer multiply-adds. The key bias is left out: it adds
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from unlimisum.models.architectures import Architecture
-from unlimisum.unlimiformer import head_kernels, kernels
+from unlimisum.search import head_kernels, kernels
 
 BUILD_ROWS = 65_536  # states projected at a time when the keys are built from a whole store (a cache hit)
 

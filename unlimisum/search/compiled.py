@@ -1,0 +1,433 @@
+"""Compiled CPU kernels (numba) of exact retrieval: each head's scan of its keys, and the sums over the states.
+
+torch has no kernel that reads 16-bit numbers at the memory's speed on a CPU without 16-bit units: a bfloat16
+matrix-vector product there runs at about 7 GB/s on one thread, and widening blocks to fp32 first reads and writes
+them again. These kernels, compiled by numba for the machine that runs (AVX2, AVX-512 or NEON, whatever LLVM
+finds), read each number once:
+
+- a bfloat16 number is the upper half of an fp32 one, so each 32-bit word of a bfloat16 tensor holds two of them:
+  the word shifted left by 16 bits is the even dimension, the word with its lower half cleared the odd one; the
+  queries are split the same way (even and odd dimensions), so the widening costs one integer operation per two
+  numbers and no shuffles;
+- ``select``: every query of a head (its beams) meets each key while it is in cache, one pass however many
+  beams; four queries and two keys at a time in explicit 8-lane vectors (``_pair_four_bf16``: each key's words
+  loaded and widened once, each query's lanes loaded once for both keys, a key's four sums reduced together),
+  and the two or three after the last four the same way (a group of 7 query heads: 4 + 3), where a key's
+  words (or fp32 numbers) are a multiple of 8; the top-k of each query is kept as it goes: a block's scores
+  are compared with the current threshold 8 at a time (``_above``), those above it appended to a buffer of
+  ``2 k`` candidates, and a full buffer is cut to little more than its k largest (``_cut``: a sample says
+  where, one branch-free pass keeps them), which raises the threshold; ``scores``: the same pass, every
+  score written;
+- ``select_grouped``: ``select`` for grouped-query attention (decoder-only generation): every query head of a
+  key-value head scores each block of its keys, and each row's (beam's) g scores of a key are reduced to their
+  largest before the running top-k keeps them: one selection per row and key-value head, one pass;
+- ``weighted_sum``: each query's chosen states read once (four at a time, their reads in flight together) and
+  summed in fp32, no gathered copy; ``dense_sum``: weights [nq, N] times every state, each block of states met
+  by every query while it is in cache; ``head_dense_sum``: the same per head over its own values [H, N, dh];
+- ``attend_dense``: softmax(q K^T) V per head over its own keys and values in one pass, each block of keys
+  scored, weighed under a running maximum and sum (the online softmax, its exp in vectors) and its values
+  summed while in cache.
+
+Every loop that reads rows one after another asks for the rows ``llvm.PREFETCH_BYTES`` ahead (``_prefetch``):
+some cores' own prefetchers keep too few reads in flight to stream at the memory's speed while they compute.
+
+This module holds what each kernel computes (its public function) and which run here; their loops are in
+compiled_loops.py, the instructions numba would not emit in llvm.py, how they are compiled and cached in jit.py.
+
+Every score and sum is fp32 arithmetic on the stored numbers, widened exactly (the ``float32`` kernels'
+numbers, summed in another order: within fp32 rounding of them); ties at the k-th score are broken arbitrarily,
+as ``torch.topk`` breaks them. The heads (or queries, or blocks of states) are spread over
+``torch.get_num_threads()`` threads by numba's OpenMP layer (measured faster than a pool of threads of its own).
+That is one OpenMP runtime with torch's only where both load the same library: from pip, numba's links the
+system's ``libgomp.so.1.0.0`` and torch brings its own, so two run side by side and each one's threads spin a
+while after its work on the cores the other then uses (``GOMP_SPINCOUNT=0`` for both measured no faster a
+step). Compiled once per machine, each kernel when a run first needs it (``ready``; ``warm`` compiles them in a
+thread while the book is encoded): numba keeps the machine code in ``kernel_cache_folder()``, the folder kernels/
+of unlimisum's cache home (never in the installed package, which may be read-only or shared; where that folder
+cannot be written, every process compiles again). Without numba, or where a kernel disagrees with torch on a
+small store (checked once per process), ``ready`` says False and the torch kernels and faiss serve
+(head_kernels.py, kernels.py).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable, Iterable
+
+import numpy as np
+import torch
+
+SCAN_DTYPES = (torch.bfloat16, torch.float32)  # float16 keys keep the torch kernels and faiss
+
+try:
+    import numba
+
+    from unlimisum.search.compiled_loops import (BLOCK_ROWS, _attend_dense_heads_bf16, _attend_dense_heads_f32,
+        _coverage, _dense_sums_heads_bf16, _dense_sums_heads_f32, _dense_sums_parts_bf16, _dense_sums_parts_f32,
+        _scan_heads_bf16, _scan_heads_f32, _select_grouped_heads_bf16, _select_grouped_heads_f32, _sums_queries_bf16,
+        _sums_queries_f32)
+except ImportError:  # pragma: no cover - numba is a dependency; a broken install leaves the torch kernels
+    numba = None
+
+
+def _threads() -> int:
+    """torch's thread count, as numba may run it (numba's pool is sized once, from the CPU count)."""
+    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    numba.set_num_threads(threads)
+    return threads
+
+
+# --- the public functions ------------------------------------------------------------------------
+
+
+def _head_rows(keys: torch.Tensor) -> tuple[np.ndarray, int]:
+    """(rows [(H - 1) * pitch + n, w], pitch): keys [H, n, dh] as the kernels read them, head h's keys being
+    rows[h * pitch:h * pitch + n]: bfloat16 as [.., dh/2] uint32 words, fp32 as they are. Each head's rows where
+    they lie when they are contiguous (a chapter's view of a book's keys: its rows at an offset into each
+    head's block), else a copy."""
+    heads, n, head_dim = keys.shape
+    if not (keys.stride(2) == 1 and keys.stride(1) == head_dim and keys.stride(0) % head_dim == 0
+            and (heads == 1 or keys.stride(0) >= n * head_dim)):
+        keys = keys.contiguous()
+    pitch = keys.stride(0) // head_dim if heads > 1 else n
+    rows = torch.as_strided(keys, ((heads - 1) * pitch + n, head_dim), (head_dim, 1))  # no copy
+    if keys.dtype == torch.bfloat16:
+        return rows.view(torch.int32).numpy().view(np.uint32), pitch
+    return rows.numpy(), pitch
+
+
+def _split_queries(queries: torch.Tensor, dtype: torch.dtype) -> tuple[np.ndarray, ...]:
+    """queries [H, nq, dh] as the kernels read them: fp32, for bfloat16 keys split in even and odd dimensions."""
+    queries = queries.detach().to("cpu", torch.float32)
+    if dtype == torch.bfloat16:
+        return queries[..., 0::2].contiguous().numpy(), queries[..., 1::2].contiguous().numpy()
+    return (queries.contiguous().numpy(),)
+
+
+def select(keys: torch.Tensor, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores [H, nq, k'] fp32, ids [H, nq, k'] int64) of each head's top-k, k' = min(k, n), in no order:
+    keys [H, n, dh] (CPU, ``SCAN_DTYPES``; bfloat16 needs an even dh) scanned once for every query [H, nq, dh].
+    A score of -inf or NaN is never selected: a query with fewer than k' others gets -inf with id 0 for the rest."""
+    heads, n, _ = keys.shape
+    nq = queries.shape[1]
+    k = min(k, n)
+    scores = torch.empty(heads, nq, k, dtype=torch.float32)
+    ids = torch.empty(heads, nq, k, dtype=torch.long)
+    if k == 0 or nq == 0:
+        return scores, ids
+    rows, pitch = _head_rows(keys)
+    kernel = _scan_heads_bf16 if keys.dtype == torch.bfloat16 else _scan_heads_f32
+    _threads()
+    kernel(rows, heads, pitch, n, *_split_queries(queries, keys.dtype), k, scores.numpy(), ids.numpy(),
+           np.empty((heads, nq, 0), np.float32))
+    return scores, ids
+
+
+def select_grouped(keys: torch.Tensor, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores [B, G, k'] fp32, ids [B, G, k'] int64) of each row's and key-value head's top-k, k' = min(k, n),
+    in no order, each key scored by the largest of its group's g scores (grouped-query attention): keys
+    [G, n, D] (CPU, ``SCAN_DTYPES``; bfloat16 needs an even D; a view [:, a:b] of a larger store read in place),
+    queries [B, G, g, D], all B * g of a head met by each key while it is in cache, one pass over its keys."""
+    heads, n, _ = keys.shape
+    rows, _, group, dim = queries.shape
+    k = min(k, n)
+    scores = torch.empty(heads, rows, k, dtype=torch.float32)  # [G, B, k]: each head's rows together
+    ids = torch.empty(heads, rows, k, dtype=torch.long)
+    if k == 0 or rows == 0 or group == 0:
+        return scores.transpose(0, 1), ids.transpose(0, 1)
+    per_head = queries.transpose(0, 1).reshape(heads, rows * group, dim)  # [G, B * g, D]: row b's g together
+    key_rows, pitch = _head_rows(keys)
+    kernel = _select_grouped_heads_bf16 if keys.dtype == torch.bfloat16 else _select_grouped_heads_f32
+    _threads()
+    kernel(key_rows, heads, pitch, n, *_split_queries(per_head, keys.dtype), group, k, scores.numpy(), ids.numpy())
+    return scores.transpose(0, 1), ids.transpose(0, 1)  # [B, G, k]
+
+
+def scores(keys: torch.Tensor, queries: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """[H, nq, n] fp32 scores of queries [H, nq, dh] against keys [H, n, dh] (CPU, ``SCAN_DTYPES``), written into
+    ``out`` (contiguous [H, nq, n] fp32) where given."""
+    heads, n, _ = keys.shape
+    if out is None:
+        out = torch.empty(heads, queries.shape[1], n, dtype=torch.float32)
+    elif not (out.shape == (heads, queries.shape[1], n) and out.dtype == torch.float32 and out.is_contiguous()):
+        raise ValueError(f"scores out= must be a contiguous float32 tensor of shape {(heads, queries.shape[1], n)}")
+    if n == 0 or queries.shape[1] == 0:
+        return out
+    rows, pitch = _head_rows(keys)
+    kernel = _scan_heads_bf16 if keys.dtype == torch.bfloat16 else _scan_heads_f32
+    nq = queries.shape[1]
+    _threads()
+    kernel(rows, heads, pitch, n, *_split_queries(queries, keys.dtype), 0, np.empty((heads, nq, 0), np.float32),
+           np.empty((heads, nq, 0), np.int64), out.numpy())
+    return out
+
+
+def weighted_sum(states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[nq, d] fp32 = sum_j weights[q, j] * states[ids[q, j]], summed in fp32 from the stored numbers: states
+    [N, d] (CPU, ``SCAN_DTYPES``; bfloat16 needs an even d), ids [nq, k] int64, weights [nq, k]. One read of each
+    chosen state, widened in registers: no gathered copy (``usable_states``)."""
+    nq, dim = ids.shape[0], states.shape[1]
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= states.shape[0]):  # the kernels do not check
+        raise IndexError(f"state ids outside 0..{states.shape[0] - 1}")
+    ids = ids.to(torch.long).contiguous().numpy()
+    weights = weights.detach().to(torch.float32).contiguous().numpy()
+    _threads()
+    if states.dtype == torch.bfloat16:
+        words = states.contiguous().view(torch.int32).numpy().view(np.uint32)  # [N, d/2]
+        even = np.empty((nq, dim // 2), np.float32)
+        odd = np.empty((nq, dim // 2), np.float32)
+        _sums_queries_bf16(words, ids, weights, even, odd)
+        return torch.from_numpy(np.stack((even, odd), axis=2).reshape(nq, dim))
+    out = np.empty((nq, dim), np.float32)
+    _sums_queries_f32(states.contiguous().numpy(), ids, weights, out)
+    return torch.from_numpy(out)
+
+
+def dense_sum(states: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[nq, d] fp32 = weights [nq, N] @ states [N, d], summed in fp32 from the stored numbers (``weighted_sum``'s
+    states): one read of the states, each block of rows met by every query while it is in cache; the rows split
+    among the threads, their partial sums added at the end."""
+    nq, dim = weights.shape[0], states.shape[1]
+    n = states.shape[0]
+    weights = weights.detach().to(torch.float32).contiguous().numpy()
+    parts = max(1, min(_threads(), n // 1024))  # at least a few hundred KiB of states each
+    bounds = np.linspace(0, n, parts + 1).round().astype(np.int64)
+    if states.dtype == torch.bfloat16:
+        words = states.contiguous().view(torch.int32).numpy().view(np.uint32)  # [N, d/2]
+        even = np.empty((parts, nq, dim // 2), np.float32)
+        odd = np.empty((parts, nq, dim // 2), np.float32)
+        _dense_sums_parts_bf16(words, weights, bounds, even, odd)
+        return torch.from_numpy(np.stack((even.sum(0), odd.sum(0)), axis=2).reshape(nq, dim))
+    out = np.empty((parts, nq, dim), np.float32)
+    _dense_sums_parts_f32(states.contiguous().numpy(), weights, bounds, out)
+    return torch.from_numpy(out.sum(0))
+
+
+def head_dense_sum(values: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """[H, nq, dh] fp32 = weights [H, nq, N] @ values [H, N, dh] for each head (CPU, ``SCAN_DTYPES``; bfloat16
+    needs an even dh): one read of each head's values where they lie (``_head_rows``), widened in registers and
+    summed in fp32; the heads spread over the threads."""
+    heads, n, head_dim = values.shape
+    nq = weights.shape[1]
+    if n == 0 or nq == 0:
+        return torch.zeros(heads, nq, head_dim)
+    rows, pitch = _head_rows(values)
+    weights = weights.detach().to(torch.float32).contiguous().numpy()  # [H, nq, N]
+    _threads()
+    if values.dtype == torch.bfloat16:
+        even = np.empty((heads, nq, head_dim // 2), np.float32)
+        odd = np.empty((heads, nq, head_dim // 2), np.float32)
+        _dense_sums_heads_bf16(rows, heads, pitch, n, weights, even, odd)
+        return torch.from_numpy(np.stack((even, odd), axis=3).reshape(heads, nq, head_dim))
+    out = np.empty((heads, nq, head_dim), np.float32)
+    _dense_sums_heads_f32(rows, heads, pitch, n, weights, out)
+    return torch.from_numpy(out)
+
+
+def attend_dense(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor,
+                 coverage: torch.Tensor | None = None, kept: torch.Tensor | None = None) -> torch.Tensor:
+    """[H, nq, dv] fp32 = softmax(queries K^T) V for each head: keys [H, N, dh], values [H, N, dv] (CPU, one of
+    ``SCAN_DTYPES``, both the same; bfloat16 needs even dh and dv), queries [H, nq, dh] (scaling folded in). One
+    pass over each head's keys and values where they lie: a block's scores, their weights under running maxima
+    and sums (as ``kernels._online_softmax``, exp floored at EXP_FLOOR) and its values' sums, in cache; no scores
+    written. A row whose scores are all NaN sums to zeros.
+
+    ``coverage`` [N]: every head's and query's weights added to it. Then each block's weights are left in
+    ``kept`` (a [H * nq * N] fp32 buffer or larger, reused: a fresh one would be page-faulted in every step; one
+    of that size where not given) and summed once the peaks are known, in a second pass over them only."""
+    heads, n, _ = keys.shape
+    nq, value_dim = queries.shape[1], values.shape[2]
+    if n == 0 or nq == 0:
+        return torch.zeros(heads, nq, value_dim)
+    if values.dtype != keys.dtype or values.shape[:2] != keys.shape[:2]:
+        raise ValueError(f"attend_dense needs values [H, N, dv] of the keys' dtype, got {tuple(values.shape)} "
+                         f"{values.dtype} for keys {tuple(keys.shape)} {keys.dtype}")
+    key_rows, key_pitch = _head_rows(keys)
+    value_rows, value_pitch = _head_rows(values)
+    blocks = -(-n // BLOCK_ROWS)
+    if coverage is None:
+        weights = np.empty((heads, nq, 0), np.float32)
+        block_peaks = np.empty((heads, nq, 0), np.float32)
+    else:
+        if kept is None:
+            kept = torch.empty(heads * nq * n)
+        if kept.dtype != torch.float32 or not kept.is_contiguous() or kept.numel() < heads * nq * n:
+            raise ValueError(f"attend_dense kept= must be a contiguous float32 buffer of {heads * nq * n} or more")
+        weights = kept.reshape(-1)[:heads * nq * n].view(heads, nq, n).numpy()
+        block_peaks = np.empty((heads, nq, blocks), np.float32)
+    peak = np.empty((heads, nq), np.float32)
+    total = np.empty((heads, nq), np.float32)
+    out = np.empty((heads, nq, value_dim), np.float32)  # bfloat16: each row's even dimensions, then its odd ones
+    _threads()
+    if keys.dtype == torch.bfloat16:
+        _attend_dense_heads_bf16(key_rows, value_rows, heads, key_pitch, value_pitch, n,
+                                 *_split_queries(queries, keys.dtype), weights, block_peaks, peak, total, out)
+        halves = out.reshape(heads, nq, 2, value_dim // 2)
+        out = np.ascontiguousarray(halves.transpose(0, 1, 3, 2)).reshape(heads, nq, value_dim)
+    else:
+        _attend_dense_heads_f32(key_rows, value_rows, heads, key_pitch, value_pitch, n,
+                                *_split_queries(queries, keys.dtype), weights, block_peaks, peak, total, out)
+    if coverage is not None:
+        added = np.empty(n, np.float32)
+        _coverage(weights, block_peaks, peak, total, added)
+        coverage += torch.from_numpy(added).to(coverage.dtype)
+    return torch.from_numpy(out)
+
+
+# --- which kernels run here: each compiled when a run first needs it, and checked against torch -----------------
+
+KERNELS = ("select", "select_grouped", "scores", "weighted_sum", "dense_sum", "head_dense_sum", "attend_dense")
+# seconds each kernel took to compile from an empty cache (one dtype; a 2-core EPYC Zen 4 at 2.6 GHz, numba 0.68),
+# for the estimate the display shows while a first run waits for them (select and scores share one driver: the
+# first of the two takes the time); loading a compiled one takes ~0.1 s
+COMPILE_SECONDS = {"select": 6.5, "select_grouped": 4.5, "scores": 0.5, "weighted_sum": 1.0, "dense_sum": 1.7,
+                   "head_dense_sum": 1.5, "attend_dense": 9.5}
+
+_READY: dict[tuple[str, torch.dtype], bool] = {}
+_LOCKS: dict[tuple[str, torch.dtype], threading.Lock] = {}
+_LOCKS_LOCK = threading.Lock()
+
+
+def usable_states(states: torch.Tensor, kernel: str = "weighted_sum") -> bool:
+    """Whether ``kernel`` (``weighted_sum`` or ``dense_sum``) can read these states [N, d] here."""
+    return usable(states.unsqueeze(0), kernel)
+
+
+def usable(keys: torch.Tensor, kernel: str = "select") -> bool:
+    """Whether the compiled ``kernel`` can read these keys [H, n, dh] here: on the CPU, in ``SCAN_DTYPES``, an even
+    dh for bfloat16, and the kernel ``ready`` (compiled or loaded now where it is not yet)."""
+    return (keys.device.type == "cpu" and keys.dtype in SCAN_DTYPES
+            and (keys.dtype != torch.bfloat16 or keys.shape[2] % 2 == 0) and ready(kernel, keys.dtype))
+
+
+def ready(kernel: str, dtype: torch.dtype) -> bool:
+    """Whether the compiled ``kernel`` (one of ``KERNELS``) runs here for keys and states of ``dtype``: numba
+    imports, the kernel compiles (or loads from the kernel cache: so that no measurement times a compile) and on
+    a small store finds what torch finds. Checked once per process; where ``warm`` is compiling it, this waits."""
+    if kernel not in KERNELS:
+        raise ValueError(f"unknown compiled kernel {kernel!r}; one of {', '.join(KERNELS)}")
+    if numba is None or dtype not in SCAN_DTYPES:
+        return False
+    key = (kernel, dtype)
+    if key in _READY:
+        return _READY[key]
+    with _LOCKS_LOCK:
+        lock = _LOCKS.setdefault(key, threading.Lock())
+    with lock:
+        if key not in _READY:
+            try:
+                _READY[key] = bool(_CHECKS[kernel](dtype))
+            except Exception:  # noqa: BLE001 - a compiler or loader failure of any kind leaves the torch kernels
+                _READY[key] = False
+        return _READY[key]
+
+
+def pending(kernels: Iterable[str], dtype: torch.dtype) -> list[str]:
+    """Those of ``kernels`` not yet checked (compiled or loaded) in this process for ``dtype``, where they can run."""
+    if numba is None or dtype not in SCAN_DTYPES:
+        return []
+    return [kernel for kernel in kernels if (kernel, dtype) not in _READY]
+
+
+def warm(kernels: Iterable[str], dtype: torch.dtype) -> threading.Thread | None:
+    """Compile (or load) ``kernels`` for ``dtype`` in a thread of their own, so that they are ready when a run first
+    calls them (a book being encoded meanwhile; measured on 2 cores: a 12 s encode took 20 s beside 12 s of
+    compiling, where one after the other take 24 s). The thread, or None when there is nothing to do."""
+    missing = pending(kernels, dtype)
+    if not missing:
+        return None
+    thread = threading.Thread(target=lambda: [ready(kernel, dtype) for kernel in missing],
+                              name="unlimisum-compile", daemon=True)
+    thread.start()
+    return thread
+
+
+def wait_ready(needed: Iterable[tuple[str, torch.dtype]],
+               report: Callable[[int, int, float], None] | None = None) -> None:
+    """Make every (kernel, dtype) of ``needed`` ready here, waiting for ``warm``'s thread where it is compiling
+    one; ``report(done, total, seconds_left)`` before the first and after each, ``seconds_left`` estimated from
+    COMPILE_SECONDS (nothing is reported where every one is ready already)."""
+    missing = [(kernel, dtype) for kernel, dtype in dict.fromkeys(needed) if pending([kernel], dtype)]
+    for done, (kernel, dtype) in enumerate(missing):
+        if report is not None:
+            report(done, len(missing), sum(COMPILE_SECONDS[name] for name, _ in missing[done:]))
+        ready(kernel, dtype)
+    if missing and report is not None:
+        report(len(missing), len(missing), 0.0)
+
+
+def _small_keys(dtype: torch.dtype):
+    """Small stores the checks run on: keys [3, 700, 8] (several blocks and cuts), queries [3, 2, 8]; wide keys
+    [2, 300, 32] (16 words a key: the explicit vectors), queries [2, 7, 32] (four at a time, then three)."""
+    generator = torch.Generator().manual_seed(0)
+    keys = torch.randn(3, 700, 8, generator=generator).to(dtype)
+    queries = torch.randn(3, 2, 8, generator=generator)
+    wide = torch.randn(2, 300, 32, generator=generator).to(dtype)
+    wide_queries = torch.randn(2, 7, 32, generator=generator)
+    return keys, queries, wide, wide_queries
+
+
+def _scores_of(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("hqd,hnd->hqn", queries, keys.float())
+
+
+def _check_select(dtype: torch.dtype) -> bool:
+    keys, queries, wide, wide_queries = _small_keys(dtype)
+    found = []
+    for k, q in ((keys, queries), (wide, wide_queries)):
+        scores, ids = select(k, q, 5)
+        scores, order = scores.sort(dim=2, descending=True)
+        expected = _scores_of(k, q).topk(5, dim=2)
+        found.append(torch.equal(ids.gather(2, order), expected.indices)
+                     and torch.allclose(scores, expected.values, atol=1e-4))
+    return all(found)
+
+
+def _check_select_grouped(dtype: torch.dtype) -> bool:
+    keys, queries, _, _ = _small_keys(dtype)
+    scores, ids = select_grouped(keys, queries.unsqueeze(0), 5)  # [1, 3, 5]: 3 KV heads of 2 query heads each
+    expected = _scores_of(keys, queries).amax(dim=1).topk(5, dim=1)  # [3, 5]: the largest of each head's 2 scores
+    scores, order = scores[0].sort(dim=1, descending=True)
+    return torch.equal(ids[0].gather(1, order), expected.indices) and torch.allclose(scores, expected.values,
+                                                                                     atol=1e-4)
+
+
+def _check_scores(dtype: torch.dtype) -> bool:
+    keys, queries, wide, wide_queries = _small_keys(dtype)
+    return all(torch.allclose(scores(k, q), _scores_of(k, q), atol=1e-4)
+               for k, q in ((keys, queries), (wide, wide_queries)))
+
+
+def _check_weighted_sum(dtype: torch.dtype) -> bool:
+    keys, _, _, _ = _small_keys(dtype)
+    generator = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, keys.shape[1], (2, 5), generator=generator)
+    weights = torch.rand(2, 5, generator=generator)
+    expected = torch.einsum("qk,qkd->qd", weights, keys[0].float()[ids])
+    return torch.allclose(weighted_sum(keys[0], ids, weights), expected, atol=1e-4)
+
+
+def _check_dense_sum(dtype: torch.dtype) -> bool:
+    keys, queries, _, _ = _small_keys(dtype)
+    weights = _scores_of(keys, queries)[0]  # [2, 700]
+    return torch.allclose(dense_sum(keys[0], weights), weights @ keys[0].float(), rtol=1e-4, atol=1e-3)
+
+
+def _check_head_dense_sum(dtype: torch.dtype) -> bool:
+    keys, queries, _, _ = _small_keys(dtype)
+    weights = _scores_of(keys, queries)  # [3, 2, 700]
+    return torch.allclose(head_dense_sum(keys, weights), torch.bmm(weights, keys.float()), rtol=1e-4, atol=1e-3)
+
+
+def _check_attend_dense(dtype: torch.dtype) -> bool:
+    _, _, wide, wide_queries = _small_keys(dtype)
+    covered = torch.zeros(wide.shape[1])
+    attended = attend_dense(wide, wide, wide_queries, covered)  # [2, 7, 32]: the keys as their own values
+    weights = torch.softmax(_scores_of(wide, wide_queries), dim=2)
+    return (torch.allclose(attended, weights @ wide.float(), rtol=1e-4, atol=1e-4)
+            and torch.allclose(covered, weights.sum(dim=(0, 1)), rtol=1e-4, atol=1e-5))
+
+
+_CHECKS = {"select": _check_select, "select_grouped": _check_select_grouped, "scores": _check_scores,
+           "weighted_sum": _check_weighted_sum, "dense_sum": _check_dense_sum,
+           "head_dense_sum": _check_head_dense_sum, "attend_dense": _check_attend_dense}

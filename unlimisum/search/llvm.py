@@ -1,0 +1,368 @@
+"""The LLVM instructions the compiled loops (compiled_loops.py) use that numba does not emit from Python code,
+each a numba intrinsic written in LLVM IR, each with why:
+
+- ``_as_float``: an fp32 number from the bits of a uint32 (a bfloat16 number widened is its bits shifted):
+  nopython mode has no scalar bit cast (``np.float32(bits)`` converts the value);
+- ``_prefetch``: ``llvm.prefetch`` of the rows PREFETCH_BYTES ahead: numba has no prefetch, and some cores'
+  own prefetchers keep too few reads in flight to stream at the memory's speed while they compute;
+- ``_dot_*`` / ``_pair_*``: two to four queries against one or two keys in explicit 8-lane vectors with fused
+  multiply-adds, the queries' sums reduced together: the loops numba generates reduce each query's sum on its
+  own, a dozen instructions a key each;
+- ``_sum_*``: one to four queries' weighted sums of a tile of rows kept in 8-lane registers across the rows:
+  numba's loop writes each partial sum back to memory between rows;
+- ``_above`` and ``_lowest_bit``: eight scores compared with a threshold in one instruction, the result a bit
+  mask, and its lowest set bit (``cttz``): numba compares scores one by one and has no count of trailing zeros;
+- ``_largest``: the largest of a row's scores 8 lanes at a time (``llvm.maxnum``, NaNs passed over): numba's
+  ``max`` loop is not vectorized.
+
+The vectors are LLVM's <8 x float>, which it maps onto whatever registers the machine has (one AVX2 register,
+two SSE or NEON ones, half an AVX-512 one).
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+from llvmlite import ir as _llvm
+from numba.core import cgutils as _cgutils
+from numba.extending import intrinsic as _intrinsic
+
+# how far ahead of the row being read the streaming loops ask for rows (``_prefetch``): a core's own hardware
+# prefetcher keeps too few reads in flight on some machines (2-core Xeon VM, 300k bf16 keys of 12 heads x 64, two
+# threads: 12.7 GB/s without, 2 KiB ahead 19.8, 4 KiB 21.4, 8 KiB 20.3, 16 KiB 19.9; its float32 sum: 19-23)
+PREFETCH_BYTES = 4096
+_CACHE_LINE = 64
+
+
+@_intrinsic
+def _as_float(typingctx, bits):
+    """The fp32 number whose bits are the uint32 ``bits`` (a reinterpretation, no conversion)."""
+    signature = numba.types.float32(numba.types.uint32)
+
+    def codegen(context, builder, _signature, args):
+        return builder.bitcast(args[0], _llvm.FloatType())
+
+    return signature, codegen
+
+
+_SHIFT = np.uint32(16)
+_UPPER = np.uint32(0xFFFF0000)
+
+# --- explicit vectors: LLVM's <8 x float>, which it maps onto whatever registers the machine has (one AVX2
+# register, two SSE or NEON ones, half an AVX-512 one). Written out because the loops numba generates for four
+# queries reduce each query's sum on its own, a dozen instructions a key each, and compare scores one by one.
+
+_LANES = 8
+_FLOAT = _llvm.FloatType()
+_WORD = _llvm.IntType(32)
+_FLOATS = _llvm.VectorType(_FLOAT, _LANES)
+_WORDS = _llvm.VectorType(_WORD, _LANES)
+_ONE = np.uint32(1)
+
+
+def _row_address(context, builder, array_type, array, row):
+    """The address (i8*) of array[row, 0] of a 2-d array whose rows are contiguous (any row pitch)."""
+    array = context.make_array(array_type)(context, builder, array)
+    data = builder.bitcast(array.data, _llvm.IntType(8).as_pointer())
+    pitch = _cgutils.unpack_tuple(builder, array.strides)[0]
+    row = context.cast(builder, row[0], row[1], numba.types.intp)
+    return builder.gep(data, [builder.mul(row, pitch)])
+
+
+def _load_lanes(builder, address, byte_offset, vector_type):
+    pointer = builder.bitcast(builder.gep(address, [byte_offset]), vector_type.as_pointer())
+    return builder.load(pointer, align=4)
+
+
+@_intrinsic
+def _prefetch(typingctx, rows, row, count):
+    """Ask for the bytes of rows[row:row + count] PREFETCH_BYTES further on: in a loop that reads rows one
+    after another, the rows it will read next, read into every level of the cache while this core works on
+    these. Two cache lines in straight code (a row of 64 bfloat16 numbers, the common one), a loop only for
+    the lines beyond them (a loop for every line cost 10 % of a scan whose keys were in the cache). A hint:
+    an address past the end of the array is never read and never faults. rows 2-d, contiguous rows."""
+    if not (isinstance(rows, numba.types.Array) and rows.ndim == 2):
+        return None
+
+    def codegen(context, builder, signature, args):
+        rows_type, row_type, count_type = signature.args
+        start = _row_address(context, builder, rows_type, args[0], (args[1], row_type))
+        pitch = _cgutils.unpack_tuple(builder, context.make_array(rows_type)(context, builder, args[0]).strides)[0]
+        count = context.cast(builder, args[2], count_type, numba.types.intp)
+        lines = builder.udiv(builder.add(builder.mul(count, pitch), _llvm.Constant(pitch.type, _CACHE_LINE - 1)),
+                             _llvm.Constant(pitch.type, _CACHE_LINE))
+        byte = _llvm.IntType(8).as_pointer()
+        prefetch = _cgutils.get_or_insert_function(
+            builder.module, _llvm.FunctionType(_llvm.VoidType(), [byte, _WORD, _WORD, _WORD]), "llvm.prefetch")
+        ahead = builder.gep(start, [_llvm.Constant(pitch.type, PREFETCH_BYTES)])
+
+        def line(index):  # a read (0), kept in every level of the cache (3), of data (1)
+            address = builder.gep(ahead, [builder.mul(index, _llvm.Constant(pitch.type, _CACHE_LINE))])
+            builder.call(prefetch, [address, _llvm.Constant(_WORD, 0), _llvm.Constant(_WORD, 3),
+                                    _llvm.Constant(_WORD, 1)])
+
+        line(_llvm.Constant(pitch.type, 0))
+        line(_llvm.Constant(pitch.type, 1))
+        with _cgutils.for_range(builder, lines, start=_llvm.Constant(pitch.type, 2)) as extra:
+            line(extra.index)
+        return context.get_dummy_value()
+
+    return numba.types.none(rows, row, count), codegen
+
+
+def _splat(builder, value):
+    """<value, value, .. value> (8 lanes)."""
+    one = builder.insert_element(_llvm.Constant(_FLOATS, _llvm.Undefined), value, _llvm.Constant(_WORD, 0))
+    return builder.shuffle_vector(one, _llvm.Constant(_FLOATS, _llvm.Undefined),
+                                  _llvm.Constant(_WORDS, [0] * _LANES))
+
+
+def _widened_lanes(builder, address, byte_offset, bfloat16):
+    """The 8 words (bfloat16: as their even dimensions and their odd ones) or fp32 numbers at address +
+    byte_offset, as fp32 lanes."""
+    if not bfloat16:
+        return (_load_lanes(builder, address, byte_offset, _FLOATS),)
+    words = _load_lanes(builder, address, byte_offset, _WORDS)
+    return (builder.bitcast(builder.shl(words, _llvm.Constant(_WORDS, [16] * _LANES)), _FLOATS),
+            builder.bitcast(builder.and_(words, _llvm.Constant(_WORDS, [-65536] * _LANES)),
+                            _FLOATS))  # the even dimensions, the odd ones (-65536: 0xFFFF0000)
+
+
+def _multiply_add(builder, a, b, total):
+    """a * b + total, fused where the machine has fused multiply-adds (``llvm.fmuladd``: never a libcall)."""
+    function_type = _llvm.FunctionType(_FLOATS, [_FLOATS, _FLOATS, _FLOATS])
+    function = _cgutils.get_or_insert_function(builder.module, function_type, f"llvm.fmuladd.v{_LANES}f32")
+    return builder.call(function, [a, b, total])
+
+
+def _pair_sums(builder, a, b):
+    """[a0+a1, a2+a3, b0+b1, b2+b3, a4+a5, a6+a7, b4+b5, b6+b7] (x86's vhaddps, in portable IR)."""
+    first = _llvm.Constant(_WORDS, [0, 2, 8, 10, 4, 6, 12, 14])
+    second = _llvm.Constant(_WORDS, [1, 3, 9, 11, 5, 7, 13, 15])
+    return builder.fadd(builder.shuffle_vector(a, b, first), builder.shuffle_vector(a, b, second))
+
+
+def _four_totals(builder, sums):
+    """The totals of four 8-lane sums, reduced together: three pairwise additions and one of the halves (one
+    by one, each sum would take three shuffles and three additions of its own)."""
+    paired = _pair_sums(builder, _pair_sums(builder, sums[0], sums[1]), _pair_sums(builder, sums[2], sums[3]))
+    return [builder.fadd(builder.extract_element(paired, _llvm.Constant(_WORD, j)),
+                         builder.extract_element(paired, _llvm.Constant(_WORD, j + 4))) for j in range(4)]
+
+
+def _dot_codegen(bfloat16: bool, count: int, keys_at_once: int):
+    """The code of ``_dot_bf16`` / ``_dot_f32`` for ``count`` queries (2, 3 or 4) and ``keys_at_once`` keys (1
+    or 2): each key's rows of 8 (32-bit words or fp32 numbers) loaded once, widened in registers and met by
+    each query's lanes; the count sums of each key reduced together and stored into out[first + j, row + i].
+    Two keys at once load each query's lanes once for both (a key's even and odd dimensions then go into one
+    sum, so that the 2 x count sums stay in registers)."""
+
+    def codegen(context, builder, signature, args):
+        if bfloat16:
+            keys_type, row_type, even_type, odd_type, first_type, out_type = signature.args
+            keys, row, even, odd, first, out = args
+            parts = ((even_type, even), (odd_type, odd))
+        else:
+            keys_type, row_type, queries_type, first_type, out_type = signature.args
+            keys, row, queries, first, out = args
+            parts = ((queries_type, queries),)
+        row = context.cast(builder, row, row_type, numba.types.intp)
+        rows = [builder.add(row, _llvm.Constant(row.type, i)) for i in range(keys_at_once)]
+        key_rows = [_row_address(context, builder, keys_type, keys, (at, numba.types.intp)) for at in rows]
+        width = _cgutils.unpack_tuple(builder, context.make_array(keys_type)(context, builder, keys).shape)[1]
+        first = context.cast(builder, first, first_type, numba.types.intp)
+        query_rows = [[_row_address(context, builder, part_type, part,
+                                    (builder.add(first, _llvm.Constant(first.type, j)), numba.types.intp))
+                       for j in range(count)] for part_type, part in parts]
+        zero = _llvm.Constant(_FLOATS, [0.0] * _LANES)
+        sum_parts = len(parts) if keys_at_once == 1 else 1  # [key][part][query]
+        sums = [[[_cgutils.alloca_once_value(builder, zero) for _ in range(count)] for _ in range(sum_parts)]
+                for _ in rows]
+        chunks = builder.udiv(width, _llvm.Constant(width.type, _LANES))
+        with _cgutils.for_range(builder, chunks) as loop:
+            offset = builder.mul(loop.index, _llvm.Constant(width.type, 4 * _LANES))  # bytes
+            lanes = [_widened_lanes(builder, key, offset, bfloat16) for key in key_rows]
+            for part in range(len(parts)):
+                for j in range(count):
+                    query_lanes = _load_lanes(builder, query_rows[part][j], offset, _FLOATS)
+                    for key, key_lanes in enumerate(lanes):
+                        total = sums[key][min(part, sum_parts - 1)][j]
+                        builder.store(_multiply_add(builder, key_lanes[part], query_lanes, builder.load(total)),
+                                      total)
+        for key, at in enumerate(rows):
+            totals = [builder.load(sums[key][0][j]) for j in range(count)]
+            if sum_parts == 2:
+                totals = [builder.fadd(totals[j], builder.load(sums[key][1][j])) for j in range(count)]
+            totals = _four_totals(builder, totals + [zero] * (4 - count))[:count]  # fewer: reduced with zeros
+            column = builder.mul(at, _llvm.Constant(at.type, 4))  # bytes into each row of out
+            for j, total in enumerate(totals):
+                address = _row_address(context, builder, out_type, out,
+                                       (builder.add(first, _llvm.Constant(first.type, j)), numba.types.intp))
+                builder.store(total, builder.bitcast(builder.gep(address, [column]), _FLOAT.as_pointer()))
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _rows_of(array, dtype) -> bool:
+    return isinstance(array, numba.types.Array) and array.ndim == 2 and array.dtype == dtype
+
+
+def _dot_bf16_of(count: int, keys_at_once: int):
+    """An intrinsic: out[first + j, row + i] = the fp32 score of key row + i of bfloat16 ``words`` [n, dh/2]
+    (``_scores_bf16``'s layout) against query first + j of ``even``/``odd`` [nq, dh/2], j < ``count``, i <
+    ``keys_at_once``; dh/2 a multiple of 8, rows contiguous."""
+
+    def typer(typingctx, words, row, even, odd, first, out):
+        if not (_rows_of(words, numba.types.uint32) and _rows_of(even, numba.types.float32)
+                and _rows_of(odd, numba.types.float32) and _rows_of(out, numba.types.float32)):
+            return None
+        return numba.types.none(words, row, even, odd, first, out), _dot_codegen(True, count, keys_at_once)
+
+    return _intrinsic(typer)
+
+
+def _dot_f32_of(count: int, keys_at_once: int):
+    """An intrinsic: out[first + j, row + i] = the fp32 score of key row + i of fp32 ``keys`` [n, dh] against
+    query first + j of ``queries`` [nq, dh], j < ``count``, i < ``keys_at_once``; dh a multiple of 8, rows
+    contiguous."""
+
+    def typer(typingctx, keys, row, queries, first, out):
+        if not (_rows_of(keys, numba.types.float32) and _rows_of(queries, numba.types.float32)
+                and _rows_of(out, numba.types.float32)):
+            return None
+        return numba.types.none(keys, row, queries, first, out), _dot_codegen(False, count, keys_at_once)
+
+    return _intrinsic(typer)
+
+
+_dot_four_bf16, _dot_three_bf16, _dot_two_bf16 = (_dot_bf16_of(count, 1) for count in (4, 3, 2))
+_dot_four_f32, _dot_three_f32, _dot_two_f32 = (_dot_f32_of(count, 1) for count in (4, 3, 2))
+_pair_four_bf16, _pair_three_bf16, _pair_two_bf16 = (_dot_bf16_of(count, 2) for count in (4, 3, 2))
+_pair_four_f32, _pair_three_f32, _pair_two_f32 = (_dot_f32_of(count, 2) for count in (4, 3, 2))
+
+
+@_intrinsic
+def _above(typingctx, scores, row, start, floor):
+    """A uint32 whose bit i says scores[row, start + i] > floor, for i < 8 (one compare of 8 lanes; a NaN is
+    never above); scores [nq, m] fp32, rows contiguous."""
+    if not _rows_of(scores, numba.types.float32):
+        return None
+    signature = numba.types.uint32(scores, row, start, numba.types.float32)
+
+    def codegen(context, builder, _signature, args):
+        scores_type, row_type, start_type, _ = _signature.args
+        address = _row_address(context, builder, scores_type, args[0], (args[1], row_type))
+        start_at = context.cast(builder, args[2], start_type, numba.types.intp)
+        lanes = _load_lanes(builder, address, builder.mul(start_at, _llvm.Constant(start_at.type, 4)), _FLOATS)
+        mask = builder.fcmp_ordered(">", lanes, _splat(builder, args[3]))
+        return builder.zext(builder.bitcast(mask, _llvm.IntType(_LANES)), _WORD)
+
+    return signature, codegen
+
+
+@_intrinsic
+def _lowest_bit(typingctx, bits):
+    """The index of the lowest set bit of a nonzero uint32."""
+    signature = numba.types.uint32(numba.types.uint32)
+
+    def codegen(context, builder, _signature, args):
+        return builder.cttz(args[0], _llvm.Constant(_llvm.IntType(1), 1))
+
+    return signature, codegen
+
+
+def _sum_codegen(bfloat16: bool, count: int):
+    """The code of ``_sum_of(count)`` for ``count`` queries (1 to 4): for each 8 words (or fp32 numbers) of a
+    row, the queries' sums in registers while every row's 8 are loaded once, widened and met by each query's
+    weight; then added to out."""
+
+    def codegen(context, builder, signature, args):
+        values_type, weights_type, first_type, rows_type, out_type = signature.args
+        values, weights, first, rows, out = args
+        array = context.make_array(values_type)(context, builder, values)
+        data = builder.bitcast(array.data, _llvm.IntType(8).as_pointer())
+        width = _cgutils.unpack_tuple(builder, array.shape)[1]
+        pitch = _cgutils.unpack_tuple(builder, array.strides)[0]
+        first = context.cast(builder, first, first_type, numba.types.intp)
+        rows = context.cast(builder, rows, rows_type, numba.types.intp)
+        queries = [(builder.add(first, _llvm.Constant(first.type, j)), numba.types.intp) for j in range(count)]
+        weight_rows = [builder.bitcast(_row_address(context, builder, weights_type, weights, query),
+                                       _FLOAT.as_pointer()) for query in queries]
+        out_rows = [_row_address(context, builder, out_type, out, query) for query in queries]
+        parts = 2 if bfloat16 else 1
+        sums = [[_cgutils.alloca_once(builder, _FLOATS) for _ in range(count)] for _ in range(parts)]
+        zero = _llvm.Constant(_FLOATS, [0.0] * _LANES)
+        chunks = builder.udiv(width, _llvm.Constant(width.type, _LANES))
+        with _cgutils.for_range(builder, chunks) as chunk:
+            offset = builder.mul(chunk.index, _llvm.Constant(width.type, 4 * _LANES))  # bytes
+            for part_sums in sums:
+                for total in part_sums:
+                    builder.store(zero, total)
+            with _cgutils.for_range(builder, rows) as row:
+                address = builder.gep(data, [builder.mul(row.index, pitch)])
+                lanes = _widened_lanes(builder, address, offset, bfloat16)
+                for j in range(count):
+                    weight = _splat(builder, builder.load(builder.gep(weight_rows[j], [row.index])))
+                    for part, value_lanes in enumerate(lanes):
+                        total = builder.load(sums[part][j])
+                        builder.store(_multiply_add(builder, value_lanes, weight, total), sums[part][j])
+            for part in range(parts):
+                at = builder.add(offset, builder.mul(width, _llvm.Constant(width.type, 4 * part)))
+                for j in range(count):
+                    pointer = builder.bitcast(builder.gep(out_rows[j], [at]), _FLOATS.as_pointer())
+                    builder.store(builder.fadd(builder.load(pointer, align=4), builder.load(sums[part][j])),
+                                  pointer, align=4)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _sum_of(count: int):
+    """An intrinsic: out[first + j] += weights[first + j, :rows] @ values[:rows], j < ``count``, for bfloat16
+    values [n, dv/2] uint32 (out [nq, dv]: the even dimensions, then the odd ones) or fp32 values [n, dv]
+    (out [nq, dv]); dv/2 or dv a multiple of 8, rows contiguous."""
+
+    def typer(typingctx, values, weights, first, rows, out):
+        bfloat16 = _rows_of(values, numba.types.uint32)
+        if not ((bfloat16 or _rows_of(values, numba.types.float32)) and _rows_of(weights, numba.types.float32)
+                and _rows_of(out, numba.types.float32)):
+            return None
+        return numba.types.none(values, weights, first, rows, out), _sum_codegen(bfloat16, count)
+
+    return _intrinsic(typer)
+
+
+_sum_one, _sum_two, _sum_three, _sum_four = (_sum_of(count) for count in (1, 2, 3, 4))
+
+
+@_intrinsic
+def _largest(typingctx, scores, row, start, count):
+    """The largest of scores[row, start:start + count - count % 8] (8 lanes at a time; -inf for none, NaNs
+    passed over); scores [nq, m] fp32, rows contiguous."""
+    if not _rows_of(scores, numba.types.float32):
+        return None
+    signature = numba.types.float32(scores, row, start, count)
+
+    def codegen(context, builder, _signature, args):
+        scores_type, row_type, start_type, count_type = _signature.args
+        address = _row_address(context, builder, scores_type, args[0], (args[1], row_type))
+        start = context.cast(builder, args[2], start_type, numba.types.intp)
+        address = builder.gep(address, [builder.mul(start, _llvm.Constant(start.type, 4))])
+        count = context.cast(builder, args[3], count_type, numba.types.intp)
+        vector_max = _cgutils.get_or_insert_function(
+            builder.module, _llvm.FunctionType(_FLOATS, [_FLOATS, _FLOATS]), f"llvm.maxnum.v{_LANES}f32")
+        scalar_max = _cgutils.get_or_insert_function(
+            builder.module, _llvm.FunctionType(_FLOAT, [_FLOAT, _FLOAT]), "llvm.maxnum.f32")
+        largest = _cgutils.alloca_once_value(builder, _llvm.Constant(_FLOATS, [float("-inf")] * _LANES))
+        with _cgutils.for_range(builder, builder.udiv(count, _llvm.Constant(count.type, _LANES))) as chunk:
+            lanes = _load_lanes(builder, address, builder.mul(chunk.index, _llvm.Constant(count.type, 4 * _LANES)),
+                                _FLOATS)
+            builder.store(builder.call(vector_max, [builder.load(largest), lanes]), largest)
+        lanes = builder.load(largest)
+        top = builder.extract_element(lanes, _llvm.Constant(_WORD, 0))
+        for j in range(1, _LANES):
+            top = builder.call(scalar_max, [top, builder.extract_element(lanes, _llvm.Constant(_WORD, j))])
+        return top
+
+    return signature, codegen
