@@ -204,9 +204,9 @@ def test_remeasure_forgets_the_machine_under_every_thread_count_and_its_compiled
         monkeypatch.setattr(measurements, "machine_identity", lambda t=threads: dict(identity, threads=t))
         measurements.MeasurementStore().put(measurements.Measurement("x", 1, "2026-01-01T00:00:00+00:00", 0.1, ""))
     monkeypatch.setattr(measurements, "machine_identity", lambda: identity)
-    kernels = tmp_path / "kernels" / "unlimiformer_1a2b"
+    kernels = tmp_path / "kernels" / "search_1a2b"
     kernels.mkdir(parents=True)
-    for name in ("compiled._sums_f32-630.py311.nbi", "compiled._sums_f32-630.py311.1.nbc"):
+    for name in ("compiled._sums_f32-630.py311.nbi", "compiled_loops._scores_bf16-180.py311.1.nbc"):
         (kernels / name).write_bytes(b"machine code")
     (kernels / "other.program-1.py311.nbi").write_bytes(b"someone else's")
     shown = info().stdout
@@ -219,3 +219,17 @@ def test_remeasure_forgets_the_machine_under_every_thread_count_and_its_compiled
     kept = json.loads((tmp_path / "measurements.json").read_text())
     assert [name for entry in kept.values() for name in entry["measurements"]] in ([], ["cpu bfloat16 speedup"])
     assert sorted(path.name for path in kernels.iterdir()) == ["other.program-1.py311.nbi"]
+
+
+def test_cache_clear_knows_every_module_whose_kernels_numba_caches():
+    """numba names a cached kernel's files after its module: a module of the search that compiles kernels and is
+    not in KERNEL_MODULES would leave them behind `cache clear --kernels` and `info --remeasure`."""
+    from pathlib import Path
+
+    from unlimisum import diagnostics
+
+    search = Path(diagnostics.__file__).parent / "search"
+    compiling = {path.stem for path in search.glob("*.py")
+                 if "numba.njit(" in path.read_text() and path.stem != "jit"
+                 or "@jit." in path.read_text() or "jit.kernel(" in path.read_text()}
+    assert compiling and compiling <= set(diagnostics.KERNEL_MODULES), compiling

@@ -481,9 +481,10 @@ def test_cache_clear_kernels_needs_no_cache_folder_and_leaves_other_programs_fil
     folder.mkdir(parents=True)
     (folder / "compiled._dense_sums_f32-675.py311.nbi").write_bytes(b"index")
     (folder / "compiled._dense_sums_f32-675.py311.1.nbc").write_bytes(b"code")
+    (folder / "compiled_loops._scores_bf16-180.py311.nbi").write_bytes(b"loop")
     (folder / "mine.solver-12.py311.nbi").write_bytes(b"another program's")
     cleared = CliRunner().invoke(app, ["cache", "clear", "--kernels"])
-    assert cleared.exit_code == 0 and "removed 2 compiled kernel files, 9 B" in cleared.stderr
+    assert cleared.exit_code == 0 and "removed 3 compiled kernel files, 13 B" in cleared.stderr
     assert [path.name for path in folder.iterdir()] == ["mine.solver-12.py311.nbi"]
     assert CliRunner().invoke(app, ["cache", "clear"]).exit_code == 2  # books need their folder, as before
 

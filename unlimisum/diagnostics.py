@@ -80,12 +80,18 @@ def clear_compiled_kernels() -> tuple[int, int]:
     return removed, freed
 
 
+# the modules of unlimisum/search whose functions numba compiles and caches (jit.py's decorations): compiled_loops.py
+# today; compiled.py held them before the search became one unit, and a cache home may still keep those
+KERNEL_MODULES = ("compiled", "compiled_loops")
+
+
 def _kernel_files(folder: Path) -> list[Path]:
     """numba's cache files of unlimisum's kernels under ``folder``: an index (.nbi) and machine code (.nbc) per
-    function, named after their module, compiled.py: ``compiled.<function>-<line>.py311...``."""
+    function, named after their module: ``compiled_loops.<function>-<line>.py311...``."""
     if not folder.is_dir():
         return []
-    return [path for path in folder.rglob("compiled.*") if path.suffix in (".nbi", ".nbc") and path.is_file()]
+    return [path for path in folder.rglob("*") if path.suffix in (".nbi", ".nbc")
+            and path.name.split(".", 1)[0] in KERNEL_MODULES and path.is_file()]
 
 
 def collect_versions() -> dict:
