@@ -85,10 +85,14 @@ def test_a_decoder_only_model_gets_its_own_plan(info, tmp_path, family, full_lay
     from tests.tiny_decoders import build_tiny_decoder_dir
 
     folder = build_tiny_decoder_dir(tmp_path / family, family)  # 4,096 positions, 2 KV heads of 16
-    short, long = (json.loads(info("--json", "--tokens", n, "-m", folder, "--index-device", "cpu").stdout)["plan"]
-                   for n in (1000, 10_000))
+    short, fits, long = (json.loads(info("--json", "--tokens", n, "-m", folder, "--index-device", "cpu").stdout)[
+        "plan"] for n in (1000, 3000, 10_000))
     assert short["model_kind"] == long["model_kind"] == "decoder-only" and "d_model" not in short
     assert short["window"] == 1024 and short["retrieval_k"] == 1024  # a quarter of the positions; k the window
+    # a prompt that fits is its own window, read in chunks of a quarter of the positions; a longer one retrieves
+    assert (fits["exact"], fits["window"], fits["chunk"]) == (True, 2999, 1024) and short["exact"]
+    assert (long["exact"], long["window"], long["chunk"]) == (False, 1024, 1024)
+    assert "the whole prompt attended exactly" in info("--tokens", 3000, "-m", folder, "--index-device", "cpu").stdout
     assert short["positions"] == "true" and long["positions"] == "fixed distance 1024"
     assert short["store_bytes_per_token"] == 2 * full_layers * 2 * 16 * 2
     assert long["store_bytes"] == 9_999 * short["store_bytes_per_token"]

@@ -333,3 +333,18 @@ def test_the_steps_buffers_are_freed_when_the_reading_ends():
         kernels._scratch("a step's buffer", 1024, 4, torch.float32, torch.device("cpu"))
         assert kernels._SCRATCH.buffers
     assert not kernels._SCRATCH.buffers
+
+
+def test_without_a_window_a_prompt_that_fits_is_its_own_window_read_in_chunks():
+    def plan(prompt_tokens, window=None):
+        return plan_retrieval(prompt_tokens=prompt_tokens, text_start=0, max_new_tokens=100, max_positions=32_768,
+                              window=window, retrieval_k=1024, config=DecoderOnlyConfig())
+
+    fits = plan(16_000)
+    assert fits.exact and (fits.window, fits.chunk, fits.fixed_distance) == (16_000, 4096, None)
+    short = plan(1_000)
+    assert short.exact and (short.window, short.chunk) == (4096, 4096)  # at least the default window
+    beyond = plan(40_000)
+    assert not beyond.exact and (beyond.window, beyond.chunk, beyond.fixed_distance) == (4096, 4096, 4096)
+    asked = plan(16_000, window=2048)
+    assert not asked.exact and (asked.window, asked.chunk) == (2048, 2048)

@@ -112,6 +112,49 @@ def test_per_chapter_summaries_read_each_chapter_in_its_own_prompt(chat_model):
         assert part.coverage[0].title == "window 1"
 
 
+@pytest.fixture(scope="module")
+def roomy_model(tmp_path_factory):
+    """2,048 positions: the book's prompt (1,339 tokens) and its summary fit, read in chunks of a quarter of them."""
+    folder = build_tiny_decoder_dir(tmp_path_factory.mktemp("qwen2-roomy"), "qwen2", max_positions=2048)
+    return load_model(ModelConfig(name=str(folder), device="cpu"))
+
+
+def test_within_the_models_positions_the_whole_prompt_is_read_exactly_by_default(roomy_model):
+    """No --window: a prompt that fits the model's positions is its own window, read in chunks of 512, with no
+    retrieval: the summary is the plain model's."""
+    summarizer = Summarizer(roomy_model, index=IndexConfig(storage_dtype="float32"), generation=GREEDY)
+    prompt = build_prompt(roomy_model.tokenizer, BOOK.text, PromptConfig())
+    plan = summarizer.family.plan(prompt)
+    assert plan.exact and plan.window == len(prompt.ids) - 1 and plan.chunk == 512
+    summary = summarizer.summarize(BOOK)
+    assert list(summary.token_ids) == plain_continuation(roomy_model, prompt.ids)
+    assert summary.stats.window == len(prompt.ids) - 1 and summary.stats.windows == -(-plan.window // 512) == 3
+    assert summary.stats.positions == "true" and summary.evidence
+    assert abs(sum(span.share for span in summary.coverage) - 1) < 1e-9
+
+
+def test_a_whole_prompt_window_is_widened_as_each_step_reads_it_not_held_twice(roomy_model, monkeypatch):
+    """A generation step's window longer than WIDENED_WINDOW_TOKENS stays in the store's 16 bits (a widened
+    copy would hold the prompt twice more) and is widened as each step attends: the same numbers, so the same
+    summary and evidence as a window widened once."""
+    from unlimisum.decoder_only import cache
+
+    def run(widened_tokens: int):
+        monkeypatch.setattr(cache, "WIDENED_WINDOW_TOKENS", widened_tokens)
+        dtypes = set()
+        real = cache.attend
+        monkeypatch.setattr(cache, "attend", lambda q, parts, *a, **k: len(parts) == 4  # a step's: the tail too
+                            and dtypes.add(parts[2].keys.dtype) or real(q, parts, *a, **k))
+        summary = Summarizer(roomy_model, generation=GREEDY).summarize(BOOK)  # bfloat16 storage
+        monkeypatch.setattr(cache, "attend", real)
+        return summary, dtypes
+
+    widened, widened_dtypes = run(100_000)
+    stored, stored_dtypes = run(8)
+    assert widened_dtypes == {torch.float32} and stored_dtypes == {torch.bfloat16}
+    assert stored.token_ids == widened.token_ids and stored.evidence == widened.evidence
+
+
 def test_beyond_the_models_positions_far_tokens_sit_at_a_fixed_distance(plain_model):
     """256 positions, a prompt of ~700 tokens: the far tokens are placed one window before every query."""
     summarizer = Summarizer(plain_model, encoding=EncodingConfig(window=32), generation=GREEDY)

@@ -1,9 +1,9 @@
-"""A 16-bit model's prefill attends through torch's flash kernel (decoder_only/flash.py), to parts.attend's precision.
+"""A model's prefill attends through torch's flash kernel (decoder_only/flash.py), to parts.attend's precision.
 
 The float32 path (parts.attend) is the reference: the same chunks, parts and masks, every score in
-float32. The flash path must give the same attention to 16-bit precision (the model's own output
-dtype), the same attention mass per local key to ~1e-4 (block representatives are chosen by it),
-and so the same blocks.
+float32. The flash path must give the same attention to the model's precision (16 bits, or float32's
+order of summation), the same attention mass per local key to ~1e-4 (block representatives are chosen
+by it), and so the same blocks.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 from tests.tiny_decoders import tiny_decoder
 from unlimisum.config import DecoderOnlyConfig
-from unlimisum.decoder_only import flash, parts, reading
+from unlimisum.decoder_only import cache as cache_module, flash, parts, reading
 from unlimisum.decoder_only.parts import Part, causal
 from unlimisum.decoder_only.plan import plan_retrieval
 from unlimisum.models.architectures import architecture_for
@@ -61,16 +61,58 @@ def test_mass_under_a_mask_that_is_not_causal_falls_back_to_float32_scores():
     torch.testing.assert_close(got_mass, mass[2].sum(dim=0), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("before", [16, 0], ids=["a window before the chunk", "the chunk alone"])
+def test_a_window_said_by_its_causal_tail_attends_as_its_mask_does(monkeypatch, before, dtype):
+    """The prefill's window is the keys before the chunk (seen by all) and the chunk's own (seen causally): said
+    by ``causal_tail``, the flash kernel reads it in its causal mode with no mask; the attention and the mass
+    are those of the same part with the mask spelt out."""
+    monkeypatch.setattr(flash, "_mass_float32", None)  # the mass comes from the kernel
+    q, chunk_parts = _random_parts(torch.Generator().manual_seed(4), shared_queries=True, dtype=dtype)
+    n_queries = q.shape[3]
+    window = chunk_parts[2]
+    keys, values = window.keys[:, 16 - before:], window.values[:, 16 - before:]
+    masked = [*chunk_parts[:2], Part(keys, values, "shared", mask=causal(40, n_queries, 40 - before, before + n_queries,
+                                                                         "cpu"))]
+    tailed = [*chunk_parts[:2], Part(keys, values, "shared", causal_tail=n_queries)]
+    mass, tailed_mass = [], []
+    expected = parts.attend(q, masked, 0.25, None, mass)
+    assert torch.equal(parts.attend(q, tailed, 0.25, None, tailed_mass), expected)
+    assert torch.equal(tailed_mass[2], mass[2])
+    got, got_mass = flash.attend(q, tailed, 0.25, mass_part=2)
+    rounding = 2**-8 if dtype == torch.bfloat16 else 2**-20  # float32: the order of summation only
+    assert (got - expected).abs().max() <= 2 * rounding * expected.abs().max()
+    torch.testing.assert_close(got_mass, mass[2].sum(dim=0), rtol=1e-4, atol=1e-6)
+
+
+def test_a_query_that_sees_none_of_a_calls_keys_takes_nothing_from_it():
+    """Far blocks all padding for a head, no sinks, no window before the chunk: the kernel's call over the far
+    keys sees nothing for that head (its log-sum-exp -inf); the chunk's own keys are all it attends to."""
+    generator = torch.Generator().manual_seed(5)
+    q, chunk_parts = _random_parts(generator, shared_queries=True)
+    n_queries = q.shape[3]
+    far = chunk_parts[1]
+    nothing = torch.zeros_like(far.mask)
+    nothing[:, 1] = True  # the second head sees its far keys, the first none
+    own = Part(chunk_parts[2].keys[:, 16:], chunk_parts[2].values[:, 16:], "shared", causal_tail=n_queries)
+    tested = [Part(far.keys, far.values, "shared", mask=nothing), own]
+    expected = parts.attend(q, tested, 0.25)
+    got, _ = flash.attend(q, tested, 0.25)
+    assert torch.isfinite(got).all()
+    assert (got - expected).abs().max() <= 2 * 2**-8 * expected.abs().max()
+
+
 def _read(model, ids, plan):
     with torch.inference_mode(), reading.session(model, architecture_for(model.config), plan) as cache:
         logits = reading.prefill(model, cache, ids, logits=True)
     return logits.float(), cache
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("max_positions", [512, 64], ids=["true positions", "fixed distance"])
-def test_a_bfloat16_prefill_reads_through_the_flash_kernel_as_the_float32_path_does(monkeypatch, max_positions):
+def test_a_prefill_reads_through_the_flash_kernel_as_the_float32_path_does(monkeypatch, max_positions, dtype):
     """Window 16, k 16: chunks from the fourth on select one block of 16 among several, by the mass."""
-    model = tiny_decoder("llama").to(torch.bfloat16)
+    model = tiny_decoder("llama").to(dtype)
     ids = torch.randint(3, 96, (120,), generator=torch.Generator().manual_seed(3))
     plan = plan_retrieval(prompt_tokens=ids.shape[0], text_start=0, max_new_tokens=4, max_positions=max_positions,
                           window=16, retrieval_k=16, storage_dtype=torch.bfloat16,
@@ -84,10 +126,35 @@ def test_a_bfloat16_prefill_reads_through_the_flash_kernel_as_the_float32_path_d
     monkeypatch.setattr(flash, "usable", lambda *a: False)
     expected, reference = _read(model, ids, plan)
     first, reference_first = cache.retrieval_layers[0], reference.retrieval_layers[0]
-    if plan.true_positions:  # the same 16-bit keys and queries: the mass to float32 precision, the same blocks
+    if plan.true_positions or dtype == torch.float32:  # the same keys and queries: the mass to float32
+        # precision, the same blocks
         torch.testing.assert_close(first.received, reference_first.received, rtol=1e-4, atol=1e-5)
         assert torch.equal(first.blocks.rep_keys, reference_first.blocks.rep_keys)
     else:  # turned queries and re-rotated window keys are rounded to 16 bits, as the model's own are
         torch.testing.assert_close(first.received, reference_first.received, rtol=3e-2, atol=3e-2)
     scale = expected.abs().max()
-    assert (logits - expected).abs().max() <= 0.05 * scale  # 16-bit hidden states through 2 layers
+    # 16-bit hidden states through 2 layers; float32 ones differ by the order of summation
+    assert (logits - expected).abs().max() <= (0.05 if dtype == torch.bfloat16 else 1e-4) * scale
+
+
+def test_the_mass_of_keys_that_never_leave_the_window_is_not_computed(monkeypatch):
+    """Only keys that leave the window while the prompt is read need the attention they draw (their block's
+    representatives are chosen by it): the last chunks' windows skip it, and the prompt reads the same."""
+    model = tiny_decoder("llama").to(torch.bfloat16)
+    ids = torch.randint(3, 96, (100,), generator=torch.Generator().manual_seed(6))
+    plan = plan_retrieval(prompt_tokens=ids.shape[0], text_start=0, max_new_tokens=4, max_positions=512,
+                          window=16, retrieval_k=16, storage_dtype=torch.bfloat16,
+                          config=DecoderOnlyConfig(sinks=4, block_size=16, block_representatives=2))
+    masses = []
+    real = flash.attend
+    monkeypatch.setattr(flash, "attend", lambda q, p, s, mass_part=None: masses.append(mass_part is not None)
+                        or real(q, p, s, mass_part))
+    logits, cache = _read(model, ids, plan)
+    # 7 chunks of 16, chunk c's window from max(16 (c - 1), 0): the last one's from 80, which no key leaves;
+    # every chunk runs through both layers
+    assert masses == [True] * 12 + [False] * 2
+    monkeypatch.setattr(cache_module, "leaves_window", lambda plan, first_local: True)
+    everywhere, full = _read(model, ids, plan)
+    assert torch.equal(logits, everywhere)
+    first, reference = cache.retrieval_layers[0], full.retrieval_layers[0]
+    assert torch.equal(first.received[:, :80], reference.received[:, :80])

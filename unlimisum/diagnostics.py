@@ -262,19 +262,20 @@ def collect_decoder_plan(tokens: int, model: str, config, index: IndexConfig) ->
     architecture = architecture_for(config)  # UnsupportedModelError when no layer is full attention
     max_positions = architecture.max_positions(config)
     windows = architecture.layer_windows(config)
-    window = default_window(max_positions)
-    retrieval_k = default_retrieval_k(window)
+    retrieval_k = default_retrieval_k(default_window(max_positions))
     dtype = storage_dtype(index)
     per_token = store_bytes_per_token(config, windows, dtype)
     store = (tokens - 1) * per_token  # generate() reads the prompt's last token itself
     model_device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # where --device auto loads it
     keys_device, values_device, placement = store_devices(store // 2, store // 2, index, model_device)
     max_new_tokens = DEFAULT_MAX_NEW_TOKENS
+    window = chunk = default_window(max_positions)
     try:
         plan = plan_retrieval(prompt_tokens=tokens - 1, text_start=0, max_new_tokens=max_new_tokens,
-                              max_positions=max_positions, window=window, retrieval_k=retrieval_k,
+                              max_positions=max_positions, window=None, retrieval_k=retrieval_k,
                               config=DecoderOnlyConfig(), storage_dtype=dtype)
         positions = "true" if plan.true_positions else f"fixed distance {plan.fixed_distance}"
+        window, chunk = plan.window, plan.chunk
     except ConfigError as error:
         positions = f"refused: {error}"
     kv_heads, head_dim = kv_shape(config)
@@ -286,6 +287,8 @@ def collect_decoder_plan(tokens: int, model: str, config, index: IndexConfig) ->
         "family": architecture.name,
         "max_positions": max_positions,
         "window": window,
+        "chunk": chunk,
+        "exact": window >= tokens - 1,
         "sinks": f"the prompt up to the text, at least {MIN_SINKS} tokens",
         "retrieval_k": retrieval_k,
         "max_new_tokens": max_new_tokens,

@@ -23,7 +23,7 @@ class ProgressEvent:
     document came from it (then no tokenize/encode/index events follow). ``keys`` (after a cache hit whose
     per-layer keys or values are built from the cached states): ``completed`` of ``total`` tokens projected.
     ``prefill`` (decoder-only models, instead of encode and index): ``completed`` of ``total`` chunks of the
-    prompt read, ``info["tokens"]`` and ``info["window"]``.
+    prompt read, ``info["tokens"]`` and ``info["chunk"]`` (tokens a chunk).
     ``compile`` (before ``prepare``, on a machine's first run with a long book): ``completed`` of ``total``
     retrieval kernels compiled (unlimisum/search/compiled.py; most of them while the book was encoded),
     ``info["seconds_left"]`` an estimate of the rest; not reported where none is left to compile.

@@ -169,9 +169,13 @@ def _decoder_plan_lines(plan: dict, format_bytes) -> list[str]:
         f"decoder-only plan for a prompt of {plan['tokens']:,} tokens",
         *_rows([
             ("model", f"{plan['model']} ({plan['family']}, {plan['max_positions']:,} positions)"),
-            ("window", f"{window:,} tokens attended exactly, read in chunks of {window:,} (--window)"),
+            ("window", f"the whole prompt attended exactly, as the model itself does, read in chunks of "
+                       f"{plan['chunk']:,} (it fits the model's positions; --window retrieves instead)"
+             if plan["exact"] else f"{window:,} tokens attended exactly, read in chunks of {plan['chunk']:,} "
+                                   "(--window)"),
             ("sinks", plan["sinks"]),
-            ("retrieval k", f"{k:,} far tokens per key-value head and query (--retrieval-k)"),
+            ("retrieval k", "none: no token is far" if plan["exact"]
+             else f"{k:,} far tokens per key-value head and query (--retrieval-k)"),
             ("positions", f"{plan['positions']} (with --max-new-tokens {plan['max_new_tokens']})"),
             ("layers", f"{plan['full_layers']} full attention (they store the prompt), "
                        f"{plan['sliding_layers']} sliding window (they keep their window)"),

@@ -188,8 +188,8 @@ def summarize(
     window: Optional[int] = typer.Option(
         None, "--window", min=1, metavar="N",
         help="Tokens attended exactly: a decoder-only model's local window (the end of the text, the request, "
-        "the summary; default 4,096, at most a quarter of the model's positions), an encoder-decoder's encoder "
-        "window (default: the model's).",
+        "the summary; default: the whole prompt where it fits the model's positions, else 4,096, at most a quarter "
+        "of them), an encoder-decoder's encoder window (default: the model's).",
         rich_help_panel=DECODER_PANEL,
     ),
     # -- generation

@@ -40,6 +40,20 @@ def _gather(stored: torch.Tensor, ids: torch.Tensor, device) -> torch.Tensor:
     return stored[heads, ids].to(device)
 
 
+# a generation step's window is widened to float32 once where it holds at most this many prompt tokens (the
+# default window's); a whole prompt read exactly stays as stored, each step widening it as it attends, so that
+# the store is not held twice (a widened copy is twice a 16-bit store)
+WIDENED_WINDOW_TOKENS = 4096
+
+
+def leaves_window(plan: RetrievalPlan, first_local: int) -> bool:
+    """Whether a key of the local window that starts at ``first_local`` leaves the window while the prompt is
+    read: only those need the attention they draw, which chooses their block's representatives. The last
+    chunk's window starts at the latest; no key at or after its start leaves."""
+    last_first_local = max((plan.prompt_tokens - 1) // plan.chunk * plan.chunk - plan.window, 0)
+    return first_local < last_first_local
+
+
 class RetrievalLayer(CacheLayerMixin):
     """One full-attention layer: the prompt in a store, generated tokens in a per-row tail."""
 
@@ -190,16 +204,16 @@ class RetrievalLayer(CacheLayerMixin):
         dtype = q.dtype if fast else self.compute_dtype  # the flash kernel reads 16-bit keys as they are
         local_keys = torch.cat([self._window_keys(first_local, start).to(dtype), key[0].to(dtype)], dim=1)
         local_values = torch.cat([store.values[:, first_local:start].to(self.device, dtype), value[0].to(dtype)], dim=1)
-        mask = causal(start, n_queries, first_local, end - first_local, self.device)
-        local_part = Part(local_keys, local_values, "shared", mask=mask)
+        local_part = Part(local_keys, local_values, "shared", causal_tail=n_queries)  # the window, then the chunk
         parts = [sink_part, far_part, local_part]
+        with_mass = self.received is not None and leaves_window(plan, first_local)
         if fast:
-            out, local_mass = flash.attend(q, parts, scaling, 2 if self.received is not None else None)
+            out, local_mass = flash.attend(q, parts, scaling, 2 if with_mass else None)
         else:
-            mass = [] if self.received is not None else None
+            mass = [] if with_mass else None
             out = attend(q, parts, scaling, softcap, mass)
             local_mass = mass[2].sum(dim=0) if mass is not None else None
-        if local_mass is not None:  # attention drawn by each local key: it chooses the block representatives
+        if local_mass is not None:
             self.received[:, first_local:end] += local_mass
         return out
 
@@ -233,9 +247,10 @@ class RetrievalLayer(CacheLayerMixin):
         sink_end, far_start, far_end = self._ranges(first_local)
         positions = torch.arange(prompt + tail - n_queries, prompt + tail)
         q_far, q_sink = self._far_queries(q, positions)
-        if self.prompt_window is None:  # the same for every step: converted once
-            self.prompt_window = (self._window_keys(first_local, prompt).to(self.compute_dtype),
-                                  store.values[:, first_local:prompt].to(self.device, self.compute_dtype))
+        if self.prompt_window is None:  # the same for every step: widened once where that is a window's worth
+            dtype = self.compute_dtype if prompt - first_local <= WIDENED_WINDOW_TOKENS else None
+            self.prompt_window = (self._window_keys(first_local, prompt).to(dtype=dtype),
+                                  store.values[:, first_local:prompt].to(self.device, dtype))
 
         started = time.perf_counter()
         per_query = self.evidence is not None

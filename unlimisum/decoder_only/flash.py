@@ -1,21 +1,24 @@
-"""A prefill chunk's attention for a 16-bit model on the CPU: torch's fused flash kernel, parts merged by log-sum-exp.
+"""A prefill chunk's attention on the CPU: torch's fused flash kernel, parts merged by log-sum-exp.
 
 parts.attend computes every score in float32 and holds them for one softmax: at a chunk of 1,024
 queries over ~3,000 keys that is ~4x the time of the model's own (flash) attention, most of it in
-passes over the scores (concatenation, masking, softmax, the attention mass). Here each group of
+passes over the scores (concatenation, masking, softmax, the attention mass); a whole prompt read
+exactly (chunks of 4,096 over up to the model's positions) ~3x in all. Here each group of
 parts that share their queries (all of them at true positions; sinks, far tokens and the local
 window each in the fixed-distance regime) is one call of torch's CPU flash-attention kernel per
-key-value head (16-bit products accumulated in float32, as the model's own SDPA attention does),
-which also returns each query's log-sum-exp; groups are merged in float32 by their log-sum-exps.
-Block mode needs the attention each local key drew (its mass): it is recomputed for the local part
-only, exp(scaling q.k - lse) in float32 from the same 16-bit keys and queries.
+key-value head (products accumulated in float32, as the model's own SDPA attention does), and the
+chunk's own keys one more in the kernel's causal mode (no mask is built), each returning its
+queries' log-sum-exps; the calls are merged in float32 by their log-sum-exps. Block mode needs the
+attention each local key drew (its mass): it is recomputed for the local part only, where a key
+will leave the window, exp(scaling q.k - lse) in float32 from the same keys and queries.
 
 Precision: the output is the model's dtype either way; against parts.attend it differs by the
-kernel's order of summation and, with several groups, one more 16-bit rounding of each group's
-output before the merge; the local mass agrees to ~1e-5. In the fixed-distance regime the turned
-queries and the window's re-rotated keys (float32 in parts.attend) are rounded to 16 bits, as the
-model's own queries and keys are, which moves the mass by up to ~1 % on a random model
-(tests/test_decoder_prefill.py bounds all of it).
+kernel's order of summation and, for a 16-bit model, one more 16-bit rounding of each call's
+output before the merge; the local mass agrees to ~1e-5. In the fixed-distance regime a 16-bit
+model's turned queries and the window's re-rotated keys (float32 in parts.attend) are rounded to 16
+bits, as the model's own queries and keys are, which moves the mass by up to ~1 % on a random model
+(tests/test_decoder_prefill.py bounds all of it). A float32 model's differs by the order of
+summation only.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import torch
 
 from unlimisum.decoder_only.parts import Part
 
-FLASH_DTYPES = (torch.bfloat16, torch.float16)
+FLASH_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _kernel():
@@ -32,15 +35,16 @@ def _kernel():
 
 
 def usable(queries: torch.Tensor, parts: list[Part], softcap: float | None) -> bool:
-    """The flash path applies: a 16-bit model on the CPU, no soft-capping (Gemma 2), every part shared by the
-    chunk's queries (not token mode's per-query far tokens), and a torch that has the kernel."""
+    """The flash path applies: a 16-bit or float32 model on the CPU (float64 keeps parts.attend: the tests'
+    reference), no soft-capping (Gemma 2), every part shared by the chunk's queries (not token mode's per-query
+    far tokens), and a torch that has the kernel."""
     return (queries.dtype in FLASH_DTYPES and queries.device.type == "cpu" and softcap is None
             and all(part.layout == "shared" for part in parts) and _kernel() is not None)
 
 
 def _head_mask(part: Part, head: int, n_queries: int) -> torch.Tensor | None:
     """The part's mask for KV head ``head`` as [C, n] or [1, n] bool, or None (every key)."""
-    mask = part.mask
+    mask = part.visible(n_queries)
     if mask is None:
         return None
     if mask.dim() == 5:  # [1, G, 1, 1|C, n]
@@ -50,7 +54,7 @@ def _head_mask(part: Part, head: int, n_queries: int) -> torch.Tensor | None:
 
 def attend(queries: torch.Tensor, parts: list[Part], scaling: float, mass_part: int | None = None,
            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """queries [1, G, g, C, D] (16-bit) and shared parts -> (out [1, G, g, C, D] float32, mass [G, n] float32 of
+    """queries [1, G, g, C, D] and shared parts -> (out [1, G, g, C, D] float32, mass [G, n] float32 of
     part ``mass_part``: the attention each of its keys drew, summed over the g query heads and the C queries)."""
     kernel = _kernel()
     _, heads, group, n_queries, dim = queries.shape
@@ -69,42 +73,70 @@ def attend(queries: torch.Tensor, parts: list[Part], scaling: float, mass_part: 
     if mass_part is not None:
         mass = torch.zeros(heads, parts[mass_part].size, dtype=torch.float32, device=queries.device)
     for head in range(heads):
-        outputs, lses = [], []
+        outputs, lses = [], []  # [g, C, D] and [g, C] float32 per kernel call
         for members in groups:
             q = (members[0].queries if members[0].queries is not None else queries)[0, head].to(dtype)  # [g, C, D]
-            keys = torch.cat([part.keys[head].to(dtype) for part in members]) if len(members) > 1 \
-                else members[0].keys[head].to(dtype)
-            values = torch.cat([part.values[head].to(dtype) for part in members]) if len(members) > 1 \
-                else members[0].values[head].to(dtype)
-            additive = None
-            masks = [_head_mask(part, head, n_queries) for part in members]
-            if any(mask is not None for mask in masks):
-                additive = torch.zeros(n_queries, keys.shape[0], dtype=dtype, device=queries.device)
-                offset = 0
-                for part, mask in zip(members, masks):
-                    if mask is not None:
-                        additive[:, offset:offset + part.size].masked_fill_(~mask, float("-inf"))
-                    offset += part.size
-            shape = (1, group, keys.shape[0], dim)
-            o, lse = kernel(q.unsqueeze(0), keys.expand(shape), values.expand(shape), 0.0, False,
-                            attn_mask=additive, scale=scaling)
-            outputs.append(o[0])  # [g, C, D]
-            lses.append(lse[0])  # [g, C] float32
+            seen, causal = [], []  # (keys, values, mask or None) seen by every query; (keys, values) seen causally
+            for part in members:
+                keys, values = part.keys[head].to(dtype), part.values[head].to(dtype)
+                if part.causal_tail:  # the keys before the tail are seen by all; the tail in the kernel's causal mode
+                    first = part.size - part.causal_tail
+                    seen.append((keys[:first], values[:first], None))
+                    causal.append((keys[first:], values[first:]))
+                else:
+                    seen.append((keys, values, _head_mask(part, head, n_queries)))
+            seen = [entry for entry in seen if entry[0].shape[0]]
+            calls = [(keys, values, None, True) for keys, values in causal]
+            if seen:
+                keys = torch.cat([entry[0] for entry in seen]) if len(seen) > 1 else seen[0][0]
+                values = torch.cat([entry[1] for entry in seen]) if len(seen) > 1 else seen[0][1]
+                calls.insert(0, (keys, values, _additive([(entry[0].shape[0], entry[2]) for entry in seen], n_queries,
+                                                         dtype, queries.device), False))
+            for keys, values, additive, is_causal in calls:
+                blind = None  # queries that see none of the call's keys: the kernel gives them a log-sum-exp of 0
+                if additive is not None:
+                    blind = torch.isinf(additive).all(dim=-1)  # [C] or [1]
+                    if bool(blind.all()):
+                        continue
+                shape = (1, group, keys.shape[0], dim)
+                o, lse = kernel(q.unsqueeze(0), keys.expand(shape), values.expand(shape), 0.0, is_causal,
+                                attn_mask=additive, scale=scaling)
+                if blind is not None and bool(blind.any()):
+                    lse[0, :, blind] = float("-inf")
+                outputs.append(o[0])  # [g, C, D]
+                lses.append(lse[0])  # [g, C] float32
         if len(outputs) == 1:
             out[0, head] = outputs[0]
             total = lses[0]
         else:
-            stacked = torch.stack(lses)  # [groups, g, C]
+            stacked = torch.stack(lses)  # [calls, g, C]
             total = torch.logsumexp(stacked, dim=0)
-            weights = torch.exp(stacked - total).unsqueeze(-1)  # [groups, g, C, 1]
-            out[0, head] = sum(w * o.float() for w, o in zip(weights, outputs))
+            weights = torch.exp(stacked - total).unsqueeze(-1)  # [calls, g, C, 1]
+            out[0, head] = sum(w * o.float() for w, o in zip(weights, outputs))  # a blind query's w: 0
         if mass is not None:
             mass[head] = _mass(queries, parts[mass_part], head, scaling, total)
     return out, mass
 
 
+def _additive(pieces: list[tuple[int, torch.Tensor | None]], n_queries: int, dtype: torch.dtype,
+              device) -> torch.Tensor | None:
+    """The kernel's additive mask over keys concatenated from ``pieces`` (size, bool mask [C, n] or [1, n] or
+    None): 0 where seen, -inf where not; [1, n] where no piece's mask varies by query; None where none masks."""
+    if all(mask is None for _, mask in pieces):
+        return None
+    rows = n_queries if any(mask is not None and mask.shape[0] > 1 for _, mask in pieces) else 1
+    additive = torch.zeros(rows, sum(size for size, _ in pieces), dtype=dtype, device=device)
+    offset = 0
+    for size, mask in pieces:
+        if mask is not None:
+            additive[:, offset:offset + size].masked_fill_(~mask, float("-inf"))
+        offset += size
+    return additive
+
+
 def _split(x: torch.Tensor, dtype: torch.dtype, parts: int = 3) -> list[torch.Tensor]:
-    """float32 x as ``parts`` 16-bit tensors whose sum is x to ~float32 precision."""
+    """float32 x as ``parts`` tensors of ``dtype`` whose sum is x to ~float32 precision (x itself, then zeros,
+    for float32)."""
     out = []
     for _ in range(parts):
         high = x.to(dtype)
@@ -129,7 +161,9 @@ def _mass(queries: torch.Tensor, part: Part, head: int, scaling: float, lse: tor
     n = keys.shape[0]
     mask = _head_mask(part, head, n_queries)
     first, tail = n, 0  # keys [0, first) are seen by every query, the last ``tail`` causally (the chunk's own)
-    if mask is not None:
+    if part.causal_tail:
+        first, tail = n - part.causal_tail, part.causal_tail
+    elif mask is not None:
         full = mask.expand(n_queries, n)
         first, tail = n - n_queries, n_queries
         if first < 0 or not bool(full[:, :first].all()) or not torch.equal(

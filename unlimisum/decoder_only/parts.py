@@ -35,10 +35,20 @@ class Part:
     layout: str  # "shared" | "batched" | "per_query"
     mask: torch.Tensor | None = None  # bool, broadcast to [B, G, g, C, n]; None: every key
     queries: torch.Tensor | None = None  # [B, G, g, C, D]: this part's own queries; None: the common ones
+    # the last ``causal_tail`` keys are the queries' own (key j of them seen by queries i >= j), every key before
+    # them seen by all: a prefill chunk's window, said without a mask (the flash kernel's causal mode reads it)
+    causal_tail: int = 0
 
     @property
     def size(self) -> int:
         return self.keys.shape[-2]
+
+    def visible(self, n_queries: int) -> torch.Tensor | None:
+        """The part's mask (bool, broadcast to [B, G, g, C, n]), built from ``causal_tail`` where that says it."""
+        if not self.causal_tail:
+            return self.mask
+        first = self.size - self.causal_tail
+        return causal(first, n_queries, 0, self.size, self.keys.device)
 
 
 def attend(queries: torch.Tensor, parts: list[Part], scaling: float, softcap: float | None = None,
@@ -57,17 +67,19 @@ def attend(queries: torch.Tensor, parts: list[Part], scaling: float, softcap: fl
     block = max(1, SCORE_BYTES // max(1, b * heads * group * total * 4))
     out = queries.new_empty(queries.shape, dtype=dtype)
     masses = [None] * len(parts)
+    visible = [part.visible(n_queries) for part in parts]
     for start in range(0, n_queries, block):
         rows = slice(start, start + block)
         logits = []
-        for part in parts:
+        for part, part_mask in zip(parts, visible):
             q = (part.queries if part.queries is not None else queries)[:, :, :, rows].to(dtype)
             keys = part.keys[:, :, rows] if part.layout == "per_query" else part.keys
             scores = torch.einsum(_SCORES[part.layout], q, keys.to(dtype)) * scaling
             if softcap is not None:
                 scores = torch.tanh(scores / softcap) * softcap
-            if part.mask is not None:
-                mask = part.mask[..., rows, :] if part.mask.dim() >= 2 and part.mask.shape[-2] == n_queries else part.mask
+            if part_mask is not None:
+                mask = part_mask[..., rows, :] if part_mask.dim() >= 2 and part_mask.shape[-2] == n_queries \
+                    else part_mask
                 scores = scores.masked_fill(~mask, float("-inf"))
             logits.append(scores)
         weights = torch.softmax(torch.cat(logits, dim=-1), dim=-1)  # [B, G, g, c, total]

@@ -24,7 +24,7 @@ class RetrievalPlan:
     """Everything the cache and the attention function need to read one prompt and generate after it."""
 
     prompt_tokens: int  # tokens the store holds: the prompt (all but the last token, which generate() reads)
-    window: int  # W: exact local window, and the prefill chunk length
+    window: int  # W: exact local window (the whole prompt where it is read exactly)
     sinks: int  # S: the prompt's first tokens, attended exactly by every query
     retrieval_k: int  # far tokens per KV head and query (decode) or per chunk (blocks)
     block_size: int
@@ -35,14 +35,25 @@ class RetrievalPlan:
     storage_dtype: torch.dtype = torch.bfloat16
     keys_device: torch.device = torch.device("cpu")
     values_device: torch.device = torch.device("cpu")
+    chunk: int | None = None  # tokens read per forward of the prefill; None: the window
+
+    def __post_init__(self):
+        if self.chunk is None:
+            object.__setattr__(self, "chunk", self.window)
 
     @property
     def true_positions(self) -> bool:
         return self.fixed_distance is None
 
+    @property
+    def exact(self) -> bool:
+        """Whether every query attends to the whole prompt (the window holds it): the model's own attention."""
+        return self.window >= self.prompt_tokens
+
 
 def default_window(max_positions: int) -> int:
-    """DEFAULT_WINDOW tokens, at most a quarter of the model's positions."""
+    """DEFAULT_WINDOW tokens, at most a quarter of the model's positions: the window of a prompt beyond them,
+    and the prefill's chunk."""
     return max(1, min(DEFAULT_WINDOW, max_positions // 4))
 
 
@@ -73,8 +84,15 @@ def plan_retrieval(*, prompt_tokens: int, text_start: int, max_new_tokens: int, 
 
     True positions while prompt + summary fit ``max_positions``; beyond, far tokens at a fixed distance of
     one window, sinks just before them. ConfigError when the model would see distances it was not trained on.
+    ``window`` None: where the prompt and summary fit, the whole prompt is the window (read exactly, as the
+    model itself would, in chunks of ``default_window``); beyond, ``default_window``.
     """
-    window = window if window is not None else default_window(max_positions)
+    fits = prompt_tokens + 1 + max_new_tokens <= max_positions
+    chunk = None
+    if window is None:
+        window = default_window(max_positions)
+        if fits:
+            window, chunk = max(window, prompt_tokens), window
     if window < 1:
         raise ConfigError(f"the local window must be at least 1 token, got {window}")
     if retrieval_k < 1:
@@ -87,7 +105,6 @@ def plan_retrieval(*, prompt_tokens: int, text_start: int, max_new_tokens: int, 
     if sinks < 0:
         raise ConfigError(f"sinks must be at least 0, got {sinks}")
     sinks = min(sinks, prompt_tokens)
-    fits = prompt_tokens + 1 + max_new_tokens <= max_positions
     fixed_distance = None
     if not fits:
         # the farthest the model then looks: a chunk's window (2W - 1), the window plus the summary, the sinks
@@ -102,8 +119,8 @@ def plan_retrieval(*, prompt_tokens: int, text_start: int, max_new_tokens: int, 
     return RetrievalPlan(
         prompt_tokens=prompt_tokens, window=window, sinks=sinks, retrieval_k=retrieval_k, block_size=block_size,
         block_representatives=config.block_representatives, prefill_selection=config.prefill_selection,
-        fixed_distance=fixed_distance, max_new_tokens=max_new_tokens, storage_dtype=storage_dtype, keys_device=torch.device(keys_device),
-        values_device=torch.device(values_device),
+        fixed_distance=fixed_distance, max_new_tokens=max_new_tokens, storage_dtype=storage_dtype,
+        keys_device=torch.device(keys_device), values_device=torch.device(values_device), chunk=chunk,
     )
 
 

@@ -48,14 +48,14 @@ def session(model: nn.Module, architecture, plan: RetrievalPlan, *, max_position
 
 def prefill(model: nn.Module, cache: RetrievalCache, input_ids: torch.Tensor, *, logits: bool = False,
             on_chunk: Callable[[int], None] | None = None) -> torch.Tensor | None:
-    """Run ``input_ids`` [n] through the model in chunks of the plan's window, filling ``cache``.
+    """Run ``input_ids`` [n] through the model in chunks of the plan's ``chunk``, filling ``cache``.
 
     Returns the logits [n, vocab] when ``logits`` (tests), else None (only the last position's are computed).
     ``on_chunk(tokens_done)`` is called after every chunk.
     """
     device = next(model.parameters()).device
     argument = compat.cache_argument(model)
-    chunk = cache.plan.window
+    chunk = cache.plan.chunk
     pieces = []
     for start in range(0, input_ids.shape[0], chunk):
         ids = input_ids[start:start + chunk].unsqueeze(0).to(device)

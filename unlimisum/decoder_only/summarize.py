@@ -49,8 +49,9 @@ class DecoderOnlySummarizer:
         self.decoder, self.prompt, self.progress = decoder, prompt, progress
         self.evidence, self.evidence_passages = evidence, evidence_passages
         self.max_positions = loaded.architecture.max_positions(loaded.model.config)
-        self.window = window if window is not None else default_window(self.max_positions)
-        self.retrieval_k = retrieval_k if retrieval_k is not None else default_retrieval_k(self.window)
+        self.window = window  # None: the whole prompt where it fits the model's positions (plan_retrieval)
+        self.retrieval_k = retrieval_k if retrieval_k is not None else \
+            default_retrieval_k(window if window is not None else default_window(self.max_positions))
         unprotected = unprotected_turn_end(loaded.tokenizer)
         if unprotected is not None:
             warnings.warn(unprotected, UnprotectedPromptWarning, stacklevel=4)  # the Summarizer's caller
@@ -93,7 +94,7 @@ class DecoderOnlySummarizer:
         generated = output[0, prompt.n_tokens:]
         special = set(loaded.tokenizer.all_special_ids)
         stats = SummaryStats(
-            model=loaded.name, input_tokens=prompt.n_tokens, windows=-(-(prompt.n_tokens - 1) // plan.window),
+            model=loaded.name, input_tokens=prompt.n_tokens, windows=-(-(prompt.n_tokens - 1) // plan.chunk),
             window=plan.window, index_kind="kv-store", index_device=_device_name(plan),
             retrieval_k=plan.retrieval_k, datastore_bytes=run.store_bytes,
             generated_tokens=sum(t not in special for t in generated.tolist()), timings=seconds,
@@ -103,8 +104,8 @@ class DecoderOnlySummarizer:
         )
         summary_text = loaded.tokenizer.decode(generated, skip_special_tokens=True).strip()
         text_mass = self._text_mass(mass, prompt)
-        windows = coverage.window_ranges(text_mass.shape[0], [(start, min(start + plan.window, text_mass.shape[0]))
-                                                              for start in range(0, text_mass.shape[0], plan.window)])
+        windows = coverage.window_ranges(text_mass.shape[0], [(start, min(start + plan.chunk, text_mass.shape[0]))
+                                                              for start in range(0, text_mass.shape[0], plan.chunk)])
         if document is not None:
             chapters = chapter_token_ranges(document, prompt.text_token_ends, text_mass.shape[0])
             sections = [(chapter.title, chapter.start, chapter.end) for chapter in chapters]
@@ -144,8 +145,8 @@ class DecoderOnlySummarizer:
                               else tokenizer.eos_token_id)
         with_evidence = with_evidence and self.evidence
         n_read = prompt.n_tokens - 1
-        chunks = -(-n_read // plan.window)
-        info = {"tokens": n_read, "window": plan.window}
+        chunks = -(-n_read // plan.chunk)
+        info = {"tokens": n_read, "chunk": plan.chunk}
         total = kwargs.get("max_new_tokens")
         progress = GenerationProgress(lambda written: self.progress(ProgressEvent("generate", written, total, name)),
                                        tokenizer.all_special_ids)
@@ -156,7 +157,7 @@ class DecoderOnlySummarizer:
         with torch.inference_mode(), reading.session(model, architecture, plan) as cache:
             self.progress(ProgressEvent("prefill", 0, chunks, name, info))
             reading.prefill(model, cache, prompt.ids[:-1], on_chunk=lambda done: self.progress(
-                ProgressEvent("prefill", -(-done // plan.window), chunks, name, info)))
+                ProgressEvent("prefill", -(-done // plan.chunk), chunks, name, info)))
             cache.finish_prefill()
             cache.mark()
             read_at = time.perf_counter()
