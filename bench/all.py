@@ -13,7 +13,7 @@ import time
 BENCHMARKS = [
     "encoding", "led_encoding", "decode_speed", "decoding", "index_choice", "memory", "truncation", "profile",
     "encode_once", "weights_memory", "needle_eval", "evidence", "tc_recall", "tc_decoder", "decoder_only",
-    "needle_decoder_eval", "time_to_summary", "key_store",
+    "needle_decoder_eval", "decoder_prompt", "time_to_summary", "key_store",
 ]
 
 # What --quick leaves out to stay under ten minutes: the prefill table of bench.decoder_only takes about

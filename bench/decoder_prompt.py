@@ -1,7 +1,7 @@
 """A decoder-only prompt within the model's positions, end to end: `unlimisum summarize` against the plain model.
 
-    python -m bench.decoder_prompt [--tokens 16384] [--new-tokens 64] [--layers 24] [--turns 2] [--before REV]
-                                   [--window W] [--json decoder_prompt]
+    python -m bench.decoder_prompt [--quick] [--tokens 16384] [--new-tokens 64] [--layers 24] [--turns 2]
+                                   [--before REV] [--window W] [--json decoder_prompt]
 
 A Qwen2.5-0.5B-shaped model (24 layers, hidden 896, 14 query heads on 2 key-value heads, vocabulary 151,936,
 32,768 positions, tied embeddings) with random weights saved in bfloat16 as the hub's checkpoint is, and a
@@ -145,6 +145,7 @@ def run_plain(folder: Path, ids_file: Path, new_tokens: int, dtype: str) -> dict
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a 4,096-token prompt, one turn (about a minute)")
     parser.add_argument("--tokens", default="16384", help="comma-separated prompt lengths (within 32,768)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--layers", type=int, default=24, help="layers of the model (24: Qwen2.5-0.5B's)")
@@ -153,6 +154,9 @@ def main(argv=None) -> None:
     parser.add_argument("--window", type=int, default=None, help="unlimisum's --window (default: none given)")
     parser.add_argument("--json", default="decoder_prompt", help="the name of the result file in bench/results")
     args = parser.parse_args(argv)
+    if args.quick:  # its own file: the full run's figures stay
+        args.tokens, args.turns = "4096", 1
+        args.json = args.json if args.json != "decoder_prompt" else "decoder_prompt_quick"
     CACHE.mkdir(parents=True, exist_ok=True)
     folder = model_folder(args.layers)
     before = worktree(args.before) if args.before else None
