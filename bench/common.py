@@ -107,6 +107,17 @@ def save_model(model, tokenizer, folder: Path) -> int:
     return sum(path.stat().st_size for path in folder.iterdir() if path.is_file())
 
 
+def worktree(revision: str, folder: Path) -> Path:
+    """A checkout of ``revision`` in ``folder``/rev-<revision> (made once), for a script's --before."""
+    import subprocess
+
+    path = folder / f"rev-{revision}"
+    if not path.exists():
+        subprocess.run(["git", "worktree", "add", "--detach", str(path), revision], cwd=RESULTS.parent.parent,
+                       check=True, capture_output=True)
+    return path
+
+
 def write_result(name: str, data: dict) -> Path:
     """Write ``bench/results/<name>.json`` with the machine's facts added; return the path."""
     RESULTS.mkdir(parents=True, exist_ok=True)

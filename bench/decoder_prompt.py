@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import print_table, random_text, word_tokenizer, write_result
+from bench.common import print_table, random_text, word_tokenizer, worktree, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / "bench" / ".cache" / "decoder_prompt"
@@ -103,15 +103,6 @@ def prompt_files(n_tokens: int) -> tuple[Path, Path]:
     return text_file, ids_file
 
 
-def worktree(revision: str) -> Path:
-    """A checkout of ``revision`` under bench/.cache (made once)."""
-    path = CACHE / f"rev-{revision}"
-    if not path.exists():
-        subprocess.run(["git", "worktree", "add", "--detach", str(path), revision], cwd=ROOT, check=True,
-                       capture_output=True)
-    return path
-
-
 def environment(code: Path) -> dict:
     import os
 
@@ -159,7 +150,7 @@ def main(argv=None) -> None:
         args.json = args.json if args.json != "decoder_prompt" else "decoder_prompt_quick"
     CACHE.mkdir(parents=True, exist_ok=True)
     folder = model_folder(args.layers)
-    before = worktree(args.before) if args.before else None
+    before = worktree(args.before, CACHE) if args.before else None
     rows, records = [], []
     for n_tokens in [int(part) for part in args.tokens.split(",")]:
         text_file, ids_file = prompt_files(n_tokens)

@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import SIZES, VOCAB, print_table, write_result
+from bench.common import SIZES, VOCAB, print_table, worktree, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / "bench" / ".cache" / "time_to_summary"
@@ -210,15 +210,6 @@ def encoder_floor(folder: Path, windows: int) -> float:
     return seconds * windows / batch
 
 
-def worktree(revision: str) -> Path:
-    """A checkout of ``revision`` under bench/.cache (made once)."""
-    path = CACHE / f"rev-{revision}"
-    if not path.exists():
-        subprocess.run(["git", "worktree", "add", "--detach", str(path), revision], cwd=ROOT, check=True,
-                       capture_output=True)
-    return path
-
-
 STAGES = ("startup", "load", "read", "tokenize", "encode", "index", "prepare", "generate", "evidence", "support")
 
 
@@ -243,7 +234,7 @@ def main(argv=None) -> None:
     names = ["story"] if args.quick else args.inputs.split(",")
     trees = {"this tree": None}
     if args.before:
-        trees[f"before ({args.before})"] = worktree(args.before)
+        trees[f"before ({args.before})"] = worktree(args.before, CACHE)
     documents = inputs(names)
     rows = []
     started = time.perf_counter()

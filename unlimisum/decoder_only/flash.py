@@ -159,8 +159,8 @@ def _mass(queries: torch.Tensor, part: Part, head: int, scaling: float, lse: tor
     dtype = queries.dtype
     keys = part.keys[head].to(dtype)  # [n, D]
     n = keys.shape[0]
-    mask = _head_mask(part, head, n_queries)
     first, tail = n, 0  # keys [0, first) are seen by every query, the last ``tail`` causally (the chunk's own)
+    mask = None if part.causal_tail else _head_mask(part, head, n_queries)  # a causal tail says it without one
     if part.causal_tail:
         first, tail = n - part.causal_tail, part.causal_tail
     elif mask is not None:
