@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from unlimisum.unlimiformer.encoding import auto_batch_size, encode_windows, plan_windows
+from unlimisum.unlimiformer.encoding import auto_batch_size, encode_windows, plan_windows, shard_windows
 from unlimisum.errors import ConfigError
 
 
@@ -55,6 +55,53 @@ def test_plan_rejects_bad_arguments(bad):
     arguments = dict(n_tokens=10, window=8, overlap=0.5) | bad
     with pytest.raises(ConfigError):
         plan_windows(**arguments)
+
+
+@given(st.integers(1, 400), st.integers(1, 9), st.integers(1, 40), st.integers(1, 20))
+def test_shards_are_whole_batches_in_order_covering_every_window(n_windows, batch_size, wanted, most):
+    shards = shard_windows(n_windows, batch_size, wanted, most)
+    assert shards[0][0] == 0 and shards[-1][1] == n_windows
+    assert all(stop == first for (_, stop), (first, _) in zip(shards, shards[1:]))
+    assert all(first % batch_size == 0 and first < stop for first, stop in shards)
+    longest = max(batch_size, -(-most // batch_size) * batch_size)
+    assert all(stop - first <= longest for first, stop in shards)
+    assert len(shards) >= min(wanted, -(-n_windows // longest))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 3000), st.sampled_from([16, 64, 1024]), st.sampled_from([0.0, 0.25, 0.5]), st.data())
+def test_a_part_of_a_plan_keeps_what_its_windows_keep(n_tokens, window, overlap, data):
+    plan = plan_windows(n_tokens, window, overlap)
+    first = data.draw(st.integers(0, plan.n_windows - 1))
+    stop = data.draw(st.integers(first + 1, plan.n_windows))
+    part, offset = plan.part(first, stop)
+    assert part.n_windows == stop - first and part.window == window
+    for i in range(part.n_windows):
+        assert part.starts[i] + offset == plan.starts[first + i]
+        assert part.length(i) == plan.length(first + i)
+        assert tuple(bound + offset for bound in part.kept(i)) == plan.kept(first + i)
+    assert offset + part.n_tokens == plan.starts[stop - 1] + plan.length(stop - 1)
+
+
+@pytest.mark.parametrize("model_type", ["bart", "led", "t5"])
+def test_parts_of_a_plan_encoded_apart_give_the_whole_plans_states_bit_for_bit(tiny_loaded, model_type):
+    """What a Ray worker computes for its part (unlimisum/runs/ray_windows.py) is what one process computes."""
+    loaded = tiny_loaded(model_type)
+    torch.manual_seed(2)
+    input_ids = torch.randint(5, 200, (900,))
+    plan = plan_windows(len(input_ids), 64, 0.5)
+    encoder = loaded.model.get_encoder()
+    whole = []
+    encode_windows(encoder, input_ids, plan, whole.append, batch_size=3,
+                   encoder_inputs=loaded.architecture.encoder_inputs)
+    apart = []
+    shards = shard_windows(plan.n_windows, 3, 4)
+    assert len(shards) == 4
+    for first, stop in shards:
+        part, offset = plan.part(first, stop)
+        encode_windows(encoder, input_ids[offset:offset + part.n_tokens], part, apart.append, batch_size=3,
+                       encoder_inputs=loaded.architecture.encoder_inputs)
+    assert torch.equal(torch.cat(apart), torch.cat(whole))
 
 
 def test_auto_batch_size_is_bounded_by_windows():

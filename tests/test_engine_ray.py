@@ -32,6 +32,7 @@ from unlimisum.cli import app
 from unlimisum.cli.batch_progress import BatchProgress
 from unlimisum.runs import ray as ray_engine
 from unlimisum.runs.ray import CRASH_HOOK_ENV, start_local_ray
+from unlimisum.runs.ray_windows import SLOW_PART_ENV
 from unlimisum.runs.ray_plan import GIB, NodeFree
 
 ray = pytest.importorskip("ray")
@@ -125,6 +126,31 @@ def test_ray_outputs_and_stdout_equal_the_local_run(summarize, library, tmp_path
         assert [part["summary"] for part in ray_record["chapters"]] == [
             part["summary"] for part in local_record["chapters"]]
     assert len(json.loads(ray_lines[0])["chapters"]) == 2  # small.epub: two chapters, each summarized
+
+
+def test_one_book_is_encoded_across_two_workers_into_the_local_store_bit_for_bit(summarize, tmp_path, monkeypatch):
+    book = tmp_path / "long.txt"
+    book.write_text(SAMPLE_TEXT * 30, encoding="utf-8")  # 6,121 tokens: 191 windows of 64, in 6 parts of 32
+    exact = ["--json", "--evidence", "--dtype", "float32", "--storage-dtype", "float32", "--key-store", "per-layer"]
+    local = summarize(book, *exact, "--cache-dir", tmp_path / "local")
+    assert local.exit_code == 0, local.output
+    # a tiny model's part takes a millisecond: as a real one's, long enough that both workers take some
+    monkeypatch.setenv(SLOW_PART_ENV, "0.5")
+    spread = summarize(book, *exact, "--cache-dir", tmp_path / "ray", "--engine", "ray", "--workers", "2", "-v")
+    assert spread.exit_code == 0, spread.output
+    assert "Ray: 191 windows encoded in 6 parts by 2 workers;" in spread.stderr
+    (local_entry,) = (tmp_path / "local").iterdir()
+    (ray_entry,) = (tmp_path / "ray").iterdir()
+    assert local_entry.name == ray_entry.name  # the same key: text, model, settings
+    names = sorted(path.name for path in ray_entry.iterdir())
+    assert names == ["ends.bin", "ids.bin", "keys.bin", "meta.json", "states.bin"]
+    for name in names[:-2] + ["states.bin"]:  # the store (and per-layer keys) the driver assembled, as written
+        assert (ray_entry / name).read_bytes() == (local_entry / name).read_bytes(), name
+    local_record, ray_record = json.loads(local.stdout), json.loads(spread.stdout)
+    for field in ("summary", "coverage", "window_coverage", "evidence"):  # the summary was made on the driver
+        assert ray_record[field] == local_record[field], field
+    assert len(ray.nodes()) == 1
+    wait_for_free_cpus(2)  # the workers were ended once the book was encoded
 
 
 def test_a_ray_batch_shows_a_books_control_characters_and_never_obeys_them(summarize, tmp_path):

@@ -71,14 +71,16 @@ class StandInRay:
     ``unreachable``: books whose first worker stops answering mid-book (it leaves a temporary file, as a
     worker still writing would). ``probe``: what a call to a killed worker gives: ``"died"`` (Ray reports it
     ended) or ``"timeout"`` (it never does). ``interrupt_after``: Ctrl-C once that many books have ended.
-    ``events``: what happened, in order.
+    ``lost_parts``: the calls to ``encode_windows`` (1: the first) whose worker stops answering (one book
+    spread over the workers). ``events``: what happened, in order.
     """
 
     exceptions = ray.exceptions
 
-    def __init__(self, order, *, unreachable=(), probe="died", interrupt_after=None):
+    def __init__(self, order, *, unreachable=(), probe="died", interrupt_after=None, lost_parts=()):
         self.order, self.unreachable, self.probe = list(order), set(unreachable), probe
         self.interrupt_after = interrupt_after
+        self.lost_parts, self.part_calls = set(lost_parts), 0
         self.events: list[tuple] = []
         self.ended_books = 0
         self.actors: list[StandInActor] = []
@@ -142,6 +144,13 @@ class StandInRay:
             return "127.0.0.1"
         if ref.method == "start":
             return actor.instance.start()
+        if ref.method == "encode_windows":
+            self.part_calls += 1
+            if self.part_calls in self.lost_parts:
+                self.events.append(("part lost", actor.number))
+                raise unavailable()
+            self.events.append(("part", actor.number))
+            return actor.instance.encode_windows(*ref.args)
         job, several = ref.args
         if job.source in self.unreachable:
             self.unreachable.discard(job.source)
@@ -248,6 +257,46 @@ def test_a_dead_workers_partial_file_is_removed_and_not_another_books(stand_in, 
     own.write_text("half")
     ray_engine._remove_partials(job)
     assert other.exists() and not own.exists()
+
+
+def test_one_book_across_the_workers_survives_a_worker_lost_mid_part(stand_in, tiny_model_dir, tmp_path):
+    book = tmp_path / "long.txt"
+    book.write_text(SAMPLE_TEXT * 12, encoding="utf-8")  # 2,400 tokens: 76 windows of 64, in 3 parts of 32
+    expected = summaries(reference(tiny_model_dir, [book], "--json"))
+    fake = stand_in(StandInRay([], lost_parts={2}))
+    result = run(tiny_model_dir, book, "--json")
+    assert result.exit_code == 0, result.output
+    assert summaries(result.stdout) == expected  # summarized here, from the workers' states
+    lost = fake.events.index(next(event for event in fake.events if event[0] == "part lost"))
+    worker = fake.events[lost][1]
+    assert fake.events[lost + 1:lost + 3] == [("kill", worker, True), ("probe", worker, "died")]
+    parts = [event[1] for event in fake.events if event[0] == "part"]
+    later = [event[1] for event in fake.events[lost:] if event[0] == "part"]
+    assert len(parts) == 3 and later and worker not in later  # the lost part went to another worker
+    assert len(fake.actors) == 3  # and one was started in its place
+    assert "a Ray worker died while encoding part 2 of the book; handing it to another (attempt 2 of 3)" in (
+        result.stderr)
+
+    fake = stand_in(StandInRay([], lost_parts={1, 2, 3}))
+    failed = run(tiny_model_dir, book, "--json")
+    problem = "the Ray workers encoding a part of the book died 3 times (a node lost, or out of memory?)"
+    assert failed.exit_code == 1 and problem in failed.stderr
+    assert json.loads(failed.stdout)["error_type"] == "WorkerDiedError"
+
+
+def test_a_worker_needs_the_drivers_folder_only_when_it_reads_and_writes_books(stand_in, tiny_model_dir, tmp_path):
+    from unlimisum.config import EncodingConfig, GenerationOptions, IndexConfig, ModelConfig, RetrievalConfig
+    from unlimisum.runs.runner import SummarizeSettings
+
+    stand_in(StandInRay([]))  # its fixture puts back the threads and memory budget a worker's start sets
+    settings = SummarizeSettings(model=ModelConfig(name=str(tiny_model_dir("bart")), device="cpu"),
+                                 encoding=EncodingConfig(), index=IndexConfig(), retrieval=RetrievalConfig(),
+                                 generation=GenerationOptions())
+    elsewhere = str(tmp_path / "a folder only the driver has")
+    with pytest.raises(ray_engine.SharedStorageError, match="inputs and --output-dir must be on storage every node"):
+        ray_engine.SummarizeWorker(settings, elsewhere, 1, None).start()
+    parts_only = ray_engine.SummarizeWorker(settings, elsewhere, 1, None, reads_files=False)
+    assert parts_only.start()["threads"] == 1  # it encodes parts of a book the driver read: no folder needed
 
 
 def test_ctrl_c_prints_the_summaries_already_finished_in_order(stand_in, tiny_model_dir, books):

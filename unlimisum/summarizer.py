@@ -23,6 +23,7 @@ from unlimisum.results import EMPTY_SUMMARY, Summary, SummaryStats  # noqa: F401
 from unlimisum.unlimiformer.cache import EncodedCache
 from unlimisum.search.datastore import Datastore
 from unlimisum.unlimiformer.encoded import EncodedDocument
+from unlimisum.unlimiformer.encoding import WindowPlan
 from unlimisum.unlimiformer.summarize import EncoderDecoderSummarizer, Generated
 
 
@@ -119,6 +120,11 @@ class Summarizer:
     def tokenize(self, document: Document) -> torch.Tensor:
         """All of the document's tokens, special tokens included, no truncation: [N] int64."""
         return self._encoder_decoder("tokenize").tokenize(document)
+
+    def window_states(self, input_ids: torch.Tensor, plan: WindowPlan, *, batch_size: int) -> torch.Tensor:
+        """The kept encoder states [n_kept, d] of the windows of ``plan`` over ``input_ids`` [N], encoded here in
+        batches of ``batch_size`` (a Ray worker's part of a book; ``WindowPlan.part``)."""
+        return self._encoder_decoder("encoding windows").window_states(input_ids, plan, batch_size=batch_size)
 
     def generate(self, stores: Sequence[Datastore], name: str = "") -> Generated:
         """Generate from encoded inputs, one datastore per document (in batch order)."""

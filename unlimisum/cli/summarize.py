@@ -337,7 +337,8 @@ def summarize(
     ),
     engine: Literal["local", "ray"] = typer.Option(
         "local", "--engine", help="Where the batch runs: this process, or a Ray cluster (pip install "
-        "\"unlimisum[ray]\"; inputs and -o on storage every node sees).",
+        "\"unlimisum[ray]\"; inputs and -o on storage every node sees). One input: its windows are encoded "
+        "across the workers and the summary made here.",
         rich_help_panel=RUN_PANEL,
     ),
     ray_address: Optional[str] = typer.Option(
@@ -348,7 +349,8 @@ def summarize(
     workers: Optional[int] = typer.Option(
         None, "--workers", min=1, metavar="N",
         help="--engine ray: workers, each with its own loaded model (default: as many as the cluster's free "
-        "CPUs, or GPUs, allow, at most one per input; fewer when the cluster has no room for N).",
+        "CPUs, or GPUs, allow, at most one per input unless there is one; fewer when the cluster has no room "
+        "for N).",
         rich_help_panel=RUN_PANEL,
     ),
     gpus_per_worker: Optional[float] = typer.Option(

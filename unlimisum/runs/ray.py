@@ -1,5 +1,8 @@
 """The Ray engine (``summarize --engine ray``): a batch of books spread over the workers of a Ray cluster.
 
+One input is the exception: its windows are spread over the workers instead, and the driver makes
+the summary (``unlimisum.runs.ray_windows``). What follows is the batch.
+
 How it runs:
 
 - The driver (the `unlimisum` process) plans and checks the inputs exactly as a local run
@@ -76,6 +79,7 @@ KILL_WAIT_SECONDS = 10.0  # how long Ctrl-C waits for killed workers to be gone 
 ACTOR_END_SECONDS = 60.0  # how long a worker that died or stopped answering may take to be reported ended
 PLACEMENT_SECONDS = 60.0  # how long a worker may wait for a node with room before it is given up
 SETTLE_SECONDS = 3.0  # how long planning waits for resources to come back when fewer workers fit than wanted
+ANY_NUMBER_OF_PARTS = 1 << 30  # one book spread over the workers: as many workers as fit
 LOOPBACK = "127.0.0.1"  # where a local instance started for a run listens
 INSTALL_HINT = "is unlimisum installed on every node, in the same environment as the driver?"
 
@@ -112,9 +116,11 @@ class CrashHook:
 class SummarizeWorker:
     """One Ray actor: one loaded model, summarizing the books it is given with the run's settings."""
 
-    def __init__(self, settings, cwd: str, cpus: int, memory: int | None, crash_hook: CrashHook | None = None):
+    def __init__(self, settings, cwd: str, cpus: int, memory: int | None, crash_hook: CrashHook | None = None,
+                 reads_files: bool = True):
         self.settings = settings
         self.cwd = cwd  # the driver's working directory, absolute: relative paths mean the same here
+        self.reads_files = reads_files  # False: it encodes parts of a book the driver read (no shared storage)
         self.cpus = cpus  # CPUs reserved: torch's threads
         self.memory = memory  # bytes reserved: the share the retrieval kernels budget (None: the machine's)
         self.crash_hook = crash_hook
@@ -135,12 +141,13 @@ class SummarizeWorker:
         from unlimisum.runs.runner import BatchRunner
         from unlimisum.search.packed import MEMORY_LIMIT_ENV
 
-        if not os.path.isdir(self.cwd):
+        if os.path.isdir(self.cwd):
+            os.chdir(self.cwd)
+        elif self.reads_files:
             raise SharedStorageError(
                 f"a Ray worker cannot see the folder {self.cwd}: with --engine ray, inputs and --output-dir must "
                 "be on storage every node mounts at the same path"
             )
-        os.chdir(self.cwd)
         torch.set_num_threads(self.cpus)
         if self.memory is not None:
             os.environ[MEMORY_LIMIT_ENV] = str(self.memory)
@@ -157,6 +164,20 @@ class SummarizeWorker:
         with self._python_warnings():
             result = self.runner.summarize_job(job, several=several)
         return result, self.display.take()
+
+    def encode_windows(self, input_ids, plan, batch_size: int, least_seconds: float = 0.0):
+        """(the kept states of ``plan``'s windows over ``input_ids``, as ``ray_windows.to_wire`` sends them, the
+        lines said meanwhile): a part of one book (``WindowPlan.part``), encoded in batches of ``batch_size``;
+        ``least_seconds``: tests only (ray_windows.SLOW_PART_ENV), the least time it takes."""
+        import torch
+
+        from unlimisum.runs.ray_windows import to_wire
+
+        started = time.monotonic()
+        with self._python_warnings():
+            states = self.runner.summarizer.window_states(torch.tensor(input_ids), plan, batch_size=batch_size)
+        time.sleep(max(0.0, least_seconds - (time.monotonic() - started)))
+        return to_wire(states), self.display.take()
 
     @contextlib.contextmanager
     def _python_warnings(self):
@@ -188,7 +209,7 @@ class RayEngine:
     """Runs a `summarize` batch on Ray, reporting through the driver's ``BatchRunner`` (lines, stdout, counts)."""
 
     def __init__(self, runner, settings: RaySettings = RaySettings()):
-        self.runner = runner  # unlimisum.runs.runner.BatchRunner: never loads a model on the driver
+        self.runner = runner  # unlimisum.runs.runner.BatchRunner: loads a model on the driver for one input only
         self.settings = settings
         self.ray = require_ray()
         self._started_ray = False
@@ -199,6 +220,7 @@ class RayEngine:
         self._starting: dict = {}  # ready or start ref -> _Worker, until its model is loaded
         self._start_failures: list[UnlimisumError] = []  # deterministic start failures not reported yet
         self._said: set[str] = set()  # lines given once per run (start notes, start failures)
+        self._workers_read_files = True  # False: one book spread over the workers, read and written here
 
     def run(self, jobs: list) -> object:
         """Summarize ``jobs`` on Ray; returns the runner's BatchResult. Ctrl-C propagates after cleaning up."""
@@ -208,7 +230,9 @@ class RayEngine:
         runner.result = BatchResult(total=len(jobs))
         try:
             todo = runner.report_unusable(jobs)
-            if todo:
+            if len(todo) == 1:
+                self._run_one(todo[0], several=len(jobs) > 1)
+            elif todo:
                 self._connect()
                 self._run_books(todo, several=len(jobs) > 1)
         except BrokenPipeError:
@@ -216,6 +240,61 @@ class RayEngine:
         finally:
             self._stop()
         return runner.result
+
+    def _run_one(self, job, several: bool) -> None:
+        """One input: an encoder-decoder model's windows are encoded by the workers and the summary is made
+        here (unlimisum.runs.ray_windows); a decoder-only model's prompt, read in order, goes to one worker."""
+        from unlimisum.runs.ray_windows import RayWindows
+
+        runner = self.runner
+        with runner.reporter:
+            if not runner.read_ahead([job]):  # unreadable: its line is given, and Ray never starts
+                return
+            runner.load_model()
+            if not runner.summarizer.loaded.is_decoder_only:
+                self._workers_read_files = False
+                self._connect()
+                self._plan = self._plan_workers(ANY_NUMBER_OF_PARTS)
+                for _ in range(self._plan.workers):
+                    self._start_worker()
+                runner.summarizer.family.window_encoder = RayWindows(self)
+                runner.reporter.begin_document(1, 1, job.source, read=job.document is not None)
+                result = runner.summarize_job(job, several=several)
+                runner.report(job, result)
+                runner.emit(result)
+                return
+        runner.summarizer = None  # the worker loads its own
+        self._connect()
+        self._run_books([job], several)
+
+    # -- what RayWindows uses -------------------------------------------------------------------
+
+    wait_seconds = WAIT_SECONDS
+
+    def worker_count(self) -> int:
+        """The workers the plan placed (started or starting)."""
+        return self._plan.workers if self._plan is not None else 0
+
+    def release_workers(self) -> None:
+        """End every worker now (their work is done; the cluster gets its resources back)."""
+        for actor in self._actors:
+            self._kill(actor)
+        self._actors = []
+        self._starting = {}
+
+    def note_once(self, line: str) -> None:
+        """Say a worker's line on the driver, once per run."""
+        if line not in self._said:
+            self._said.add(line)
+            self.runner.reporter.note(line)
+
+    @staticmethod
+    def task_error(error) -> UnlimisumError:
+        """The error a worker's call raised (Ray's RayTaskError around it), as the run reports it."""
+        cause = getattr(error, "cause", None)
+        if isinstance(cause, UnlimisumError):
+            return cause
+        return UnlimisumError(f"a Ray worker failed: {_exception_line(cause or error)}")
 
     # -- the cluster --------------------------------------------------------------------------
 
@@ -301,7 +380,8 @@ class RayEngine:
         if plan.memory is not None:
             options["memory"] = plan.memory
         actor = self._remote_class.options(**options).remote(
-            self.runner.settings, os.path.abspath(os.getcwd()), plan.cpus, plan.memory, _crash_hook_from_env())
+            self.runner.settings, os.path.abspath(os.getcwd()), plan.cpus, plan.memory, _crash_hook_from_env(),
+            self._workers_read_files)
         self._actors.append(actor)
         worker = _Worker(actor, actor.ready.remote(), actor.start.remote(), time.monotonic() + PLACEMENT_SECONDS,
                          attempt)
@@ -479,10 +559,7 @@ class RayEngine:
         except ray.exceptions.RayActorError:
             return None
         except ray.exceptions.RayTaskError as error:  # raised outside summarize_job
-            cause = getattr(error, "cause", None)
-            if isinstance(cause, UnlimisumError):
-                raise cause from None
-            raise UnlimisumError(f"a Ray worker failed: {_exception_line(cause or error)}") from None
+            raise self.task_error(error) from None
         for line in lines:
             self.runner.reporter.note(line)
         return result

@@ -26,7 +26,7 @@ from unlimisum.coverage import chapter_token_ranges, token_char_ends
 from unlimisum.events import ProgressEvent
 from unlimisum.unlimiformer.encoded import EncodedDocument
 from unlimisum.unlimiformer.cache import CacheKey, EncodedCache, text_sha256
-from unlimisum.unlimiformer.encoding import auto_batch_size, encode_windows, plan_windows
+from unlimisum.unlimiformer.encoding import WindowEncoder, WindowPlan, auto_batch_size, encode_windows, plan_windows
 from unlimisum.search.keys import (
     KeyStore, KeyStoreBuilder, build_key_store, key_weights, matches, value_weights,
 )
@@ -49,11 +49,14 @@ class DocumentEncoder:
     """Encodes documents with one loaded model; reports ``ProgressEvent``s through ``progress``."""
 
     def __init__(self, loaded: LoadedModel, encoding: EncodingConfig, plan: EncodePlan,
-                 progress: Callable, cache: EncodedCache | None = None, int8_made: dict | None = None):
+                 progress: Callable, cache: EncodedCache | None = None, int8_made: dict | None = None,
+                 elsewhere: WindowEncoder | None = None):
         """``int8_made``: the int8 copies of the encoder's linear layers made so far (``encoding.int8``), kept by
-        the caller so that they are made once per model."""
+        the caller so that they are made once per model. ``elsewhere``: what encodes a fresh document's windows
+        instead of this process (the Ray engine's workers); None: this process."""
         self.loaded, self.encoding, self.plan, self.progress, self.cache = loaded, encoding, plan, progress, cache
         self.int8_made = int8_made if int8_made is not None else {}
+        self.elsewhere = elsewhere
 
     def encode(self, document: Document) -> EncodedDocument:
         """The document's tokens, states, windows and chapter ranges (from the cache when it has them)."""
@@ -130,14 +133,9 @@ class DocumentEncoder:
                 "key_store": keys_plan.kind, "key_store_reason": keys_plan.reason}
         sink = builder.add if keys is None else lambda states: (builder.add(states), keys.add(states))
         self.progress(ProgressEvent("encode", 0, windows.n_windows, name, info))
-        encoder = self.loaded.model.get_encoder()
-        int8 = int8_linears(encoder, self.int8_made) if self.encoding.int8 else nullcontext()
-        with self.loaded.architecture.encoding(encoder), int8:
-            encode_windows(
-                encoder, input_ids, windows, sink, batch_size=batch_size,
-                encoder_inputs=self.loaded.architecture.encoder_inputs,
-                on_batch=lambda done: self.progress(ProgressEvent("encode", done, windows.n_windows, name, info)),
-            )
+        encode = self.elsewhere.encode if self.elsewhere is not None else self.encode_windows
+        encode(input_ids, windows, sink, batch_size=batch_size,
+               on_batch=lambda done: self.progress(ProgressEvent("encode", done, windows.n_windows, name, info)))
         encoded_at = time.perf_counter()
         self.progress(ProgressEvent("index", 0, 1, name, info))
         store = builder.finish()
@@ -152,17 +150,24 @@ class DocumentEncoder:
         chapters = chapter_token_ranges(document, ends, n_tokens)
         return EncodedDocument(name, input_ids, store, kept, chapters, seconds, token_ends=ends)
 
+    def encode_windows(self, input_ids: torch.Tensor, plan: WindowPlan, sink: Callable[[torch.Tensor], None], *,
+                       batch_size: int, on_batch: Callable[[int], None] | None = None) -> None:
+        """Encode the windows of ``plan`` over ``input_ids`` [N] in this process and hand each one's kept states
+        [n_kept, d] to ``sink``, in order (``encoding.encode_windows``, through the architecture's encoding path
+        and, with ``--encode-int8``, int8 linear layers)."""
+        encoder = self.loaded.model.get_encoder()
+        int8 = int8_linears(encoder, self.int8_made) if self.encoding.int8 else nullcontext()
+        with self.loaded.architecture.encoding(encoder), int8:
+            encode_windows(encoder, input_ids, plan, sink, batch_size=batch_size,
+                           encoder_inputs=self.loaded.architecture.encoder_inputs, on_batch=on_batch)
+
     def encode_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[n, d] encoder states of one sequence ``input_ids`` [n] (at most a window), encoded as the document's
         windows were (the architecture's encoding path, int8 linear layers with ``--encode-int8``), in the
         model's dtype: support by removal encodes windows again without a sentence's passages."""
-        plan = plan_windows(len(input_ids), max(2, len(input_ids)), 0.0)
         kept = []
-        encoder = self.loaded.model.get_encoder()
-        int8 = int8_linears(encoder, self.int8_made) if self.encoding.int8 else nullcontext()
-        with self.loaded.architecture.encoding(encoder), int8:
-            encode_windows(encoder, input_ids, plan, kept.append, batch_size=1,
-                           encoder_inputs=self.loaded.architecture.encoder_inputs)
+        self.encode_windows(input_ids, plan_windows(len(input_ids), max(2, len(input_ids)), 0.0), kept.append,
+                            batch_size=1)
         return torch.cat(kept)
 
     def _key_store_plan(self, n_tokens: int, index: IndexPlan) -> KeyStorePlan:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -38,6 +38,27 @@ class WindowPlan:
     def kept(self, index: int) -> tuple[int, int]:
         """The kept range of window ``index``, in absolute token positions."""
         return self.keep_bounds[index], self.keep_bounds[index + 1]
+
+    def part(self, first: int, stop: int) -> tuple["WindowPlan", int]:
+        """Windows ``[first, stop)`` as a plan of their own over the tokens they span, and the first of those
+        tokens: encoding that plan over ``input_ids[offset : offset + part.n_tokens]`` keeps the same states
+        as these windows of this plan (the Ray engine hands such parts to its workers)."""
+        if not 0 <= first < stop <= self.n_windows:
+            raise ConfigError(f"windows [{first}, {stop}) are not within the plan's {self.n_windows}")
+        offset = self.starts[first]
+        end = self.starts[stop - 1] + self.length(stop - 1)
+        return WindowPlan(end - offset, self.window, tuple(start - offset for start in self.starts[first:stop]),
+                          tuple(bound - offset for bound in self.keep_bounds[first:stop + 1])), offset
+
+
+class WindowEncoder(Protocol):
+    """What encodes a document's windows somewhere other than this process (the Ray engine's workers)."""
+
+    def encode(self, input_ids: torch.Tensor, plan: WindowPlan, sink: Callable[[torch.Tensor], None], *,
+               batch_size: int, on_batch: Callable[[int], None] | None = None) -> None:
+        """As ``encode_windows``: every window of ``plan`` over ``input_ids`` [N] encoded in batches of
+        ``batch_size`` and its kept states [n_kept, d] handed to ``sink`` in order, the states this process
+        would compute; ``on_batch(windows_done)`` as they arrive."""
 
 
 def plan_windows(n_tokens: int, window: int, overlap: float = 0.5) -> WindowPlan:
@@ -74,6 +95,17 @@ def auto_batch_size(window: int, n_windows: int, device: torch.device) -> int:
     """
     tokens_per_pass = 32_768 if device.type == "cuda" else 2_048
     return max(1, min(n_windows, tokens_per_pass // window))
+
+
+def shard_windows(n_windows: int, batch_size: int, shards_wanted: int, most: int = 8) -> list[tuple[int, int]]:
+    """Consecutive ranges ``[first, stop)`` of whole encoder batches, about ``shards_wanted`` of them and at most
+    ``most`` windows each (rounded up to a whole batch). The batches are those one process encodes
+    (``batch_size`` windows from window 0), so each window is encoded in the same company wherever its range
+    goes: its states are the same bit for bit."""
+    batches = math.ceil(n_windows / batch_size)
+    per_shard = max(1, min(math.ceil(batches / max(1, shards_wanted)), math.ceil(most / batch_size)))
+    return [(first * batch_size, min(n_windows, (first + per_shard) * batch_size))
+            for first in range(0, batches, per_shard)]
 
 
 def encode_windows(

@@ -27,7 +27,7 @@ from unlimisum.unlimiformer.cache import EncodedCache
 from unlimisum.search.datastore import Datastore
 from unlimisum.unlimiformer.encoded import EncodedDocument
 from unlimisum.unlimiformer.encoder import DocumentEncoder, EncodePlan
-from unlimisum.unlimiformer.encoding import plan_windows
+from unlimisum.unlimiformer.encoding import WindowEncoder, WindowPlan, plan_windows
 from unlimisum.search.keys import key_weights, value_weights
 from unlimisum.unlimiformer.removal import StoreRemoval
 from unlimisum.search.placement import storage_dtype
@@ -129,6 +129,7 @@ class EncoderDecoderSummarizer:
         self.cache = cache
         self.progress = progress
         self._int8_made: dict = {}  # --encode-int8: the encoder's int8 linear layers, made on first use
+        self.window_encoder: WindowEncoder | None = None  # encodes fresh documents' windows elsewhere (Ray)
 
     def summarize(self, document: Document, *, per_chapter: bool = False) -> Summary:
         """Summarize one text or document; with ``per_chapter`` each chapter gets its own summary too.
@@ -166,6 +167,13 @@ class EncoderDecoderSummarizer:
         if not document.text.strip():
             raise EmptyDocumentError("there is no text to summarize", source=document.source)
         return self._encoder().tokenize(document)[0]
+
+    def window_states(self, input_ids: torch.Tensor, plan: WindowPlan, *, batch_size: int) -> torch.Tensor:
+        """The kept states [n_kept, d] of every window of ``plan`` over ``input_ids``, encoded in this process in
+        batches of ``batch_size``, in the model's dtype (what a Ray worker computes for its part of a book)."""
+        kept: list[torch.Tensor] = []
+        self._encoder().encode_windows(input_ids, plan, kept.append, batch_size=batch_size)
+        return torch.cat(kept)
 
     def retrieval_k(self) -> int:
         """Input tokens each cross-attention head retrieves per step: as asked, else the model's window
@@ -258,7 +266,8 @@ class EncoderDecoderSummarizer:
     def _encoder(self) -> DocumentEncoder:
         plan = EncodePlan(window=self._window(), index=self._index_config(), retrieval_k=self.retrieval_k(),
                           queries_per_step=self._queries_per_step())
-        return DocumentEncoder(self.loaded, self.encoding, plan, self.progress, self.cache, self._int8_made)
+        return DocumentEncoder(self.loaded, self.encoding, plan, self.progress, self.cache, self._int8_made,
+                               self.window_encoder)
 
     def _summarize_parts(self, parts: Sequence[_Part]) -> list[Summary]:
         """One generation batch over the parts' stores; a Summary per part."""
