@@ -408,6 +408,31 @@ def test_plan_key_store(config, index, tokens, free, speedup, expected):
                           and free >= 2 * tokens * 768 * 2 * 7 else 0)
 
 
+def test_the_key_store_is_weighed_for_the_support_readings_where_they_are_read(monkeypatch):
+    """On a CPU without 16-bit units the key store was no faster for a step's query per head (0.96x) while a
+    support reading's 32 queries per head read all of Moby-Dick 2.6x longer than generation on the shared store:
+    with support on, the plan weighs both (placement.with_support)."""
+    from unlimisum.search import head_kernels, placement
+
+    assert placement.with_support(2.0, 2.0) == pytest.approx(2.0)  # the same speedup either way
+    assert placement.with_support(0.96, 6.0) == pytest.approx(3 / (1 / 0.96 + 2 / 6.0))
+    asked = []
+
+    def kernel_for(device, dtype, dim, heads, head_dim, *, queries_per_head=1, k=1024, compiled_kernels=False):
+        asked.append(queries_per_head)
+        return head_kernels.HeadKernelChoice("float32", 1024, speedup=0.96 if queries_per_head == 1 else 6.0)
+
+    monkeypatch.setattr(head_kernels, "kernel_for", kernel_for)
+    generation_only = plan_key_store(BIG, 768, 6, 12, 64, IndexConfig(), EXACT_CPU, free_bytes=2**40)
+    assert generation_only.kind == "shared" and asked == [1]
+    assert generation_only.reason == ("shared store: per-layer keys measured 0.96x its speed here, under the 1.2x "
+                                      "their memory needs")
+    asked.clear()
+    with_readings = plan_key_store(BIG, 768, 6, 12, 64, IndexConfig(), EXACT_CPU, free_bytes=2**40, support=True)
+    assert with_readings.kind == "per-layer" and asked == [1, placement.READING_QUERIES_PER_HEAD]
+    assert "measured 2.18x the shared store's speed with the support readings" in with_readings.reason
+
+
 @pytest.mark.parametrize("free, values", [(2 * BIG * 768 * 2 * 13, True), (2 * BIG * 768 * 2 * 13 - 1, False)])
 def test_a_dense_steps_key_store_keeps_the_values_where_they_fit(free, values):
     """k >= N: the store, the keys and the values within the budget keep the values (twice the keys' bytes)."""

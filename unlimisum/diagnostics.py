@@ -214,7 +214,7 @@ def collect_plan(tokens: int, model: str, index: IndexConfig) -> dict:
                       f"({packed.packed_bytes(tokens, d_model) / 2**30:.1f} GiB) would exceed "
                       f"{packed.PACKED_MEMORY_FRACTION:.1%} of the memory left beside this process; "
                       f"for smaller inputs {kernel}")
-    keys = plan_key_store(tokens, d_model, layers, heads, head_dim, index, plan)
+    keys = plan_key_store(tokens, d_model, layers, heads, head_dim, index, plan, support=True)  # as summarize's default
     key_kernel = None
     if keys.kind == "per-layer":  # what its heads run here (measured with the choice under auto)
         import torch

@@ -80,15 +80,26 @@ class RayWindows:
         running: dict = {}  # object ref -> (actor, part, attempt)
         arrived: dict[int, torch.Tensor] = {}  # parts back before the store needs them
         next_part = 0
-        while next_part < len(parts):
+        while True:
             lookahead = LOOKAHEAD_PER_WORKER * max(1, len(self.idle) + len(running))
-            while pending and self.idle and pending[0][0] < next_part + lookahead:
+            while pending and self.idle and pending[0][0] < next_part + lookahead:  # first: no worker waits
                 index, attempt = pending.popleft()
                 part, offset = plan.part(*parts[index])
                 ids = input_ids[offset:offset + part.n_tokens].numpy()
                 actor = self.idle.pop()
                 running[actor.encode_windows.remote(ids, part, batch_size, least_seconds)] = (actor, index, attempt)
                 self.bytes_out += ids.nbytes
+            while next_part in arrived:  # then the store, while the workers encode
+                states = arrived.pop(next_part)
+                part, _ = plan.part(*parts[next_part])
+                for window in range(part.n_windows):  # the sink takes one window's kept states at a time
+                    start, end = part.kept(window)
+                    sink(states[start - part.keep_bounds[0]:end - part.keep_bounds[0]])
+                next_part += 1
+                if on_batch is not None:
+                    on_batch(parts[next_part - 1][1])
+            if next_part == len(parts):
+                break
             engine._settle(working=bool(self.idle or running))
             if pending and not self.idle and not running and not engine._starting:
                 raise UnlimisumError("no Ray worker is left to encode the book")
@@ -106,15 +117,6 @@ class RayWindows:
                 self.workers_used.add(id(actor))
                 arrived[index] = states
             engine._check_placement(self.idle, running)
-            while next_part in arrived:
-                states = arrived.pop(next_part)
-                part, _ = plan.part(*parts[next_part])
-                for window in range(part.n_windows):  # the sink takes one window's kept states at a time
-                    start, end = part.kept(window)
-                    sink(states[start - part.keep_bounds[0]:end - part.keep_bounds[0]])
-                next_part += 1
-                if on_batch is not None:
-                    on_batch(parts[next_part - 1][1])
         self.idle = []
         engine.release_workers()  # the summary is made here: their memory and CPUs go back to the cluster
         workers = len(self.workers_used)

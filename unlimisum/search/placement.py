@@ -22,7 +22,10 @@ for the same bytes read. ``key_store="auto"`` uses it when all of these hold:
   process (which holds the model by then), or on a GPU ``gpu_memory_fraction`` of its free memory: the
   other half stays for the decoder, the evidence pass and everything else on the machine;
 - the key store's scores and top-k are measured at least ``KEY_STORE_MIN_SPEEDUP`` times faster than the
-  shared store's on this machine (unlimisum/search/head_kernels.py, ``kernel_for``).
+  shared store's on this machine (unlimisum/search/head_kernels.py, ``kernel_for``): for the generation's
+  queries per head, or, where the summary's support is read (the default), for the generation and the
+  support readings together (``with_support``: a reading of ``READING_QUERIES_PER_HEAD`` queries per head,
+  where the key store gains most, about twice the generation's retrieval on the shared store).
 
 ``key_store="per-layer"`` uses it whenever the index is exact (``kind="auto"`` then plans exact);
 ``"shared"`` never. Where every head attends to every token (``retrieval_k >= n_tokens``: a dense step, bound
@@ -49,6 +52,12 @@ KEY_STORE_MIN_TOKENS = 4_096
 KEY_STORE_MEMORY_FRACTION = 0.5
 # auto's key store: measured at least this many times faster than the shared store (it costs L x the memory)
 KEY_STORE_MIN_SPEEDUP = 1.2
+# a support reading's queries per head: 2 rows (nothing hidden, passages hidden) x a sentence of about 16 tokens
+READING_QUERIES_PER_HEAD = 32
+# the support pass's retrieval against the generation's, on the shared store: a reading of 32 queries for each
+# 16 tokens generated one query at a time costs about twice the steps' (measured: 181 s against 69 s on all of
+# Moby-Dick, bart-base, float32, a CPU without 16-bit units; the scores and top-k scale with the queries)
+SUPPORT_TO_GENERATION = 2.0
 APPROXIMATE_KINDS = ("ivf", "hnsw")
 STORAGE_DTYPES = {
     "float16": torch.float16,
@@ -182,14 +191,15 @@ class KeyStorePlan:
 
 def plan_key_store(n_tokens: int, dim: int, layers: int, heads: int, head_dim: int, config: IndexConfig,
                    index: IndexPlan, *, queries_per_head: int = 1, retrieval_k: int = 1024,
-                   free_bytes: int | None = None, speedup: Callable[[], float] | None = None) -> KeyStorePlan:
+                   free_bytes: int | None = None, speedup: Callable[[], float] | None = None,
+                   support: bool = False) -> KeyStorePlan:
     """The shared store or a key store per decoder layer (``layers`` x ``heads`` x ``head_dim`` numbers per token)
     for ``n_tokens`` states of width ``dim`` in the index ``index`` (the policy: this module's docstring).
 
     ``free_bytes``: the memory left for the store and the keys (None: measured now, beside this process or on the
     index's GPU); ``speedup()``: the key store's measured speed over the shared store's (None: measured through
-    head_kernels.kernel_for with ``queries_per_head``, the beams, and ``retrieval_k``), asked only when everything
-    else allows the key store."""
+    head_kernels.kernel_for with ``queries_per_head``, the beams, and ``retrieval_k``; with ``support``, the
+    summary's support readings too, ``with_support``), asked only when everything else allows the key store."""
     validate_index_config(config)
     dtype = storage_dtype(config)
     store_bytes = n_tokens * dim * dtype.itemsize
@@ -230,14 +240,27 @@ def plan_key_store(n_tokens: int, dim: int, layers: int, heads: int, head_dim: i
     if speedup is None:
         from unlimisum.search import head_kernels
 
-        speedup = lambda: head_kernels.kernel_for(index.device, dtype, dim, heads, head_dim,  # noqa: E731
-                                                  queries_per_head=queries_per_head, k=retrieval_k).speedup
+        def speedup() -> float:
+            def measured(queries: int) -> float:
+                return head_kernels.kernel_for(index.device, dtype, dim, heads, head_dim, queries_per_head=queries,
+                                               k=retrieval_k).speedup
+
+            generation = measured(queries_per_head)
+            return with_support(generation, measured(READING_QUERIES_PER_HEAD)) if support else generation
     measured = speedup()
+    what = " with the support readings" if support else ""
     if measured < KEY_STORE_MIN_SPEEDUP:
-        return KeyStorePlan("shared", 0, f"shared store: per-layer keys measured {measured:.2f}x its speed here, "
-                                         f"under the {KEY_STORE_MIN_SPEEDUP}x their memory needs")
-    return per_layer(f", {size}: measured {measured:.2f}x the shared store's speed, and with the store within "
-                     f"{budget / 2**20:,.0f} MiB")
+        return KeyStorePlan("shared", 0, f"shared store: per-layer keys measured {measured:.2f}x its speed here"
+                                         f"{what}, under the {KEY_STORE_MIN_SPEEDUP}x their memory needs")
+    return per_layer(f", {size}: measured {measured:.2f}x the shared store's speed{what}, and with the store "
+                     f"within {budget / 2**20:,.0f} MiB")
+
+
+def with_support(generation: float, reading: float) -> float:
+    """The key store's speedup over the shared store for a generation and its support readings together, from the
+    speedup measured for the generation's queries per head and for a reading's (``READING_QUERIES_PER_HEAD``): the
+    shared store's time split as 1 : ``SUPPORT_TO_GENERATION``, each part divided by its own speedup."""
+    return (1 + SUPPORT_TO_GENERATION) / (1 / generation + SUPPORT_TO_GENERATION / reading)
 
 
 def _free_bytes(device: str) -> int:

@@ -43,6 +43,7 @@ class EncodePlan:
     index: IndexConfig  # storage dtype resolved
     retrieval_k: int
     queries_per_step: int  # heads x beams of one document
+    support: bool = False  # each sentence's support is read: the key-store plan weighs those readings too
 
 
 class DocumentEncoder:
@@ -178,7 +179,7 @@ class DocumentEncoder:
         heads, head_dim, dim = weights[0].shape
         return plan_key_store(n_tokens, dim, len(weights), heads, head_dim, self.plan.index, index,
                               queries_per_head=max(1, self.plan.queries_per_step // heads),
-                              retrieval_k=self.plan.retrieval_k)
+                              retrieval_k=self.plan.retrieval_k, support=self.plan.support)
 
     def _cached_keys(self, cached, store, plan: IndexPlan, name: str = ""):
         """The per-layer keys of a cached book when the plan wants them: the entry's own (memory-mapped) when it

@@ -22,6 +22,7 @@ from torch import nn
 from unlimisum.models import wrapping
 from unlimisum.models.architectures import Architecture
 from unlimisum.search import head_kernels, kernels
+from unlimisum.search.placement import READING_QUERIES_PER_HEAD
 
 
 @dataclass
@@ -176,7 +177,9 @@ class RetrievalCrossAttention(wrapping.CrossAttentionWrapper):
         rows, steps, heads, _ = q.shape
         keys = store.keys.layer(self.layer_index)  # [H, N, dh]
         queries = (q.float() * self.scaling).permute(2, 0, 1, 3).reshape(heads, rows * steps, -1)  # [H, r * T, dh]
-        choice = store.keys.choice(store.dim, queries_per_head=rows, k=session.retrieval_k)
+        # a step's queries per head are its rows; a reading's (many positions at once) as the plan measured them
+        queries_per_head = rows if steps == 1 else READING_QUERIES_PER_HEAD
+        choice = store.keys.choice(store.dim, queries_per_head=queries_per_head, k=session.retrieval_k)
         k = min(session.retrieval_k, store.n_tokens)
         values = store.keys.layer_values(self.layer_index) if k >= store.n_tokens else None  # [H, N, dh]
         hidden = session.hidden[doc] if session.hidden is not None else None

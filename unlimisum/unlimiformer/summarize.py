@@ -265,7 +265,8 @@ class EncoderDecoderSummarizer:
 
     def _encoder(self) -> DocumentEncoder:
         plan = EncodePlan(window=self._window(), index=self._index_config(), retrieval_k=self.retrieval_k(),
-                          queries_per_step=self._queries_per_step())
+                          queries_per_step=self._queries_per_step(),
+                          support=self.retrieval.evidence and self.retrieval.support)
         return DocumentEncoder(self.loaded, self.encoding, plan, self.progress, self.cache, self._int8_made,
                                self.window_encoder)
 
