@@ -98,10 +98,10 @@ def auto_batch_size(window: int, n_windows: int, device: torch.device) -> int:
 
 
 def shard_windows(n_windows: int, batch_size: int, shards_wanted: int, most: int = 8) -> list[tuple[int, int]]:
-    """Consecutive ranges ``[first, stop)`` of whole encoder batches, about ``shards_wanted`` of them and at most
-    ``most`` windows each (rounded up to a whole batch). The batches are those one process encodes
-    (``batch_size`` windows from window 0), so each window is encoded in the same company wherever its range
-    goes: its states are the same bit for bit."""
+    """Consecutive ranges ``[first, stop)`` of whole encoder batches: at most ``most`` windows each (rounded up to
+    a whole batch), and at least about ``shards_wanted`` of them where there are batches enough. The batches are
+    those one process encodes (``batch_size`` windows from window 0), so each window is encoded in the same
+    company wherever its range goes: its states are the same bit for bit."""
     batches = math.ceil(n_windows / batch_size)
     per_shard = max(1, min(math.ceil(batches / max(1, shards_wanted)), math.ceil(most / batch_size)))
     return [(first * batch_size, min(n_windows, (first + per_shard) * batch_size))
