@@ -32,8 +32,8 @@ from unlimisum.cli import app
 from unlimisum.cli.batch_progress import BatchProgress
 from unlimisum.runs import ray as ray_engine
 from unlimisum.runs.ray import CRASH_HOOK_ENV, start_local_ray
-from unlimisum.runs.ray_windows import SLOW_PART_ENV
 from unlimisum.runs.ray_plan import GIB, NodeFree
+from unlimisum.runs.ray_windows import SLOW_PART_ENV
 
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.slow  # Ray instances and worker processes: about 3 minutes on 2 shared CPU cores
@@ -149,8 +149,6 @@ def test_one_book_is_encoded_across_two_workers_into_the_local_store_bit_for_bit
     local_record, ray_record = json.loads(local.stdout), json.loads(spread.stdout)
     for field in ("summary", "coverage", "window_coverage", "evidence"):  # the summary was made on the driver
         assert ray_record[field] == local_record[field], field
-    assert len(ray.nodes()) == 1
-    wait_for_free_cpus(2)  # the workers were ended once the book was encoded
 
 
 def test_a_ray_batch_shows_a_books_control_characters_and_never_obeys_them(summarize, tmp_path):
