@@ -90,18 +90,22 @@ def test_parts_of_a_plan_encoded_apart_give_the_whole_plans_states_bit_for_bit(t
     torch.manual_seed(2)
     input_ids = torch.randint(5, 200, (900,))
     plan = plan_windows(len(input_ids), 64, 0.5)
-    encoder = loaded.model.get_encoder()
-    whole = []
-    encode_windows(encoder, input_ids, plan, whole.append, batch_size=3,
-                   encoder_inputs=loaded.architecture.encoder_inputs)
+    whole = kept_states(loaded, input_ids, plan, batch_size=3)
     apart = []
     shards = shard_windows(plan.n_windows, 3, 4)
     assert len(shards) == 4
     for first, stop in shards:
         part, offset = plan.part(first, stop)
-        encode_windows(encoder, input_ids[offset:offset + part.n_tokens], part, apart.append, batch_size=3,
-                       encoder_inputs=loaded.architecture.encoder_inputs)
+        apart += kept_states(loaded, input_ids[offset:offset + part.n_tokens], part, batch_size=3)
     assert torch.equal(torch.cat(apart), torch.cat(whole))
+
+
+def kept_states(loaded, input_ids: torch.Tensor, plan, batch_size: int) -> list[torch.Tensor]:
+    """Each window's kept states, as ``encode_windows`` hands them out with the model's encoder inputs."""
+    chunks = []
+    encode_windows(loaded.model.get_encoder(), input_ids, plan, chunks.append, batch_size=batch_size,
+                   encoder_inputs=loaded.architecture.encoder_inputs)
+    return chunks
 
 
 def test_auto_batch_size_is_bounded_by_windows():
@@ -118,13 +122,9 @@ def test_batched_encoding_equals_one_window_per_pass(tiny_loaded, model_type):
     torch.manual_seed(1)
     input_ids = torch.randint(5, 200, (500,))
     plan = plan_windows(len(input_ids), 64, 0.5)
-    encoder = loaded.model.get_encoder()
     results = {}
     for batch_size in (1, 3, plan.n_windows):
-        chunks = []
-        encode_windows(encoder, input_ids, plan, chunks.append, batch_size=batch_size,
-                       encoder_inputs=loaded.architecture.encoder_inputs)
-        results[batch_size] = torch.cat(chunks)
+        results[batch_size] = torch.cat(kept_states(loaded, input_ids, plan, batch_size))
         assert results[batch_size].shape == (500, loaded.model.config.d_model)
     torch.testing.assert_close(results[1], results[3], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(results[1], results[plan.n_windows], rtol=1e-5, atol=1e-5)

@@ -259,9 +259,7 @@ class RayEngine:
                     self._start_worker()
                 runner.summarizer.family.window_encoder = RayWindows(self)
                 runner.reporter.begin_document(1, 1, job.source, read=job.document is not None)
-                result = runner.summarize_job(job, several=several)
-                runner.report(job, result)
-                runner.emit(result)
+                runner.finish(job, runner.summarize_job(job, several=several))  # in a local run's order
                 return
         runner.summarizer = None  # the worker loads its own
         self._connect()
@@ -311,10 +309,7 @@ class RayEngine:
         self._started_ray = True
 
     def _stop(self) -> None:
-        for actor in self._actors:
-            self._kill(actor)
-        self._actors = []
-        self._starting = {}
+        self.release_workers()
         if self._started_ray:
             self.ray.shutdown()
             self._started_ray = False
@@ -417,9 +412,7 @@ class RayEngine:
         idle.append(worker.actor)
         display = self.runner.reporter
         for line in value["lines"]:
-            if line not in self._said:
-                self._said.add(line)
-                display.note(line)
+            self.note_once(line)
         memory = f"{value['memory'] / GIB:.1f} GiB" if value["memory"] is not None else "the machine's"
         display.log(f"Ray worker on {value['node']} ready: {value['threads']} torch threads, {memory} memory budget")
 

@@ -76,6 +76,7 @@ class RayWindows:
         least_seconds = float(os.environ.get(SLOW_PART_ENV, "0") or 0)  # tests only: a real model's slow parts
         workers = max(1, engine.worker_count())
         parts = shard_windows(plan.n_windows, batch_size, PARTS_PER_WORKER * workers, MOST_WINDOWS_PER_PART)
+        part_plans = [plan.part(first, stop) for first, stop in parts]  # (the part's own plan, its first token)
         pending = deque((index, 1) for index in range(len(parts)))  # (part, attempt), in order
         running: dict = {}  # object ref -> (actor, part, attempt)
         arrived: dict[int, torch.Tensor] = {}  # parts back before the store needs them
@@ -84,14 +85,14 @@ class RayWindows:
             lookahead = LOOKAHEAD_PER_WORKER * max(1, len(self.idle) + len(running))
             while pending and self.idle and pending[0][0] < next_part + lookahead:  # first: no worker waits
                 index, attempt = pending.popleft()
-                part, offset = plan.part(*parts[index])
+                part, offset = part_plans[index]
                 ids = input_ids[offset:offset + part.n_tokens].numpy()
                 actor = self.idle.pop()
                 running[actor.encode_windows.remote(ids, part, batch_size, least_seconds)] = (actor, index, attempt)
                 self.bytes_out += ids.nbytes
             while next_part in arrived:  # then the store, while the workers encode
                 states = arrived.pop(next_part)
-                part, _ = plan.part(*parts[next_part])
+                part, _ = part_plans[next_part]
                 for window in range(part.n_windows):  # the sink takes one window's kept states at a time
                     start, end = part.kept(window)
                     sink(states[start - part.keep_bounds[0]:end - part.keep_bounds[0]])

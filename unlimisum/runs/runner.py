@@ -153,7 +153,7 @@ class BatchRunner:
                 self.load_model()
             for number, job in enumerate(todo, start=1):
                 self.reporter.begin_document(number, len(todo), job.source, read=job.document is not None)
-                self._finish(job, self.summarize_job(job, several=len(jobs) > 1))
+                self.finish(job, self.summarize_job(job, several=len(jobs) > 1))
         except BrokenPipeError:
             self.result.pipe_closed = True
         return self.result
@@ -170,7 +170,7 @@ class BatchRunner:
                 try:
                     document = self._read(job.source)
                 except UnlimisumError as error:
-                    self._finish(job, self.failed_result(job, error.problem, type(error).__name__,
+                    self.finish(job, self.failed_result(job, error.problem, type(error).__name__,
                                                          self.clock() - started))
                     continue
                 size = len(document.text)
@@ -185,7 +185,7 @@ class BatchRunner:
         todo = []
         for job in jobs:
             if job.problem is not None:
-                self._finish(job, self.failed_result(job, job.problem.problem, type(job.problem).__name__))
+                self.finish(job, self.failed_result(job, job.problem.problem, type(job.problem).__name__))
             elif job.skip:
                 self.result.skipped += 1
                 self.result.outcomes.append(DocumentOutcome(job.source, SKIPPED, output=str(job.output)))
@@ -331,7 +331,7 @@ class BatchRunner:
         if markdown:
             self._printed += 1
 
-    def _finish(self, job: Job, result: JobResult) -> None:
+    def finish(self, job: Job, result: JobResult) -> None:
         """Report and print a result: a summary before its done line (which, with its coverage bar, then
         stays in view), a failure line before the failure's JSON record."""
         if result.outcome.status == DONE:
