@@ -1,6 +1,6 @@
 """The compiled sums over the states (unlimisum/search/compiled.py): the fp32 sums of the stored numbers,
 as torch takes them from the widened states, for the gather of each query's top-k and for the dense pass (over
-the states, or per head over a layer's values)."""
+the states, or per head over a layer's values); and the compiled top-k of score rows, as torch.topk takes it."""
 
 from __future__ import annotations
 
@@ -167,3 +167,98 @@ def test_the_top_k_holds_only_real_candidates_where_fewer_scores_are_numbers(dty
         found = scores[2].sort(dim=1, descending=True)
         torch.testing.assert_close(found.values, top.values)
         assert torch.equal(ids[2].gather(1, found.indices), top.indices)
+
+
+# --- the compiled top-k of score rows (unlimisum/search/top_k_loops.py) -----------------------------------------
+
+
+def _assert_top_k_of(scores: torch.Tensor, k: int, values: torch.Tensor, ids: torch.Tensor) -> None:
+    """values/ids [rows, k] are a top-k of scores [rows, n] as torch.topk takes it: the same values (NaN first),
+    each id distinct and holding its value."""
+    expected = scores.topk(k, dim=1).values.nan_to_num(9e9, posinf=8e9, neginf=-8e9)
+    found = values.nan_to_num(9e9, posinf=8e9, neginf=-8e9)
+    assert torch.equal(found.sort(dim=1, descending=True).values, expected)
+    assert torch.equal(scores.gather(1, ids).nan_to_num(9e9, posinf=8e9, neginf=-8e9), found)
+    assert all(len(set(row)) == k for row in ids.tolist())
+
+
+@pytest.mark.parametrize("rows,n,k", [(6, 20_000, 1_024), (5, 16_384, 1_123), (3, 4_096, 1), (4, 300, 299),
+                                      (2, 40, 40), (3, 100_000, 1_024), (7, 3_200, 16)])
+def test_the_compiled_top_k_is_torchs_top_k(rows, n, k):
+    """Rows long enough for a sampled floor (n >= 256), rows without one, k = 1, k = n, k a large share of n."""
+    generator = torch.Generator().manual_seed(6)
+    scores = torch.randn(rows, n, generator=generator)
+    values, ids = compiled.top_k(scores, k)
+    _assert_top_k_of(scores, k, values, ids)
+
+
+def test_the_compiled_top_k_breaks_ties_and_keeps_infinities_and_nans_as_torch_orders_them():
+    generator = torch.Generator().manual_seed(7)
+    scores = torch.randn(6, 5_000, generator=generator)
+    scores[0] = torch.randint(0, 4, (5_000,), generator=generator).float()  # four values, ties across the k-th
+    scores[1, ::7] = float("inf")  # more infinities than k
+    scores[2, 3:] = float("-inf")  # three numbers, the rest -inf: -inf among the top k
+    scores[3, 4_000] = float("nan")  # NaN: torch orders it first (the row is left to torch)
+    scores[4, ::2] = float("-inf")  # every sampled score -inf: no sampled floor
+    scores[5, 1::2] = 3.0e38  # numbers whose span is no float
+    scores[5, ::2] = -3.0e38
+    for k in (5, 700):
+        values, ids = compiled.top_k(scores, k)
+        _assert_top_k_of(scores, k, values, ids)
+
+
+def test_a_sample_that_misjudges_the_row_falls_back_to_the_whole_row():
+    """The sampled scores (evenly apart: here every odd column) far above the rest put the floor so high that
+    fewer than k reach it: the row is kept again from -inf, and the top-k is still exact."""
+    generator = torch.Generator().manual_seed(8)
+    scores = torch.randn(2, 4_096, generator=generator)
+    scores[:, 1::2] += 100.0  # 2,048 sampled-column scores; 1,024 of them sampled
+    values, ids = compiled.top_k(scores, 3_000)  # beyond the odd columns' 2,048: the floor must drop to -inf
+    _assert_top_k_of(scores, 3_000, values, ids)
+
+
+def test_the_kernels_top_k_runs_compiled_for_long_rows_once_ready():
+    assert compiled.ready("top_k", torch.float32)
+    assert compiled.is_ready("top_k") and compiled.ready("top_k", torch.bfloat16)  # one kernel for every store
+    generator = torch.Generator().manual_seed(9)
+    scores = torch.randn(4, kernels.COMPILED_MIN_STATES + 5, generator=generator)
+    assert kernels._compiled_top_k(scores, 1_024)
+    assert not kernels._compiled_top_k(scores[:, :kernels.COMPILED_MIN_STATES - 1].contiguous(), 1_024)
+    values, ids = kernels.top_k(scores, 1_024, ordered=False)
+    assert torch.equal(ids, compiled.top_k(scores, 1_024)[1])
+    _assert_top_k_of(scores, 1_024, values, ids)
+    ordered = kernels.top_k(scores, 1_024)  # sorted: torch's
+    assert torch.equal(ordered.values, scores.topk(1_024, dim=1).values)
+
+
+# --- the blocked weighted sum: many queries choosing the same states -----------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,nq,k", [(3_000, 40, 301), (2_500, 9, 1_200), (1_100, 5, 1_100)])
+def test_the_blocked_weighted_sum_is_torchs_fp32_sum(dtype, n, nq, k):
+    """Each state chosen BLOCKED_SUMS_MIN_READS times or more on average: the sums go block by block of the
+    states (1,024 a block: up to 3, the last partial); ids in any order, repeats included; k not a multiple of 4;
+    the queries in a share per thread (5 queries: uneven shares)."""
+    assert nq * k >= compiled.BLOCKED_SUMS_MIN_READS * n
+    generator = torch.Generator().manual_seed(10)
+    states = torch.randn(n, 24, generator=generator).to(dtype)
+    ids = torch.randint(0, n, (nq, k), generator=generator)
+    weights = torch.rand(nq, k, generator=generator)
+    expected = torch.einsum("qk,qkd->qd", weights.double(), states.double()[ids]).float()
+    torch.testing.assert_close(compiled.weighted_sum(states, ids, weights), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_a_reading_sums_its_many_queries_compiled_and_a_step_its_few_as_measured():
+    """The 16-bit gather (the native kernel's: embedding_bag, sums rounded to bfloat16) gives way to the compiled
+    fp32 sums where the queries choose each state several times (a reading's many positions at once)."""
+    generator = torch.Generator().manual_seed(11)
+    n = kernels.COMPILED_MIN_STATES
+    states = torch.randn(n, 32, generator=generator).bfloat16()
+    many = torch.randint(0, n, (64, 1_024), generator=generator)  # 4 reads a state
+    few = many[:8]
+    weights = torch.rand(64, 1_024, generator=generator)
+    assert torch.equal(kernels.gathered_attention(states, many, weights, False), compiled.weighted_sum(states, many,
+                                                                                                       weights))
+    bags = torch.nn.functional.embedding_bag(few, states, mode="sum", per_sample_weights=weights[:8].bfloat16())
+    assert torch.equal(kernels.gathered_attention(states, few, weights[:8], False), bags.float())

@@ -123,7 +123,7 @@ def test_the_kernel_calibration_is_kept_per_machine(monkeypatch, tmp_path):
     again = kernels.kernel_for(torch.device("cpu"), torch.bfloat16, 32)
     assert again == first and calibrated == [1]
     names = [m.name for m in measurements.default_store().all()]
-    assert "retrieval kernel v3 cpu bfloat16 d=32" in names
+    assert f"retrieval kernel v{kernels.MEASUREMENT_VERSION} cpu bfloat16 d=32" in names
 
 
 def test_the_calibration_times_an_emulated_16_bit_kernel_once_per_race(monkeypatch):

@@ -81,8 +81,9 @@ def clear_compiled_kernels() -> tuple[int, int]:
 
 
 # the modules of unlimisum/search whose functions numba compiles and caches (jit.py's decorations): compiled_loops.py
-# today; compiled.py held them before the search became one unit, and a cache home may still keep those
-KERNEL_MODULES = ("compiled", "compiled_loops")
+# and top_k_loops.py today; compiled.py held them before the search became one unit, and a cache home may still
+# keep those
+KERNEL_MODULES = ("compiled", "compiled_loops", "top_k_loops")
 
 
 def _kernel_files(folder: Path) -> list[Path]:

@@ -22,8 +22,12 @@ finds), read each number once:
   key-value head scores each block of its keys, and each row's (beam's) g scores of a key are reduced to their
   largest before the running top-k keeps them: one selection per row and key-value head, one pass;
 - ``weighted_sum``: each query's chosen states read once (four at a time, their reads in flight together) and
-  summed in fp32, no gathered copy; ``dense_sum``: weights [nq, N] times every state, each block of states met
-  by every query while it is in cache; ``head_dense_sum``: the same per head over its own values [H, N, dh];
+  summed in fp32, no gathered copy; where many queries choose the same states (a reading's positions), block by
+  block of the states, each query's share of a block summed while the block is in cache;
+  ``dense_sum``: weights [nq, N] times every state, each block of states met by every query while it is in
+  cache; ``head_dense_sum``: the same per head over its own values [H, N, dh];
+- ``top_k``: each row's k largest of a [rows, N] score matrix a matmul wrote, without sorting
+  (top_k_loops.py);
 - ``attend_dense``: softmax(q K^T) V per head over its own keys and values in one pass, each block of keys
   scored, weighed under a running maximum and sum (the online softmax, its exp in vectors) and its values
   summed while in cache.
@@ -58,14 +62,19 @@ import numpy as np
 import torch
 
 SCAN_DTYPES = (torch.bfloat16, torch.float32)  # float16 keys keep the torch kernels and faiss
+# the weighted sum runs blocked where its queries read each state this many times or more on average: against the
+# per-query sums (bfloat16, d=768, k=1,024, 2 threads, EPYC Zen 4) 24 reads 2.0x as fast, 12 reads 1.8x, 3.9 reads
+# 1.5x, 3 reads 1.07x; a greedy step's 0.75 reads 0.7x
+BLOCKED_SUMS_MIN_READS = 4
 
 try:
     import numba
 
     from unlimisum.search.compiled_loops import (BLOCK_ROWS, _attend_dense_heads_bf16, _attend_dense_heads_f32,
         _coverage, _dense_sums_heads_bf16, _dense_sums_heads_f32, _dense_sums_parts_bf16, _dense_sums_parts_f32,
-        _scan_heads_bf16, _scan_heads_f32, _select_grouped_heads_bf16, _select_grouped_heads_f32, _sums_queries_bf16,
-        _sums_queries_f32)
+        _scan_heads_bf16, _scan_heads_f32, _select_grouped_heads_bf16, _select_grouped_heads_f32,
+        _sums_blocked_parts_bf16, _sums_blocked_parts_f32, _sums_queries_bf16, _sums_queries_f32)
+    from unlimisum.search.top_k_loops import _top_k_rows
 except ImportError:  # pragma: no cover - numba is a dependency; a broken install leaves the torch kernels
     numba = None
 
@@ -162,24 +171,53 @@ def scores(keys: torch.Tensor, queries: torch.Tensor, out: torch.Tensor | None =
     return out
 
 
+def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``scores.topk(k, dim=1, sorted=False)`` of scores [rows, n] fp32 (CPU, k <= n): (values, columns) [rows, k]
+    in no order, the rows spread over the threads (unlimisum/search/top_k_loops.py: a floor from a sample, one
+    pass keeping what reaches it, bins for the exact k; no sort). A row holding a NaN goes to ``torch.topk``
+    (which orders NaN above every number), so the result is torch's but for the order and ties at the k-th."""
+    rows, n = scores.shape
+    values = torch.empty(rows, k, dtype=torch.float32)
+    ids = torch.empty(rows, k, dtype=torch.long)
+    if rows == 0 or k == 0:
+        return values, ids
+    scores = scores.detach().contiguous()
+    done = np.empty(rows, np.bool_)
+    _threads()
+    _top_k_rows(scores.numpy(), k, values.numpy(), ids.numpy(), done)
+    if not done.all():
+        left = torch.from_numpy(~done)
+        values[left], ids[left] = scores[left].topk(k, dim=1, sorted=False)
+    return values, ids
+
+
 def weighted_sum(states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """[nq, d] fp32 = sum_j weights[q, j] * states[ids[q, j]], summed in fp32 from the stored numbers: states
     [N, d] (CPU, ``SCAN_DTYPES``; bfloat16 needs an even d), ids [nq, k] int64, weights [nq, k]. One read of each
-    chosen state, widened in registers: no gathered copy (``usable_states``)."""
+    chosen state, widened in registers: no gathered copy (``usable_states``). Where the queries choose each state
+    ``BLOCKED_SUMS_MIN_READS`` times or more on average (a reading's 16-64 positions per head), block by block
+    of the states, every query's share of a block summed while it is in cache (``_sums_blocked_bf16``)."""
     nq, dim = ids.shape[0], states.shape[1]
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= states.shape[0]):  # the kernels do not check
         raise IndexError(f"state ids outside 0..{states.shape[0] - 1}")
+    blocked = ids.numel() >= BLOCKED_SUMS_MIN_READS * states.shape[0]
     ids = ids.to(torch.long).contiguous().numpy()
     weights = weights.detach().to(torch.float32).contiguous().numpy()
-    _threads()
+    parts = min(_threads(), nq)
     if states.dtype == torch.bfloat16:
         words = states.contiguous().view(torch.int32).numpy().view(np.uint32)  # [N, d/2]
         even = np.empty((nq, dim // 2), np.float32)
         odd = np.empty((nq, dim // 2), np.float32)
-        _sums_queries_bf16(words, ids, weights, even, odd)
+        if blocked:
+            _sums_blocked_parts_bf16(words, ids, weights, even, odd, parts)
+        else:
+            _sums_queries_bf16(words, ids, weights, even, odd)
         return torch.from_numpy(np.stack((even, odd), axis=2).reshape(nq, dim))
     out = np.empty((nq, dim), np.float32)
-    _sums_queries_f32(states.contiguous().numpy(), ids, weights, out)
+    if blocked:
+        _sums_blocked_parts_f32(states.contiguous().numpy(), ids, weights, out, parts)
+    else:
+        _sums_queries_f32(states.contiguous().numpy(), ids, weights, out)
     return torch.from_numpy(out)
 
 
@@ -276,12 +314,14 @@ def attend_dense(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor
 
 # --- which kernels run here: each compiled when a run first needs it, and checked against torch -----------------
 
-KERNELS = ("select", "select_grouped", "scores", "weighted_sum", "dense_sum", "head_dense_sum", "attend_dense")
+KERNELS = ("select", "select_grouped", "scores", "weighted_sum", "dense_sum", "head_dense_sum", "attend_dense",
+           "top_k")
+SCORES_KERNELS = ("top_k",)  # read fp32 scores whatever the store holds: ready once, as for a float32 store
 # seconds each kernel took to compile from an empty cache (one dtype; a 2-core EPYC Zen 4 at 2.6 GHz, numba 0.68),
 # for the estimate the display shows while a first run waits for them (select and scores share one driver: the
 # first of the two takes the time); loading a compiled one takes ~0.1 s
-COMPILE_SECONDS = {"select": 6.5, "select_grouped": 4.5, "scores": 0.5, "weighted_sum": 1.0, "dense_sum": 1.7,
-                   "head_dense_sum": 1.5, "attend_dense": 9.5}
+COMPILE_SECONDS = {"select": 6.5, "select_grouped": 4.5, "scores": 0.5, "weighted_sum": 2.9, "dense_sum": 1.7,
+                   "head_dense_sum": 1.5, "attend_dense": 9.5, "top_k": 6.8}
 
 _READY: dict[tuple[str, torch.dtype], bool] = {}
 _LOCKS: dict[tuple[str, torch.dtype], threading.Lock] = {}
@@ -308,7 +348,7 @@ def ready(kernel: str, dtype: torch.dtype) -> bool:
         raise ValueError(f"unknown compiled kernel {kernel!r}; one of {', '.join(KERNELS)}")
     if numba is None or dtype not in SCAN_DTYPES:
         return False
-    key = (kernel, dtype)
+    key = _key(kernel, dtype)
     if key in _READY:
         return _READY[key]
     with _LOCKS_LOCK:
@@ -326,7 +366,17 @@ def pending(kernels: Iterable[str], dtype: torch.dtype) -> list[str]:
     """Those of ``kernels`` not yet checked (compiled or loaded) in this process for ``dtype``, where they can run."""
     if numba is None or dtype not in SCAN_DTYPES:
         return []
-    return [kernel for kernel in kernels if (kernel, dtype) not in _READY]
+    return [kernel for kernel in kernels if _key(kernel, dtype) not in _READY]
+
+
+def is_ready(kernel: str) -> bool:
+    """Whether ``kernel`` of ``SCORES_KERNELS`` was made ready in this process (never compiles it: callers that
+    may not compile, a short store's, ask this)."""
+    return _READY.get(_key(kernel, torch.float32), False)
+
+
+def _key(kernel: str, dtype: torch.dtype) -> tuple[str, torch.dtype]:
+    return kernel, torch.float32 if kernel in SCORES_KERNELS else dtype
 
 
 def warm(kernels: Iterable[str], dtype: torch.dtype) -> threading.Thread | None:
@@ -399,12 +449,16 @@ def _check_scores(dtype: torch.dtype) -> bool:
 
 
 def _check_weighted_sum(dtype: torch.dtype) -> bool:
+    """Per query (2 x 5 of 700 states), and blocked (10 x 300: each state chosen about 4 times)."""
     keys, _, _, _ = _small_keys(dtype)
     generator = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, keys.shape[1], (2, 5), generator=generator)
-    weights = torch.rand(2, 5, generator=generator)
-    expected = torch.einsum("qk,qkd->qd", weights, keys[0].float()[ids])
-    return torch.allclose(weighted_sum(keys[0], ids, weights), expected, atol=1e-4)
+    found = []
+    for shape in ((2, 5), (10, 300)):
+        ids = torch.randint(0, keys.shape[1], shape, generator=generator)
+        weights = torch.rand(shape, generator=generator)
+        expected = torch.einsum("qk,qkd->qd", weights.double(), keys[0].double()[ids]).float()
+        found.append(torch.allclose(weighted_sum(keys[0], ids, weights), expected, atol=1e-4))
+    return all(found)
 
 
 def _check_dense_sum(dtype: torch.dtype) -> bool:
@@ -428,6 +482,23 @@ def _check_attend_dense(dtype: torch.dtype) -> bool:
             and torch.allclose(covered, weights.sum(dim=(0, 1)), rtol=1e-4, atol=1e-5))
 
 
+def _check_top_k(dtype: torch.dtype) -> bool:
+    """On rows of 700 (sampled floors), 40 (none), ties, infinities and a NaN (left to torch)."""
+    generator = torch.Generator().manual_seed(2)
+    found = []
+    for rows, n, k in ((5, 700, 9), (3, 40, 7)):
+        scores = torch.randn(rows, n, generator=generator)
+        scores[0, ::3] = 0.5  # ties
+        scores[1, 5], scores[1, 9] = float("inf"), float("-inf")
+        scores[2, 2] = float("nan")
+        values, ids = top_k(scores, k)
+        expected = scores.topk(k, dim=1)
+        ordered = values.nan_to_num(7.0).sort(dim=1, descending=True).values  # NaN as torch orders it: first
+        found.append(torch.equal(ordered, expected.values.nan_to_num(7.0))
+                     and torch.equal(scores.gather(1, ids).nan_to_num(7.0), values.nan_to_num(7.0)))
+    return all(found)
+
+
 _CHECKS = {"select": _check_select, "select_grouped": _check_select_grouped, "scores": _check_scores,
            "weighted_sum": _check_weighted_sum, "dense_sum": _check_dense_sum,
-           "head_dense_sum": _check_head_dense_sum, "attend_dense": _check_attend_dense}
+           "head_dense_sum": _check_head_dense_sum, "attend_dense": _check_attend_dense, "top_k": _check_top_k}

@@ -23,6 +23,9 @@ BLOCK_ROWS = 1024  # rows scored before their scores are filtered: every query's
 # rows of values summed at a time, 8 numbers of each row after another: a tile's rows stay in L1 between them
 # (measured, 300k rows of 64 bfloat16 values, 4 queries: 16-32 rows 13.5 ms, 64 rows 15.7, a block of 1024 21.5)
 SUM_TILE_ROWS = 32
+# states per block of the blocked sums: the sums of a thread's queries meet each block's states while they are in
+# cache (measured at 16k states, 192-384 queries of 1,024: 512 states 6.3/9.7 ms, 1,024 5.7/9.3, 4,096 6.0/10.0)
+SUM_BLOCK_SHIFT = 10
 
 jit.begin_decorations()
 
@@ -387,6 +390,70 @@ def _sums_f32(states, ids, weights, out):
 
 
 @numba.njit(nogil=True, cache=_CACHED, inline="always")
+def _by_block(ids, blocks, starts, order):
+    """order[starts[b]:starts[b + 1]] = the positions j of ``ids`` whose state lies in block b (ids[j] >>
+    SUM_BLOCK_SHIFT), in their order: a counting sort (starts [blocks + 1], zeroed)."""
+    for j in range(ids.shape[0]):
+        starts[(ids[j] >> SUM_BLOCK_SHIFT) + 1] += 1
+    for b in range(blocks):
+        starts[b + 1] += starts[b]
+    place = starts[:blocks].copy()
+    for j in range(ids.shape[0]):
+        b = ids[j] >> SUM_BLOCK_SHIFT
+        order[place[b]] = j
+        place[b] += 1
+
+
+@_compile
+def _sums_blocked_bf16(words, ids, weights, even, odd):
+    """``_sums_bf16`` for every query of ids/weights [nq, k] at once, into even/odd [nq, d/2]: block by block of
+    the states, each query's states in the block summed (four at a time) while the block is in cache, so that a
+    state many queries chose is read from memory once (each query's states in block order, then as given)."""
+    nq, k = ids.shape
+    blocks = (words.shape[0] >> SUM_BLOCK_SHIFT) + 1
+    starts = np.zeros((nq, blocks + 1), np.int32)
+    order = np.empty((nq, k), np.int32)
+    for q in range(nq):
+        _by_block(ids[q], blocks, starts[q], order[q])
+        even[q, :] = 0.0
+        odd[q, :] = 0.0
+    for b in range(blocks):
+        for q in range(nq):
+            row, weight, chosen = ids[q], weights[q], order[q]
+            j, last = starts[q, b], starts[q, b + 1]
+            while j + 4 <= last:
+                j0, j1, j2, j3 = chosen[j], chosen[j + 1], chosen[j + 2], chosen[j + 3]
+                _add_four_bf16(even[q], odd[q], weight[j0], weight[j1], weight[j2], weight[j3], words[row[j0]],
+                               words[row[j1]], words[row[j2]], words[row[j3]])
+                j += 4
+            for j in range(j, last):
+                _add_one_bf16(even[q], odd[q], weight[chosen[j]], words[row[chosen[j]]])
+
+
+@_compile
+def _sums_blocked_f32(states, ids, weights, out):
+    """``_sums_blocked_bf16`` for fp32 states [N, d] into out [nq, d]."""
+    nq, k = ids.shape
+    blocks = (states.shape[0] >> SUM_BLOCK_SHIFT) + 1
+    starts = np.zeros((nq, blocks + 1), np.int32)
+    order = np.empty((nq, k), np.int32)
+    for q in range(nq):
+        _by_block(ids[q], blocks, starts[q], order[q])
+        out[q, :] = 0.0
+    for b in range(blocks):
+        for q in range(nq):
+            row, weight, chosen = ids[q], weights[q], order[q]
+            j, last = starts[q, b], starts[q, b + 1]
+            while j + 4 <= last:
+                j0, j1, j2, j3 = chosen[j], chosen[j + 1], chosen[j + 2], chosen[j + 3]
+                _add_four_f32(out[q], weight[j0], weight[j1], weight[j2], weight[j3], states[row[j0]],
+                              states[row[j1]], states[row[j2]], states[row[j3]])
+                j += 4
+            for j in range(j, last):
+                _add_one_f32(out[q], weight[chosen[j]], states[row[chosen[j]]])
+
+
+@numba.njit(nogil=True, cache=_CACHED, inline="always")
 def _add_dense_sums_bf16(words, weights, even, odd):
     """even, odd [nq, d/2] += weights [nq, n] @ the bfloat16 states ``words`` [n, d/2] (``_sums_bf16``'s
     layout): four states at a time, every query's sums taken while they are in cache."""
@@ -667,6 +734,25 @@ def _sums_queries_bf16(words, ids, weights, even, odd):
 def _sums_queries_f32(states, ids, weights, out):
     for q in numba.prange(ids.shape[0]):
         _sums_f32(states, ids[q], weights[q], out[q])
+
+
+# the blocked sums' drivers: the queries in ``parts`` consecutive shares, one a thread
+
+
+@_compile_parallel
+def _sums_blocked_parts_bf16(words, ids, weights, even, odd, parts):
+    nq = ids.shape[0]
+    for part in numba.prange(parts):
+        share = slice((part * nq) // parts, ((part + 1) * nq) // parts)
+        _sums_blocked_bf16(words, ids[share], weights[share], even[share], odd[share])
+
+
+@_compile_parallel
+def _sums_blocked_parts_f32(states, ids, weights, out, parts):
+    nq = ids.shape[0]
+    for part in numba.prange(parts):
+        share = slice((part * nq) // parts, ((part + 1) * nq) // parts)
+        _sums_blocked_f32(states, ids[share], weights[share], out[share])
 
 
 @_compile_parallel

@@ -70,7 +70,7 @@ GATHER_ROWS = 2_048
 # kernel, once per machine) would cost more than a short store saves, and no kernel is compiled for it at all
 COMPILED_MIN_STATES = 16_384
 # what the measurements of this module are called in the user's cache folder: a new version measures again
-MEASUREMENT_VERSION = 3  # 3: the sums timed as the store runs them (compiled from COMPILED_MIN_STATES states)
+MEASUREMENT_VERSION = 4  # 4: the top-k compiled as a long store runs it (compiled.top_k)
 # top_k: the block-maxima pre-selection runs with blocks of at least this many columns (about sqrt(N / k));
 # shorter rows save too little against torch.topk over the whole row.
 TOPK_MIN_BLOCK = 8
@@ -156,18 +156,20 @@ def uses_compiled(n_tokens: int, device: torch.device | str) -> bool:
 def compiled_kernels_for(n_tokens: int, dtype: torch.dtype, device: torch.device | str, dim: int, *,
                          per_layer: bool = False, values: bool = False) -> tuple[str, ...]:
     """The compiled kernels (compiled.KERNELS) an exact store of ``n_tokens`` states of width ``dim`` in ``dtype``
-    on ``device`` may run and have measured: with per-layer keys its heads' scores and scan (with the layers'
-    values, the one-pass dense attention and the heads' value sums); and its sums over the states where its
-    kernel widens them to fp32 (``kernel_for``: the native kernel sums in the storage dtype); none for a store
-    shorter than COMPILED_MIN_STATES, off the CPU, or of a dtype they do not read. What ``compiled.warm`` compiles
-    while a book is encoded, and what ``prepare`` waits for."""
+    on ``device`` may run and have measured: the top-k of its scores; with per-layer keys its heads' scores and scan
+    (with the layers' values, the one-pass dense attention and the heads' value sums); the weighted sums of the
+    chosen states (a reading's many queries sum them compiled whatever the kernel: ``gathered_attention``); and
+    the dense sums where its kernel widens them to fp32 (``kernel_for``: the native kernel sums in the storage
+    dtype); none for a store shorter than COMPILED_MIN_STATES, off the CPU, or of a dtype they do not read. What
+    ``compiled.warm`` compiles while a book is encoded, and what ``prepare`` waits for."""
     if not uses_compiled(n_tokens, device) or dtype not in compiled.SCAN_DTYPES:
         return ()
-    names: tuple[str, ...] = ()
+    names: tuple[str, ...] = ("top_k",)
     if per_layer:
         names += ("select", "scores") + (("attend_dense", "head_dense_sum") if values else ())
+    names += ("weighted_sum",)
     if kernel_for(torch.device(device), dtype, dim).widens:  # measured already where a key store was planned
-        names += ("weighted_sum", "dense_sum")
+        names += ("dense_sum",)
     return names
 
 
@@ -208,9 +210,11 @@ def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str 
     many in this dtype and device, all within fp16's range (the packed race copies them); else a synthetic
     one, allocated for the calibration (``rows`` x ``dim`` 16-bit numbers beside the real store).
     ``timer(run)`` -> seconds of one call of a candidate (default: the clock around it; tests inject one).
-    ``compiled_sums``: the gather and the dense values pass are timed as a store of COMPILED_MIN_STATES or more
-    runs them (compiled, on a CPU where they run), else as a shorter one does (torch)."""
+    ``compiled_sums``: the gather, the dense values pass and the top-k are timed as a store of COMPILED_MIN_STATES
+    or more runs them (compiled, on a CPU where they run), else as a shorter one does (torch)."""
     device = torch.device(device)
+    if compiled_sums and device.type == "cpu":
+        compiled.ready("top_k", torch.float32)  # the top-k races as a long store runs it
     generator = torch.Generator(device="cpu").manual_seed(0)
     sixteen_bit = dtype != torch.float32
     can_pack = sixteen_bit and device.type == "cpu" and packing.available()
@@ -440,7 +444,9 @@ def gathered_attention(states: torch.Tensor, ids: torch.Tensor, weights: torch.T
     COMPILED_MIN_STATES (``compiled_sums`` None) or where the caller says so (True: its own kernels run compiled,
     however short the store), by the compiled kernel (compiled.weighted_sum: each chosen state read once and
     widened in registers), elsewhere as below;
-    otherwise the 16-bit states are summed in their dtype with fp32 accumulation: ``fused``, in one
+    the same where the queries read each state ``compiled.BLOCKED_SUMS_MIN_READS`` times or more on average (a
+    reading's many positions: its blocked sums measured 1.2-1.5x faster than ``embedding_bag`` there, natively and
+    as AVX2 on a Zen 4); otherwise the 16-bit states are summed in their dtype with fp32 accumulation: ``fused``, in one
     ``embedding_bag`` call (fbgemm's kernel on CPUs: no gathered copy; the sums rounded to the storage dtype,
     as a 16-bit bmm rounds them), else gathering at most GATHER_ROWS states at a time into reused buffers
     (whole queries while they fit, slices of one query's k beyond), one bmm each.
@@ -449,11 +455,13 @@ def gathered_attention(states: torch.Tensor, ids: torch.Tensor, weights: torch.T
     d = states.shape[1]
     if k == 0:
         return torch.zeros(nq, d, dtype=torch.float32, device=states.device)
-    if fused and not widen:
+    many_reads = (ids.numel() >= compiled.BLOCKED_SUMS_MIN_READS * states.shape[0]
+                  and _compiled_sums(states, "weighted_sum", compiled_sums))  # and they run compiled here
+    if fused and not widen and not many_reads:
         # [nq, k] ids are nq bags of k rows; weights in the storage dtype, as the bmm below rounds them
         return F.embedding_bag(ids, states, mode="sum", per_sample_weights=weights.to(states.dtype)).float()
     widen = widen or states.dtype == torch.float32
-    if widen and _compiled_sums(states, "weighted_sum", compiled_sums):  # one read of each chosen state, no copy
+    if many_reads or widen and _compiled_sums(states, "weighted_sum", compiled_sums):  # one read of each, no copy
         return compiled.weighted_sum(states, ids, weights)
     out = torch.zeros(nq, d, dtype=torch.float32, device=states.device)
     queries_per_step = max(1, GATHER_ROWS // k)
@@ -483,10 +491,12 @@ def topk_block(n: int, k: int) -> int | None:
 
 def top_k(logits: torch.Tensor, k: int, ordered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``logits.topk(k, dim=1, sorted=ordered)``: [nq, k] values and columns, sorted descending when ``ordered``
-    (sorting them costs more than finding them on CPUs), faster for long rows: the top-k elements lie in the
-    k blocks (of ``topk_block`` columns) with the highest maxima (any other block has k larger elements above
-    its max)."""
+    (sorting them costs more than finding them on CPUs), faster for long rows: unordered on a CPU, the compiled
+    top-k (``_compiled_top_k``: no sort at all); else the top-k elements lie in the k blocks (of ``topk_block``
+    columns) with the highest maxima (any other block has k larger elements above its max)."""
     nq, n = logits.shape
+    if not ordered and _compiled_top_k(logits, k):
+        return compiled.top_k(logits, k)
     block = topk_block(n, k)
     if block is None:
         return logits.topk(k, dim=1, sorted=ordered)
@@ -494,6 +504,14 @@ def top_k(logits: torch.Tensor, k: int, ordered: bool = True) -> tuple[torch.Ten
     maxima = logits[:, :usable].view(nq, -1, block).amax(dim=2)  # [nq, n / block]
     _, blocks = maxima.topk(k, dim=1, sorted=False)  # [nq, k]
     return _top_k_of_blocks(logits, blocks, block, k, usable, ordered)
+
+
+def _compiled_top_k(logits: torch.Tensor, k: int) -> bool:
+    """Whether ``top_k`` runs compiled (compiled.top_k): fp32 rows on a CPU, of COMPILED_MIN_STATES or more (as the
+    other compiled kernels), once the kernel is ready in this process (``compiled_kernels_for`` a long store
+    names it; a short store's run never compiles it)."""
+    return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
+            and logits.shape[1] >= COMPILED_MIN_STATES and 0 < k <= logits.shape[1] and compiled.is_ready("top_k"))
 
 
 def top_k_tokens_major(logits: torch.Tensor, k: int, ordered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

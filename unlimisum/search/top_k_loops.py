@@ -1,0 +1,178 @@
+"""The loops of the compiled top-k (numba): each row of scores' k largest, in no order, without sorting the row.
+
+A support reading scores 16-64 queries per head against every key at once (a batched matmul in 16 bits where the
+CPU has the units), and then wants each row's k best: ``torch.topk`` spends about 70 us on a row of 16,384 scores
+for k = 1,024, most of its time sorting what it keeps. Per row here:
+
+1. **a floor from a sample**: ``spread`` scores evenly apart; the floor is the ``sample_rank``-th largest of
+   them (found with bins, below), low enough that the row's k best lie at or above it but about once in 30,000
+   rows (the number of sampled scores among a row's k best is about Poisson, mean spread * k / n);
+2. one pass counts the scores at or above the floor (and the NaNs, in vectors); too few (the sample misjudged)
+   drops the floor to -inf;
+3. one branch-free pass copies those scores and their columns out (about 1.5 k of them);
+4. **the exact k**: the candidates go into ``BINS`` bins between their least and largest (a score's bin never
+   falls as it rises); every candidate in a bin above the k-th's is kept, and the k-th's own bin (a few scores)
+   is cut with a quickselect.
+
+A row holding a NaN, or fewer than k scores at all, is flagged for the caller instead (``torch.topk`` orders NaN
+above every number; compiled.top_k gives such rows to it). compiled.py says when this runs; jit.py how it is
+compiled and cached.
+"""
+
+from __future__ import annotations
+
+import numba
+import numpy as np
+
+from unlimisum.search import jit
+from unlimisum.search.compiled_loops import _largest_first
+from unlimisum.search.jit import CACHED as _CACHED
+from unlimisum.search.jit import parallel_kernel as _compile_parallel
+
+BINS = 256  # bins of a row's candidates: about 1.5 k / 256 scores share the k-th's bin
+SAMPLE_SCORES = 1_024  # scores of a row sampled for its floor (at most a quarter of the row)
+SAMPLE_MIN = 64  # a row too short for this many samples starts from -inf
+
+jit.begin_decorations()
+
+
+@numba.njit(nogil=True, cache=_CACHED)
+def sample_rank(spread, n, k):
+    """Which of a row's ``spread`` sampled scores, counted from the largest, is its floor: the count of sampled
+    scores among the row's k best is about Poisson with mean spread * k / n; its mean plus four deviations, and
+    two, is reached about once in 30,000 rows."""
+    expected = spread * k / n
+    return min(spread, int(np.ceil(expected + 4.0 * np.sqrt(expected))) + 2)
+
+
+@numba.njit(nogil=True, cache=_CACHED, inline="always")
+def _binned(values, count, low, high, bins):
+    """bins[i] = the bin of values[i] (finite, in [low, high]) among BINS between low and high; -> how many in
+    each bin [BINS]."""
+    held = np.zeros(BINS, np.int64)
+    span = high - low
+    scale = np.float32(BINS) / span if span > 0 else np.float32(0.0)
+    for i in range(count):
+        b = max(0, min(int((values[i] - low) * scale), BINS - 1))  # in range whatever the arithmetic
+        bins[i] = b
+        held[b] += 1
+    return held
+
+
+@numba.njit(nogil=True, cache=_CACHED, inline="always")
+def _bin_of_rank(held, rank):
+    """(the bin holding the rank-th largest, how many lie in the bins above it)."""
+    above = 0
+    b = BINS - 1
+    while b > 0 and above + held[b] < rank:
+        above += held[b]
+        b -= 1
+    return b, above
+
+
+@numba.njit(nogil=True, cache=_CACHED, inline="always")
+def _finite_span(values, count):
+    """(least, largest, whether both are finite numbers and so is the span between them) of values[:count]."""
+    low = np.float32(np.inf)
+    high = np.float32(-np.inf)
+    numbers = True
+    for i in range(count):
+        value = values[i]
+        numbers &= value == value
+        low = min(low, value)
+        high = max(high, value)
+    # compared, not np.isfinite: under the kernels' fast-math flags LLVM folds isfinite(x) to true
+    finite = numbers and count > 0 and low > -np.inf and high - low <= np.finfo(np.float32).max
+    return low, high, finite
+
+
+@numba.njit(nogil=True, cache=_CACHED, inline="always")
+def _sampled_floor(row, spread, rank):
+    """A floor that at least ``rank`` of ``spread`` scores of the row, evenly apart, reach: the least score in the
+    rank-th largest one's bin. -inf where a sampled score is not a finite number."""
+    n = row.shape[0]
+    sample = np.empty(spread, np.float32)
+    for i in range(spread):
+        sample[i] = row[((2 * i + 1) * n) // (2 * spread)]
+    low, high, finite = _finite_span(sample, spread)
+    if not finite:
+        return np.float32(-np.inf)
+    bins = np.empty(spread, np.int32)
+    b, _ = _bin_of_rank(_binned(sample, spread, low, high, bins), rank)
+    floor = high
+    for i in range(spread):
+        if bins[i] >= b:
+            floor = min(floor, sample[i])
+    return floor
+
+
+@numba.njit(nogil=True, cache=_CACHED, inline="always")
+def _row_top_k(row, k, spread, rank, out_values, out_ids):
+    """The row's k largest scores and their columns into out_values/out_ids [k], in no order; -> False (nothing
+    written) where the row holds a NaN or fewer than k scores."""
+    n = row.shape[0]
+    floor = _sampled_floor(row, spread, rank) if spread else np.float32(-np.inf)
+    count = 0
+    nans = 0
+    for i in range(n):
+        count += row[i] >= floor
+        nans += row[i] != row[i]
+    if nans:
+        return False
+    if count < k and floor > -np.inf:  # the sample misjudged: from -inf
+        floor = np.float32(-np.inf)
+        count = n
+    if count < k:
+        return False
+    values = np.empty(count + 1, np.float32)  # a branch-free copy writes one beyond the last it keeps
+    ids = np.empty(count + 1, np.int64)
+    held = 0
+    for i in range(n):
+        value = row[i]
+        values[held] = value
+        ids[held] = i
+        held += value >= floor
+    low, high, finite = _finite_span(values, held)
+    if not finite:  # infinities among them: no bins between them
+        _largest_first(values, ids, held, k)
+        out_values[:] = values[:k]
+        out_ids[:] = ids[:k]
+        return True
+    bins = np.empty(held, np.int32)
+    in_bin = _binned(values, held, low, high, bins)
+    b, above = _bin_of_rank(in_bin, k)
+    cut_values = np.empty(in_bin[b], np.float32)  # the k-th's bin
+    cut_ids = np.empty(in_bin[b], np.int64)
+    kept = 0
+    cut = 0
+    for i in range(held):
+        if bins[i] > b:
+            out_values[kept] = values[i]
+            out_ids[kept] = ids[i]
+            kept += 1
+        elif bins[i] == b:
+            cut_values[cut] = values[i]
+            cut_ids[cut] = ids[i]
+            cut += 1
+    wanted = k - above
+    if wanted < cut:
+        _largest_first(cut_values, cut_ids, cut, wanted)
+    out_values[above:] = cut_values[:wanted]
+    out_ids[above:] = cut_ids[:wanted]
+    return True
+
+
+@_compile_parallel
+def _top_k_rows(scores, k, out_values, out_ids, done):
+    """out_values/out_ids [rows, k] = each row of scores [rows, n] fp32's k largest (``_row_top_k``), the rows
+    spread over the threads; done[r] = 0 where row r was left to the caller."""
+    rows, n = scores.shape
+    spread = min(SAMPLE_SCORES, n // 4)
+    rank = sample_rank(spread, n, k) if spread >= SAMPLE_MIN else spread
+    if spread < SAMPLE_MIN or 2 * rank > spread:  # a floor that keeps half the row saves nothing
+        spread = 0
+    for r in numba.prange(rows):
+        done[r] = _row_top_k(scores[r], k, spread, rank, out_values[r], out_ids[r])
+
+
+jit.end_decorations()
