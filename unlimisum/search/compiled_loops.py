@@ -18,6 +18,7 @@ from unlimisum.search.llvm import (_LANES, _ONE, _SHIFT, _UPPER, _above, _as_flo
     _dot_three_bf16, _dot_three_f32, _dot_two_bf16, _dot_two_f32, _largest, _lowest_bit, _pair_four_bf16,
     _pair_four_f32, _pair_three_bf16, _pair_three_f32, _pair_two_bf16, _pair_two_f32, _prefetch, _sum_four, _sum_one,
     _sum_three, _sum_two)
+from unlimisum.search.top_k_loops import _k_largest, _largest_first
 
 BLOCK_ROWS = 1024  # rows scored before their scores are filtered: every query's block of scores stays in L1
 # rows of values summed at a time, 8 numbers of each row after another: a tile's rows stay in L1 between them
@@ -72,31 +73,6 @@ def _pair_f32(keys, row, queries, first, count, out):
         _pair_three_f32(keys, row, queries, first, out)
     else:
         _pair_two_f32(keys, row, queries, first, out)
-
-
-@numba.njit(nogil=True, cache=_CACHED, inline="always")
-def _largest_first(scores, ids, n, k):
-    """Reorder scores[:n] (and ids with them) so that their k largest come first, in no order (quickselect)."""
-    low, high = 0, n - 1
-    while low < high:
-        pivot = scores[(low + high) // 2]
-        i, j = low, high
-        while i <= j:
-            while scores[i] > pivot:
-                i += 1
-            while scores[j] < pivot:
-                j -= 1
-            if i <= j:
-                scores[i], scores[j] = scores[j], scores[i]
-                ids[i], ids[j] = ids[j], ids[i]
-                i += 1
-                j -= 1
-        if k - 1 <= j:
-            high = j
-        elif k - 1 >= i:
-            low = i
-        else:
-            break
 
 
 @numba.njit(nogil=True, cache=_CACHED, inline="always")
@@ -171,11 +147,12 @@ def _finish(kept, kept_ids, held, k, out_scores, out_ids):
     for q in range(kept.shape[0]):
         n = held[q]
         if n > k:
-            _largest_first(kept[q], kept_ids[q], n, k)
-        for j in range(min(n, k)):
+            _k_largest(kept[q], kept_ids[q], n, k, out_scores[q], out_ids[q])
+            continue
+        for j in range(n):
             out_scores[q, j] = kept[q, j]
             out_ids[q, j] = kept_ids[q, j]
-        for j in range(min(n, k), k):
+        for j in range(n, k):
             out_scores[q, j] = -np.inf
             out_ids[q, j] = 0
 

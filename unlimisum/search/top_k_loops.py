@@ -15,8 +15,9 @@ for k = 1,024, most of its time sorting what it keeps. Per row here:
    is cut with a quickselect.
 
 A row holding a NaN, or fewer than k scores at all, is flagged for the caller instead (``torch.topk`` orders NaN
-above every number; compiled.top_k gives such rows to it). compiled.py says when this runs; jit.py how it is
-compiled and cached.
+above every number; compiled.top_k gives such rows to it). The scan of compiled_loops.py ends each query's
+candidates with step 4 too (``_k_largest``). compiled.py says when this runs; jit.py how it is compiled and
+cached.
 """
 
 from __future__ import annotations
@@ -25,7 +26,6 @@ import numba
 import numpy as np
 
 from unlimisum.search import jit
-from unlimisum.search.compiled_loops import _largest_first
 from unlimisum.search.jit import CACHED as _CACHED
 from unlimisum.search.jit import parallel_kernel as _compile_parallel
 
@@ -34,6 +34,31 @@ SAMPLE_SCORES = 1_024  # scores of a row sampled for its floor (at most a quarte
 SAMPLE_MIN = 64  # a row too short for this many samples starts from -inf
 
 jit.begin_decorations()
+
+
+@numba.njit(nogil=True, cache=_CACHED, inline="always")
+def _largest_first(scores, ids, n, k):
+    """Reorder scores[:n] (and ids with them) so that their k largest come first, in no order (quickselect)."""
+    low, high = 0, n - 1
+    while low < high:
+        pivot = scores[(low + high) // 2]
+        i, j = low, high
+        while i <= j:
+            while scores[i] > pivot:
+                i += 1
+            while scores[j] < pivot:
+                j -= 1
+            if i <= j:
+                scores[i], scores[j] = scores[j], scores[i]
+                ids[i], ids[j] = ids[j], ids[i]
+                i += 1
+                j -= 1
+        if k - 1 <= j:
+            high = j
+        elif k - 1 >= i:
+            low = i
+        else:
+            break
 
 
 @numba.njit(nogil=True, cache=_CACHED)
@@ -107,6 +132,41 @@ def _sampled_floor(row, spread, rank):
 
 
 @numba.njit(nogil=True, cache=_CACHED, inline="always")
+def _k_largest(values, ids, count, k, out_values, out_ids):
+    """The k largest of values[:count] (no NaN; count >= k) and their ids into out_values/out_ids [k], in no
+    order: bins between the least and largest, every one above the k-th's bin kept and that bin cut with a
+    quickselect; a quickselect of them all where infinities leave no bins between them (values and ids
+    reordered)."""
+    low, high, finite = _finite_span(values, count)
+    if not finite:
+        _largest_first(values, ids, count, k)
+        out_values[:] = values[:k]
+        out_ids[:] = ids[:k]
+        return
+    bins = np.empty(count, np.int32)
+    in_bin = _binned(values, count, low, high, bins)
+    b, above = _bin_of_rank(in_bin, k)
+    cut_values = np.empty(in_bin[b], np.float32)  # the k-th's bin
+    cut_ids = np.empty(in_bin[b], np.int64)
+    kept = 0
+    cut = 0
+    for i in range(count):
+        if bins[i] > b:
+            out_values[kept] = values[i]
+            out_ids[kept] = ids[i]
+            kept += 1
+        elif bins[i] == b:
+            cut_values[cut] = values[i]
+            cut_ids[cut] = ids[i]
+            cut += 1
+    wanted = k - above
+    if wanted < cut:
+        _largest_first(cut_values, cut_ids, cut, wanted)
+    out_values[above:] = cut_values[:wanted]
+    out_ids[above:] = cut_ids[:wanted]
+
+
+@numba.njit(nogil=True, cache=_CACHED, inline="always")
 def _row_top_k(row, k, spread, rank, out_values, out_ids):
     """The row's k largest scores and their columns into out_values/out_ids [k], in no order; -> False (nothing
     written) where the row holds a NaN or fewer than k scores."""
@@ -132,33 +192,7 @@ def _row_top_k(row, k, spread, rank, out_values, out_ids):
         values[held] = value
         ids[held] = i
         held += value >= floor
-    low, high, finite = _finite_span(values, held)
-    if not finite:  # infinities among them: no bins between them
-        _largest_first(values, ids, held, k)
-        out_values[:] = values[:k]
-        out_ids[:] = ids[:k]
-        return True
-    bins = np.empty(held, np.int32)
-    in_bin = _binned(values, held, low, high, bins)
-    b, above = _bin_of_rank(in_bin, k)
-    cut_values = np.empty(in_bin[b], np.float32)  # the k-th's bin
-    cut_ids = np.empty(in_bin[b], np.int64)
-    kept = 0
-    cut = 0
-    for i in range(held):
-        if bins[i] > b:
-            out_values[kept] = values[i]
-            out_ids[kept] = ids[i]
-            kept += 1
-        elif bins[i] == b:
-            cut_values[cut] = values[i]
-            cut_ids[cut] = ids[i]
-            cut += 1
-    wanted = k - above
-    if wanted < cut:
-        _largest_first(cut_values, cut_ids, cut, wanted)
-    out_values[above:] = cut_values[:wanted]
-    out_ids[above:] = cut_ids[:wanted]
+    _k_largest(values, ids, held, k, out_values, out_ids)
     return True
 
 
