@@ -633,7 +633,7 @@ def _assert_the_scan_attends_as_the_kernels_do(scanner: str, keys, queries, ids,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("queries_per_head", [1, 6, 7, 9])  # 4 at a time, then 2 or 3 at once, or 1 by 1
+@pytest.mark.parametrize("queries_per_head", [1, 6, 7, 9])  # 4 at a time, then 2 or 3 at once, or 1 (4 keys at once)
 @pytest.mark.parametrize("head_dim", [16, 24, 80])  # bf16's 8-word vectors: 1, none (12 words: the loop), 5
 def test_the_compiled_scan_gives_the_brute_force_top_k_and_scores(dtype, queries_per_head, head_dim):
     generator = torch.Generator().manual_seed(7)

@@ -408,11 +408,12 @@ def wait_ready(needed: Iterable[tuple[str, torch.dtype]],
 
 def _small_keys(dtype: torch.dtype):
     """Small stores the checks run on: keys [3, 700, 8] (several blocks and cuts), queries [3, 2, 8]; wide keys
-    [2, 300, 32] (16 words a key: the explicit vectors), queries [2, 7, 32] (four at a time, then three)."""
+    [2, 303, 32] (16 words a key: the explicit vectors; four keys at a time, then three), queries [2, 7, 32] (four
+    at a time, then three; the select checks also the first five: four, then one against four keys at a time)."""
     generator = torch.Generator().manual_seed(0)
     keys = torch.randn(3, 700, 8, generator=generator).to(dtype)
     queries = torch.randn(3, 2, 8, generator=generator)
-    wide = torch.randn(2, 300, 32, generator=generator).to(dtype)
+    wide = torch.randn(2, 303, 32, generator=generator).to(dtype)
     wide_queries = torch.randn(2, 7, 32, generator=generator)
     return keys, queries, wide, wide_queries
 
@@ -424,7 +425,7 @@ def _scores_of(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
 def _check_select(dtype: torch.dtype) -> bool:
     keys, queries, wide, wide_queries = _small_keys(dtype)
     found = []
-    for k, q in ((keys, queries), (wide, wide_queries)):
+    for k, q in ((keys, queries), (wide, wide_queries), (wide, wide_queries[:, :5]), (wide, wide_queries[:, :1])):
         scores, ids = select(k, q, 5)
         scores, order = scores.sort(dim=2, descending=True)
         expected = _scores_of(k, q).topk(5, dim=2)
@@ -445,7 +446,7 @@ def _check_select_grouped(dtype: torch.dtype) -> bool:
 def _check_scores(dtype: torch.dtype) -> bool:
     keys, queries, wide, wide_queries = _small_keys(dtype)
     return all(torch.allclose(scores(k, q), _scores_of(k, q), atol=1e-4)
-               for k, q in ((keys, queries), (wide, wide_queries)))
+               for k, q in ((keys, queries), (wide, wide_queries), (wide, wide_queries[:, :5])))
 
 
 def _check_weighted_sum(dtype: torch.dtype) -> bool:

@@ -56,7 +56,7 @@ MEASURE_ROWS = 16_384  # synthetic rows of the measurement: both stores at least
 # scores do not): where it wins only here, it takes over from the length where the two meet
 LONG_MEASURE_ROWS = 131_072
 # what the measurements of this module are called in the user's cache folder: a new version measures again
-MEASUREMENT_VERSION = 5  # 5: the head kernels' top-k compiled (compiled.top_k), where the compiled kernels race
+MEASUREMENT_VERSION = 5  # 5: the head kernels' top-k compiled (compiled.top_k); one query's scan four keys at a time
 MEASURE_REPEATS = 3
 # a top-k of each query's scores is selected from at least this many rows per measured k (k = rows / 16)
 MEASURE_ROWS_PER_K = 16

@@ -5,9 +5,9 @@ each a numba intrinsic written in LLVM IR, each with why:
   nopython mode has no scalar bit cast (``np.float32(bits)`` converts the value);
 - ``_prefetch``: ``llvm.prefetch`` of the rows PREFETCH_BYTES ahead: numba has no prefetch, and some cores'
   own prefetchers keep too few reads in flight to stream at the memory's speed while they compute;
-- ``_dot_*`` / ``_pair_*``: two to four queries against one or two keys in explicit 8-lane vectors with fused
-  multiply-adds, the queries' sums reduced together: the loops numba generates reduce each query's sum on its
-  own, a dozen instructions a key each;
+- ``_dot_*`` / ``_pair_*`` / ``_quad_one_bf16``: two to four queries against one or two keys, or one query
+  against four bfloat16 keys, in explicit 8-lane vectors with fused multiply-adds, four sums reduced together:
+  the loops numba generates reduce each sum on its own, a dozen instructions a key each;
 - ``_sum_*``: one to four queries' weighted sums of a tile of rows kept in 8-lane registers across the rows:
   numba's loop writes each partial sum back to memory between rows;
 - ``_above`` and ``_lowest_bit``: eight scores compared with a threshold in one instruction, the result a bit
@@ -151,11 +151,12 @@ def _four_totals(builder, sums):
 
 
 def _dot_codegen(bfloat16: bool, count: int, keys_at_once: int):
-    """The code of ``_dot_bf16`` / ``_dot_f32`` for ``count`` queries (2, 3 or 4) and ``keys_at_once`` keys (1
-    or 2): each key's rows of 8 (32-bit words or fp32 numbers) loaded once, widened in registers and met by
-    each query's lanes; the count sums of each key reduced together and stored into out[first + j, row + i].
-    Two keys at once load each query's lanes once for both (a key's even and odd dimensions then go into one
-    sum, so that the 2 x count sums stay in registers)."""
+    """The code of ``_dot_bf16`` / ``_dot_f32`` for ``count`` queries (1 to 4) and ``keys_at_once`` keys (1, 2
+    or 4): each key's rows of 8 (32-bit words or fp32 numbers) loaded once, widened in registers and met by
+    each query's lanes; the keys_at_once x count sums reduced four at a time and stored into out[first + j,
+    row + i]. Several keys at once load each query's lanes once for all (a key's even and odd dimensions then go
+    into one sum, so that the sums stay in registers); one query against four keys reduces the four keys' sums
+    together (one by one, each would take three shuffles and three additions of its own)."""
 
     def codegen(context, builder, signature, args):
         if bfloat16:
@@ -189,13 +190,16 @@ def _dot_codegen(bfloat16: bool, count: int, keys_at_once: int):
                         total = sums[key][min(part, sum_parts - 1)][j]
                         builder.store(_multiply_add(builder, key_lanes[part], query_lanes, builder.load(total)),
                                       total)
-        for key, at in enumerate(rows):
-            totals = [builder.load(sums[key][0][j]) for j in range(count)]
+        sums_of = [(key, j) for key in range(len(rows)) for j in range(count)]  # each key's queries together
+        for group in range(0, len(sums_of), 4):
+            members = sums_of[group:group + 4]
+            totals = [builder.load(sums[key][0][j]) for key, j in members]
             if sum_parts == 2:
-                totals = [builder.fadd(totals[j], builder.load(sums[key][1][j])) for j in range(count)]
-            totals = _four_totals(builder, totals + [zero] * (4 - count))[:count]  # fewer: reduced with zeros
-            column = builder.mul(at, _llvm.Constant(at.type, 4))  # bytes into each row of out
-            for j, total in enumerate(totals):
+                totals = [builder.fadd(total, builder.load(sums[key][1][j]))
+                          for total, (key, j) in zip(totals, members)]
+            totals = _four_totals(builder, totals + [zero] * (4 - len(members)))  # fewer: reduced with zeros
+            for total, (key, j) in zip(totals, members):
+                column = builder.mul(rows[key], _llvm.Constant(rows[key].type, 4))  # bytes into the row of out
                 address = _row_address(context, builder, out_type, out,
                                        (builder.add(first, _llvm.Constant(first.type, j)), numba.types.intp))
                 builder.store(total, builder.bitcast(builder.gep(address, [column]), _FLOAT.as_pointer()))
@@ -240,6 +244,7 @@ _dot_four_bf16, _dot_three_bf16, _dot_two_bf16 = (_dot_bf16_of(count, 1) for cou
 _dot_four_f32, _dot_three_f32, _dot_two_f32 = (_dot_f32_of(count, 1) for count in (4, 3, 2))
 _pair_four_bf16, _pair_three_bf16, _pair_two_bf16 = (_dot_bf16_of(count, 2) for count in (4, 3, 2))
 _pair_four_f32, _pair_three_f32, _pair_two_f32 = (_dot_f32_of(count, 2) for count in (4, 3, 2))
+_quad_one_bf16 = _dot_bf16_of(1, 4)  # one query, four keys (bfloat16 keys: for fp32 ones measured slower)
 
 
 @_intrinsic
