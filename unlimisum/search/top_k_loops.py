@@ -1,8 +1,8 @@
 """The loops of the compiled top-k (numba): each row of scores' k largest, in no order, without sorting the row.
 
 A support reading scores 16-64 queries per head against every key at once (a batched matmul in 16 bits where the
-CPU has the units), and then wants each row's k best: ``torch.topk`` spends about 70 us on a row of 16,384 scores
-for k = 1,024, most of its time sorting what it keeps. Per row here:
+CPU has the units), and then wants each row's k best: ``torch.topk`` took 14 ms for 192 rows of 16,384 scores at
+k = 1,024 on two threads (EPYC Zen 4), this 2.9 ms. Per row here:
 
 1. **a floor from a sample**: ``spread`` scores evenly apart; the floor is the ``sample_rank``-th largest of
    them (found with bins, below), low enough that the row's k best lie at or above it but about once in 30,000
