@@ -73,7 +73,7 @@ try:
     from unlimisum.search.compiled_loops import (BLOCK_ROWS, _attend_dense_heads_bf16, _attend_dense_heads_f32,
         _coverage, _dense_sums_heads_bf16, _dense_sums_heads_f32, _dense_sums_parts_bf16, _dense_sums_parts_f32,
         _scan_heads_bf16, _scan_heads_f32, _select_grouped_heads_bf16, _select_grouped_heads_f32,
-        _sums_blocked_parts_bf16, _sums_blocked_parts_f32, _sums_queries_bf16, _sums_queries_f32)
+        _sums_blocked_parts, _sums_queries_bf16, _sums_queries_f32)
     from unlimisum.search.top_k_loops import _top_k_rows
 except ImportError:  # pragma: no cover - numba is a dependency; a broken install leaves the torch kernels
     numba = None
@@ -196,7 +196,7 @@ def weighted_sum(states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor)
     [N, d] (CPU, ``SCAN_DTYPES``; bfloat16 needs an even d), ids [nq, k] int64, weights [nq, k]. One read of each
     chosen state, widened in registers: no gathered copy (``usable_states``). Where the queries choose each state
     ``BLOCKED_SUMS_MIN_READS`` times or more on average (a reading's 16-64 positions per head), block by block
-    of the states, every query's share of a block summed while it is in cache (``_sums_blocked_bf16``)."""
+    of the states, every query's share of a block summed while it is in cache (``_sums_blocked``)."""
     nq, dim = ids.shape[0], states.shape[1]
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= states.shape[0]):  # the kernels do not check
         raise IndexError(f"state ids outside 0..{states.shape[0] - 1}")
@@ -209,13 +209,13 @@ def weighted_sum(states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor)
         even = np.empty((nq, dim // 2), np.float32)
         odd = np.empty((nq, dim // 2), np.float32)
         if blocked:
-            _sums_blocked_parts_bf16(words, ids, weights, even, odd, parts)
+            _sums_blocked_parts(words, ids, weights, even, odd, parts)
         else:
             _sums_queries_bf16(words, ids, weights, even, odd)
         return torch.from_numpy(np.stack((even, odd), axis=2).reshape(nq, dim))
     out = np.empty((nq, dim), np.float32)
     if blocked:
-        _sums_blocked_parts_f32(states.contiguous().numpy(), ids, weights, out, parts)
+        _sums_blocked_parts(states.contiguous().numpy(), ids, weights, out, np.empty((nq, 0), np.float32), parts)
     else:
         _sums_queries_f32(states.contiguous().numpy(), ids, weights, out)
     return torch.from_numpy(out)
@@ -320,7 +320,7 @@ SCORES_KERNELS = ("top_k",)  # read fp32 scores whatever the store holds: ready 
 # seconds each kernel took to compile from an empty cache (one dtype; a 2-core EPYC Zen 4 at 2.6 GHz, numba 0.68),
 # for the estimate the display shows while a first run waits for them (select and scores share one driver: the
 # first of the two takes the time); loading a compiled one takes ~0.1 s
-COMPILE_SECONDS = {"select": 6.5, "select_grouped": 4.5, "scores": 0.5, "weighted_sum": 2.9, "dense_sum": 1.7,
+COMPILE_SECONDS = {"select": 6.5, "select_grouped": 4.5, "scores": 0.5, "weighted_sum": 3.5, "dense_sum": 1.7,
                    "head_dense_sum": 1.5, "attend_dense": 9.5, "top_k": 6.8}
 
 _READY: dict[tuple[str, torch.dtype], bool] = {}
