@@ -274,10 +274,11 @@ def main(argv=None) -> None:
                         outside = run["wall"] - run["stages"].get("encode", 0.0) - run["stages"].get("generate", 0.0)
                         run["outside_encode_generate_ratio"] = outside / plain["wall"]
                         rows.append(run)
+                        stages = ", ".join(f"{stage} {run['stages'][stage]:.1f}" for stage in STAGES
+                                           if stage in run["stages"])
                         print(f"  {size} {name} {tree}, {variant}: {run['wall']:.1f} s ({run['ratio']:.2f}x the plain "
-                              f"{plain['wall']:.1f} s, {run['floor_ratio']:.2f}x the floor {run['book_floor']:.1f} s); " + ", ".join(f"{stage} {run['stages'][stage]:.1f}"
-                                                                     for stage in STAGES if stage in run["stages"]),
-                              flush=True)
+                              f"{plain['wall']:.1f} s, {run['floor_ratio']:.2f}x the floor {run['book_floor']:.1f} s); "
+                              + stages, flush=True)
                 finally:
                     shutil.rmtree(home, ignore_errors=True)
     report(rows, args.new_tokens)
@@ -304,7 +305,8 @@ def report(rows: list[dict], new_tokens: int) -> None:
     print_table(["model", "input", "tokens", "code", "run", "wall", "x plain", "x floor", "start-up", "load",
                  "encode (floor)", "prepare", "generate", "evidence+support", "rest x plain"],
                 [[row["size"], row["input"], f"{row['tokens']:,}", row["tree"], row["variant"], f"{row['wall']:.1f}",
-                  f"{row['ratio']:.2f}", f"{row['floor_ratio']:.2f}", f"{row['stages']['startup']:.1f}", f"{row['stages']['load']:.1f}",
+                  f"{row['ratio']:.2f}", f"{row['floor_ratio']:.2f}", f"{row['stages']['startup']:.1f}",
+                  f"{row['stages']['load']:.1f}",
                   f"{row['stages'].get('encode', 0):.1f} ({row['encoder_floor']:.1f})",
                   f"{row['stages'].get('prepare', 0):.1f}", f"{row['stages'].get('generate', 0):.1f}",
                   f"{row['stages'].get('evidence', 0) + row['stages'].get('support', 0):.1f}",
