@@ -114,6 +114,50 @@ def test_the_keys_are_the_same_built_while_encoding_and_rebuilt_from_the_states(
     torch.testing.assert_close(store.keys.keys.float(), rebuilt.keys.float(), rtol=2**-8, atol=1e-6)
 
 
+@pytest.mark.parametrize("pays", [True, False], ids=["16-bit matmul pays", "16-bit matmul emulated"])
+@pytest.mark.parametrize("weights_dtype", [torch.bfloat16, torch.float32])
+def test_a_16_bit_models_keys_are_projected_in_16_bits_only_where_that_pays(tiny_loaded, pays, weights_dtype,
+                                                                            monkeypatch):
+    """A model loaded in bfloat16 over a bfloat16 store: its keys and values come from a bfloat16 matmul where one
+    was measured faster than fp32 (fp32 sums, one rounding: within a rounding of the fp32 projection), from the
+    fp32 matmul otherwise and for fp32 weights; the support-by-removal's projection is the builder's, bit for bit."""
+    from unlimisum.models import precision
+    from unlimisum.search import keys
+    from unlimisum.unlimiformer.removal import _project_into
+
+    monkeypatch.setattr(precision, "cpu_speedup", lambda dtype=torch.bfloat16: 3.0 if pays else 0.05)
+    matmuls = []
+    project = keys.project
+    monkeypatch.setattr(keys, "project", lambda states, weights, dtype: matmuls.append(dtype) or project(
+        states, weights, dtype))
+    loaded = tiny_loaded("bart")
+    weights = [w.to(weights_dtype) for w in key_weights(loaded.model, loaded.architecture)]
+    values = [w.to(weights_dtype) for w in value_weights(loaded.model, loaded.architecture)]
+    states = torch.randn(37, weights[0].shape[2], generator=torch.Generator().manual_seed(0)).bfloat16()
+    built = build_key_store(states, weights, value_weights=values, rows=16)  # in parts, as while encoding
+    in_16_bits = pays and weights_dtype == torch.bfloat16
+    assert matmuls and set(matmuls) == {torch.bfloat16 if in_16_bits else torch.float32}
+    projection_dtype = keys.projection_dtype
+    assert projection_dtype(weights, torch.bfloat16, "cpu") == (torch.bfloat16 if in_16_bits else torch.float32)
+    assert projection_dtype(weights, torch.float32, "cpu") == torch.float32  # an fp32 store: fp32 keys
+    for stored, projections in ((built.keys, weights), (built.values, values)):
+        for layer, weight in enumerate(projections):
+            heads, head_dim, dim = weight.shape
+            wide = (states.float() @ weight.reshape(heads * head_dim, dim).float().T).view(-1, heads, head_dim)
+            if in_16_bits:
+                narrow = (states @ weight.reshape(heads * head_dim, dim).T).view(-1, heads, head_dim)
+                assert torch.equal(stored[layer], narrow.transpose(0, 1))
+            else:
+                assert torch.equal(stored[layer], wide.transpose(0, 1).bfloat16())
+            torch.testing.assert_close(stored[layer].float(), wide.transpose(0, 1), rtol=2**-8, atol=1e-6)
+    again = build_key_store(states, weights, value_weights=values)
+    again.keys.zero_(), again.values.zero_()
+    rows = torch.tensor([3, 4, 20, 36])
+    _project_into(again, rows, states[rows], {"keys": weights, "values": values})
+    assert torch.equal(again.keys[:, :, rows], built.keys[:, :, rows])
+    assert torch.equal(again.values[:, :, rows], built.values[:, :, rows])
+
+
 # -- exactness --------------------------------------------------------------------------------------
 
 

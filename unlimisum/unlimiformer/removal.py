@@ -20,6 +20,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from unlimisum.search.keys import project, projection_dtype
 from unlimisum.unlimiformer.encoding import WindowPlan
 
 
@@ -103,12 +104,13 @@ class StoreRemoval:
 
 def _project_into(keys, rows: torch.Tensor, states: torch.Tensor, projections: dict) -> None:
     """The per-layer keys (and values) of ``states`` [m, d] (as stored), written at ``rows`` of ``keys``: the same
-    projection KeyStoreBuilder makes while encoding (the stored numbers widened, fp32, rounded to the keys' dtype)."""
-    wide = states.float()
+    projection KeyStoreBuilder makes while encoding (keys.project, in keys.projection_dtype, rounded to the keys'
+    dtype)."""
     for output, weights in ((keys.keys, projections.get("keys")), (keys.values, projections.get("values"))):
         if output is None or weights is None:
             continue
         layers, heads, _, head_dim = output.shape
+        dtype = projection_dtype(weights, output.dtype, output.device)
         for layer in range(layers):
-            projected = wide @ weights[layer].reshape(heads * head_dim, -1).to(wide.device, torch.float32).T
+            projected = project(states, weights[layer].reshape(heads * head_dim, -1), dtype)
             output[layer, :, rows] = projected.view(-1, heads, head_dim).transpose(0, 1).to(output.dtype)
