@@ -4,6 +4,7 @@ the states, or per head over a layer's values); and the compiled top-k of score 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -215,6 +216,25 @@ def test_a_sample_that_misjudges_the_row_falls_back_to_the_whole_row():
     scores[:, 1::2] += 100.0  # 2,048 sampled-column scores; 1,024 of them sampled
     values, ids = compiled.top_k(scores, 3_000)  # beyond the odd columns' 2,048: the floor must drop to -inf
     _assert_top_k_of(scores, 3_000, values, ids)
+
+
+def test_masked_scores_among_the_sampled_ones_leave_the_floor_to_the_others():
+    """A support reading's hidden columns (-inf) where the sample falls: the floor is the other samples' (finite,
+    under the row's k-th largest: the row is not kept whole); with fewer than the rank left, -inf; exact both
+    ways."""
+    from unlimisum.search import top_k_loops
+
+    generator = torch.Generator().manual_seed(11)
+    n, k, spread = 16_384, 1_024, top_k_loops.SAMPLE_SCORES
+    rank = top_k_loops.sample_rank(spread, n, k)
+    scores = torch.randn(2, n, generator=generator)
+    sampled = torch.arange(spread) * 2 * n // (2 * spread) + n // (2 * spread)  # the sampled columns
+    scores[0, sampled[:300]] = float("-inf")  # 300 of 1,024 sampled scores masked
+    scores[1, sampled[:spread - rank + 1]] = float("-inf")  # fewer than the rank left
+    floors = [top_k_loops._sampled_floor(row.numpy(), spread, rank) for row in scores]
+    assert -np.inf < floors[0] <= scores[0].topk(k).values[-1] and floors[1] == -np.inf
+    values, ids = compiled.top_k(scores, k)
+    _assert_top_k_of(scores, k, values, ids)
 
 
 def test_the_kernels_top_k_runs_compiled_for_long_rows_once_ready():

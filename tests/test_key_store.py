@@ -763,6 +763,55 @@ def test_retrieve_says_what_each_head_attended_to_and_hides_excluded_tokens():
     torch.testing.assert_close(attended, torch.einsum("hqk,hqkd->hqd", weights, states[ids]))
 
 
+@pytest.mark.parametrize("alike", [True, False], ids=["the groups' queries alike", "each group its own"])
+@pytest.mark.parametrize("kernel", ["float32", "native", "compiled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("scan", [False, True], ids=["scores", "scan"])
+def test_groups_of_queries_each_with_its_mask_attend_as_each_alone(alike, kernel, dtype, scan, monkeypatch):
+    """A support reading's rows in one call (``head_attend_masked``): each group of queries gets a top-k of the
+    kernel's scores without its masked tokens (nothing hidden, a few, many) and their softmax-weighted states,
+    what ``head_attend`` with its own mask gives (where no two scores tie); with every mask empty, alike groups
+    are the same numbers bit for bit. By the scores' matrix with the masked columns at -inf, or by the scan."""
+    if scan:
+        _scan_every_store(monkeypatch, "compiled")
+    generator = torch.Generator().manual_seed(7)
+    keys = torch.randn(2, 400, 8, generator=generator).to(dtype)
+    states = torch.randn(400, 16, generator=generator).to(dtype)
+    group = torch.randn(2, 5, 8, generator=generator)
+    queries = torch.cat([group] * 3 if alike else [group, torch.randn(2, 10, 8, generator=generator)], dim=1)
+    choice = (head_kernels.HeadKernelChoice("float32", 1024, scanner="compiled", scan_min_rows=0,
+                                            queries_per_head=10_000) if scan else
+              head_kernels.HeadKernelChoice(kernel, 64))
+    shared = kernels.KernelChoice("float32", 128, False, 1e-9, 1e-9)
+    best = torch.einsum("hqd,hnd->hqn", group, keys.float()).topk(6, dim=2).indices
+    few, many = torch.zeros(400, dtype=torch.bool), torch.rand(400, generator=generator) < 0.3
+    few[best[0, 0, :3]] = True  # the three best of one query
+    masks = [torch.zeros(400, dtype=torch.bool), few, many]
+    scores, ids = head_kernels._select_masked(keys, queries, 6, choice, masks)
+    attended = head_kernels.head_attend_masked(keys, states, queries, 6, choice, shared, masks)
+    assert scores.shape == ids.shape == (2, 15, 6) and attended.shape == (2, 15, 16)
+    weights = torch.softmax(scores, dim=2)
+    torch.testing.assert_close(attended, torch.einsum("hqk,hqkd->hqd", weights, states.float()[ids]))
+    for index, (mask, part) in enumerate(zip(masks, queries.chunk(3, dim=1))):
+        rows = slice(5 * index, 5 * (index + 1))
+        exact = head_kernels.head_scores(keys, part, head_kernels.HeadKernelChoice(
+            "float32" if scan else kernel, 64)).masked_fill(mask, float("-inf"))  # [H, 5, N], the kernel's
+        torch.testing.assert_close(scores[:, rows], exact.gather(2, ids[:, rows]))
+        assert not mask[ids[:, rows]].any()
+        others = exact.scatter(2, ids[:, rows], float("-inf"))
+        assert (scores[:, rows].amin(dim=2) >= others.amax(dim=2)).all()  # a top-k, whichever of any ties
+        if dtype == torch.float32:  # no ties: the very states
+            alone = head_kernels.head_attend(keys, states, part, 6, choice, shared, exclude=mask)
+            torch.testing.assert_close(attended[:, rows], alone)
+    assert not torch.equal(attended[:, :5], attended[:, 5:10])  # the mask of the second group changed it
+    nothing = [torch.zeros(400, dtype=torch.bool)] * 3
+    attended = head_kernels.head_attend_masked(keys, states, queries, 6, choice, shared, nothing)
+    if alike:
+        assert torch.equal(attended[:, :5], attended[:, 5:10]) and torch.equal(attended[:, :5], attended[:, 10:])
+    with pytest.raises(ValueError, match="equal groups"):
+        head_kernels.head_attend_masked(keys, states, queries[:, :14], 6, choice, shared, nothing)
+
+
 def _dense_layer(seed: int, n: int = 300):
     """keys [2, n, 8], states [n, 16], each head's values [2, n, 8] = the states times its value projection,
     queries [2, 3, 8]."""

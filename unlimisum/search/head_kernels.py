@@ -39,7 +39,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -409,6 +409,76 @@ def head_retrieve(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tenso
     attended = kernels.gathered_attention(states, ids.reshape(heads * nq, -1), weights.reshape(heads * nq, -1),
                                           shared.widens, shared.fused_gather, _compiled(choice) or None)
     return ids, weights, attended.view(heads, nq, -1)
+
+
+def head_attend_masked(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tensor, k: int,
+                       choice: HeadKernelChoice, shared: kernels.KernelChoice,
+                       hidden: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``head_attend`` for queries [H, G * m, dh] in G = len(hidden) equal groups, group g's (queries
+    [:, g * m:(g + 1) * m]) with the tokens ``hidden[g]`` ([N] bool) out of its retrieval, k < N: what G calls of
+    ``head_attend(..., exclude=hidden[g])`` give (but for the order of each query's sums), in one selection
+    (``_select_masked``) and one sum of all the chosen states, which reads each from memory once for every group.
+    -> [H, G * m, d] fp32."""
+    heads = keys.shape[0]
+    if queries.shape[1] % len(hidden):
+        raise ValueError(f"{queries.shape[1]} queries per head cannot be {len(hidden)} equal groups")
+    scores, ids = _select_masked(keys, queries.to(keys.device, torch.float32), k, choice,
+                                 [mask.to(keys.device) for mask in hidden])  # [H, G * m, k']
+    weights = torch.softmax(scores, dim=2, dtype=torch.float32).nan_to_num(0.0)
+    rows = heads * queries.shape[1]
+    shared = shared.unpacked()
+    attended = kernels.gathered_attention(states, ids.reshape(rows, -1), weights.reshape(rows, -1), shared.widens,
+                                          shared.fused_gather, _compiled(choice) or None)
+    return attended.view(heads, queries.shape[1], -1)
+
+
+def _select_masked(keys: torch.Tensor, queries: torch.Tensor, k: int, choice: HeadKernelChoice,
+                   masks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores, ids) [H, G * m, min(k, N)] of ``head_attend_masked``'s groups, each group's top-k without its
+    masked tokens (weight 0 where fewer are left), in no order. The scores are taken once where the groups'
+    queries are equal (a support reading's rows before their first cross-attention). Where they fit one
+    matrix, each group's masked columns are set to -inf there before its top-k; the scan instead fetches as
+    many more as the largest mask holds, for every group alike, and drops the masked ones after."""
+    heads, n, _ = keys.shape
+    groups, wanted = len(masks), min(k, n)
+    parts = queries.chunk(groups, dim=1)  # [H, m, dh] each
+    m = parts[0].shape[1]
+    alike = all(torch.equal(parts[0], part) for part in parts[1:])
+    read = parts[0] if alike else queries
+    if choice.selects_with_scan(keys, read) or heads * read.shape[1] * n * 4 > kernels.MAX_SCORE_BYTES:
+        fetch = min(n, wanted + max(int(mask.sum()) for mask in masks))
+        scores, ids = head_select(keys, read, fetch, choice)  # [H, m or G * m, fetch]
+        kept = []
+        for group, mask in enumerate(masks):
+            top, chosen = (scores, ids) if alike else (scores[:, group * m:(group + 1) * m],
+                                                       ids[:, group * m:(group + 1) * m])
+            if fetch > wanted:  # the hidden ones dropped: the k' best of the rest (an unsorted top-k)
+                top, order = top.masked_fill(mask[chosen], float("-inf")).topk(wanted, dim=2, sorted=False)
+                chosen = chosen.gather(2, order)
+            kept.append((top, chosen))
+        return torch.cat([top for top, _ in kept], dim=1), torch.cat([chosen for _, chosen in kept], dim=1)
+    reused = kernels._scratch("masked-scores", heads * read.shape[1], n, torch.float32, keys.device)
+    scored = head_scores(keys, read, choice, out=reused.view(heads, read.shape[1], n))  # [H, m or G * m, N]
+    columns = [mask.nonzero().squeeze(1) for mask in masks]
+    if not alike:  # every group's columns masked in its rows, then one top-k of them all
+        for group, hidden in enumerate(columns):
+            scored[:, group * m:(group + 1) * m].index_fill_(2, hidden, float("-inf"))
+        top, ids = kernels.top_k(scored.view(heads * groups * m, n), wanted, ordered=False)
+        return top.view(heads, groups * m, -1), ids.view(heads, groups * m, -1)
+    found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by group; the groups with nothing masked first
+    masked = [group for group in range(groups) if columns[group].numel()]
+    for group in sorted(range(groups), key=lambda group: columns[group].numel() > 0):
+        rows = scored
+        if columns[group].numel():  # the last masked group masks the scores themselves, the others a copy
+            rows = scored if group == masked[-1] else scored.clone()
+            rows.index_fill_(2, columns[group], float("-inf"))
+        elif found:
+            found[group] = next(iter(found.values()))
+            continue
+        top, ids = kernels.top_k(rows.view(heads * m, n), wanted, ordered=False)
+        found[group] = top.view(heads, m, -1), ids.view(heads, m, -1)
+    return (torch.cat([found[group][0] for group in range(groups)], dim=1),
+            torch.cat([found[group][1] for group in range(groups)], dim=1))
 
 
 def head_attend(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tensor, k: int, choice: HeadKernelChoice,

@@ -6,7 +6,8 @@ k = 1,024 on two threads (EPYC Zen 4), this 2.9 ms. Per row here:
 
 1. **a floor from a sample**: ``spread`` scores evenly apart; the floor is the ``sample_rank``-th largest of
    them (found with bins, below), low enough that the row's k best lie at or above it but about once in 30,000
-   rows (the number of sampled scores among a row's k best is about Poisson, mean spread * k / n);
+   rows (the number of sampled scores among a row's k best is about Poisson, mean spread * k / n); masked
+   scores (-inf: a support reading's hidden tokens) are left out of the sample;
 2. one pass counts the scores at or above the floor (and the NaNs, in vectors); too few (the sample misjudged)
    drops the floor to -inf;
 3. one branch-free pass copies those scores and their columns out (about 1.5 k of them);
@@ -114,18 +115,23 @@ def _finite_span(values, count):
 @numba.njit(nogil=True, cache=_CACHED, inline="always")
 def _sampled_floor(row, spread, rank):
     """A floor that at least ``rank`` of ``spread`` scores of the row, evenly apart, reach: the least score in the
-    rank-th largest one's bin. -inf where a sampled score is not a finite number."""
+    rank-th largest one's bin. A sampled -inf (a masked score, never among a row's k best) is left out of the
+    sample, which changes no rank above it; -inf where fewer than ``rank`` are left or another is not a finite
+    number."""
     n = row.shape[0]
     sample = np.empty(spread, np.float32)
+    held = 0
     for i in range(spread):
-        sample[i] = row[((2 * i + 1) * n) // (2 * spread)]
-    low, high, finite = _finite_span(sample, spread)
-    if not finite:
+        value = row[((2 * i + 1) * n) // (2 * spread)]
+        sample[held] = value
+        held += not value == -np.inf
+    low, high, finite = _finite_span(sample, held)
+    if not finite or held < rank:
         return np.float32(-np.inf)
-    bins = np.empty(spread, np.int32)
-    b, _ = _bin_of_rank(_binned(sample, spread, low, high, bins), rank)
+    bins = np.empty(held, np.int32)
+    b, _ = _bin_of_rank(_binned(sample, held, low, high, bins), rank)
     floor = high
-    for i in range(spread):
+    for i in range(held):
         if bins[i] >= b:
             floor = min(floor, sample[i])
     return floor

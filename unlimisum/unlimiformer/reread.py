@@ -123,8 +123,9 @@ class SummaryReader:
     def log_probs_both(self, reading: Reading, store: Datastore, first: int, last: int,
                        hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``log_probs`` with nothing hidden and with ``hidden`` hidden, read together: one forward of two rows
-        from the same state (each row's retrieval its own, every other computation row by row the same), or,
-        under a Tensor Cache (whose state is one row), two forwards."""
+        from the same state (each layer's retrieval one call for both, each row with its own mask: retrieval.py's
+        ``_masked_rows``; every other computation row by row the same), or, under a Tensor Cache (whose state is
+        one row), two forwards."""
         nothing = torch.zeros_like(hidden)
         if self._memory is not None:
             return (self.log_probs(reading, store, first, last, nothing),

@@ -134,8 +134,10 @@ class RetrievalCrossAttention(wrapping.CrossAttentionWrapper):
             raise RuntimeError(f"{rows} decoder rows cannot be split over {n_docs} documents")
         rows_per_doc = rows // n_docs  # generate() repeats each document's row for beams and samples
         w_v = value_proj.weight.view(heads, head_dim, d_model)  # [H, dh, d]
-        values = torch.empty(rows, steps, heads, head_dim, dtype=w_v.dtype, device=hidden_states.device)
-        for doc, store in enumerate(session.stores):
+        masked_rows = _masked_rows(session)  # a support reading's rows: one store, each its own mask, read together
+        values = (self._attend_masked_rows(q, w_v, session) if masked_rows
+                  else torch.empty(rows, steps, heads, head_dim, dtype=w_v.dtype, device=hidden_states.device))
+        for doc, store in enumerate(() if masked_rows else session.stores):
             block = slice(doc * rows_per_doc, (doc + 1) * rows_per_doc)
             if store.keys is not None:  # each head scores its own keys of this layer
                 started = time.perf_counter()
@@ -169,6 +171,21 @@ class RetrievalCrossAttention(wrapping.CrossAttentionWrapper):
             values = values + value_proj.bias.view(heads, head_dim)
         return output_proj(values.reshape(rows, steps, heads * head_dim))
 
+    def _attend_masked_rows(self, q: torch.Tensor, w_v: torch.Tensor, session: RetrievalSession) -> torch.Tensor:
+        """The value vectors [R, T, H, dh] of rows q [R, T, H, dh], row r (its document's one row) with the tokens
+        ``session.hidden[r]`` out of its retrieval, every row from the same store's keys of this layer: one
+        selection and one sum for all of them (``head_attend_masked``), each row as ``_attend_keys`` reads it."""
+        rows, steps, heads, _ = q.shape
+        store = session.stores[0]
+        started = time.perf_counter()
+        queries = (q.float() * self.scaling).permute(2, 0, 1, 3).reshape(heads, rows * steps, -1)  # [H, R * T, dh]
+        choice = store.keys.choice(store.dim, queries_per_head=READING_QUERIES_PER_HEAD, k=session.retrieval_k)
+        attended = head_kernels.head_attend_masked(store.keys.layer(self.layer_index), store.states(), queries,
+                                                   session.retrieval_k, choice, store.kernel(), session.hidden)
+        session.stats.search_seconds += time.perf_counter() - started
+        attended = attended.view(heads, rows, steps, -1).permute(1, 2, 0, 3)  # [R, T, H, d]
+        return torch.einsum("rthd,hed->rthe", attended.to(w_v.dtype), w_v)
+
     def _attend_keys(self, store, q: torch.Tensor, session: RetrievalSession, doc: int) -> tuple[torch.Tensor, bool]:
         """Retrieval attention of one document's queries q [r, T, H, dh] through its store's keys of this layer:
         ([r, T, H, d] float32 weighted sums of the shared states, False), or, where the store keeps this layer's
@@ -199,6 +216,16 @@ class RetrievalCrossAttention(wrapping.CrossAttentionWrapper):
             attended = head_kernels.head_attend(keys, store.states(), queries, k, choice, store.kernel(), coverage,
                                                 values=values, exclude=hidden)
         return attended.view(heads, rows, steps, -1).permute(1, 2, 0, 3), values is not None  # [r, T, H, d or dh]
+
+
+def _masked_rows(session: RetrievalSession) -> bool:
+    """Whether the session's rows are one document's, each with its own mask of hidden tokens, over per-layer
+    keys at k < N, with only the output wanted (``SummaryReader.log_probs_both``): read together."""
+    stores = session.stores
+    return (session.hidden is not None and len(stores) > 1 and all(store is stores[0] for store in stores)
+            and all(mask is not None for mask in session.hidden) and stores[0].keys is not None
+            and session.retrieval_k < stores[0].n_tokens and session.evidence is None
+            and session.recorder is None and session.coverage is None)
 
 
 def _wrap(architecture: Architecture):
