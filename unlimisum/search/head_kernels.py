@@ -399,16 +399,24 @@ def head_retrieve(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tenso
 
         attended = head_dense_values(keys, values, queries, choice, hidden=hidden, on_weights=keep)
         return ids, weights, attended
-    extra = int(hidden.sum()) if hidden is not None else 0  # found, then dropped: fetch as many more
-    scores, ids = head_select(keys, queries, min(n, wanted + extra), choice)  # [H, nq, k + extra], in no order
-    if extra:  # the hidden ones dropped: the k' best of the rest (an unsorted top-k; a sort cost 4x more)
-        scores, order = scores.masked_fill(hidden[ids], float("-inf")).topk(wanted, dim=2, sorted=False)
-        ids = ids.gather(2, order)
-    weights = torch.softmax(scores, dim=2, dtype=torch.float32).nan_to_num(0.0)  # [H, nq, k']
+    if hidden is None:
+        scores, ids = head_select(keys, queries, wanted, choice)  # [H, nq, k'], in no order
+    else:  # one group: the hidden ones' scores -inf before the top-k, or fetched and dropped after the scan
+        scores, ids = _select_masked(keys, queries.to(keys.device, torch.float32), k, choice, [hidden])
+    weights, attended = _weighed_sums(states, scores, ids, choice, shared)
+    return ids, weights, attended
+
+
+def _weighed_sums(states: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, choice: HeadKernelChoice,
+                  shared: kernels.KernelChoice) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [H, nq, k'] fp32: the softmax of each query's selected scores, 0 where all are -inf; attended
+    [H, nq, d] fp32: the states ``ids`` chose, summed by those weights), one sum for every head and query."""
+    heads, nq, _ = scores.shape
+    weights = torch.softmax(scores, dim=2, dtype=torch.float32).nan_to_num(0.0)
     shared = shared.unpacked()
     attended = kernels.gathered_attention(states, ids.reshape(heads * nq, -1), weights.reshape(heads * nq, -1),
                                           shared.widens, shared.fused_gather, _compiled(choice) or None)
-    return ids, weights, attended.view(heads, nq, -1)
+    return weights, attended.view(heads, nq, -1)
 
 
 def head_attend_masked(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tensor, k: int,
@@ -419,23 +427,17 @@ def head_attend_masked(keys: torch.Tensor, states: torch.Tensor, queries: torch.
     ``head_attend(..., exclude=hidden[g])`` give (but for the order of each query's sums), in one selection
     (``_select_masked``) and one sum of all the chosen states, which reads each from memory once for every group.
     -> [H, G * m, d] fp32."""
-    heads = keys.shape[0]
     if queries.shape[1] % len(hidden):
         raise ValueError(f"{queries.shape[1]} queries per head cannot be {len(hidden)} equal groups")
     scores, ids = _select_masked(keys, queries.to(keys.device, torch.float32), k, choice,
                                  [mask.to(keys.device) for mask in hidden])  # [H, G * m, k']
-    weights = torch.softmax(scores, dim=2, dtype=torch.float32).nan_to_num(0.0)
-    rows = heads * queries.shape[1]
-    shared = shared.unpacked()
-    attended = kernels.gathered_attention(states, ids.reshape(rows, -1), weights.reshape(rows, -1), shared.widens,
-                                          shared.fused_gather, _compiled(choice) or None)
-    return attended.view(heads, queries.shape[1], -1)
+    return _weighed_sums(states, scores, ids, choice, shared)[1]
 
 
 def _select_masked(keys: torch.Tensor, queries: torch.Tensor, k: int, choice: HeadKernelChoice,
                    masks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scores, ids) [H, G * m, min(k, N)] of ``head_attend_masked``'s groups, each group's top-k without its
-    masked tokens (weight 0 where fewer are left), in no order. The scores are taken once where the groups'
+    """(scores, ids) [H, G * m, min(k, N)] of ``head_attend_masked``'s groups (``head_retrieve``'s one, with its
+    ``exclude``), each group's top-k without its masked tokens (weight 0 where fewer are left), in no order. The scores are taken once where the groups'
     queries are equal (a support reading's rows before their first cross-attention). Where they fit one
     matrix, each group's masked columns are set to -inf there before its top-k; the scan instead fetches as
     many more as the largest mask holds, for every group alike, and drops the masked ones after."""

@@ -171,6 +171,11 @@ class RetrievalCrossAttention(wrapping.CrossAttentionWrapper):
             values = values + value_proj.bias.view(heads, head_dim)
         return output_proj(values.reshape(rows, steps, heads * head_dim))
 
+    def _head_queries(self, q: torch.Tensor) -> torch.Tensor:
+        """Rows' queries q [r, T, H, dh] as each head's, scaled: [H, r * T, dh] fp32, row-major."""
+        rows, steps, heads, _ = q.shape
+        return (q.float() * self.scaling).permute(2, 0, 1, 3).reshape(heads, rows * steps, -1)
+
     def _attend_masked_rows(self, q: torch.Tensor, w_v: torch.Tensor, session: RetrievalSession) -> torch.Tensor:
         """The value vectors [R, T, H, dh] of rows q [R, T, H, dh], row r (its document's one row) with the tokens
         ``session.hidden[r]`` out of its retrieval, every row from the same store's keys of this layer: one
@@ -178,7 +183,7 @@ class RetrievalCrossAttention(wrapping.CrossAttentionWrapper):
         rows, steps, heads, _ = q.shape
         store = session.stores[0]
         started = time.perf_counter()
-        queries = (q.float() * self.scaling).permute(2, 0, 1, 3).reshape(heads, rows * steps, -1)  # [H, R * T, dh]
+        queries = self._head_queries(q)  # [H, R * T, dh]
         choice = store.keys.choice(store.dim, queries_per_head=READING_QUERIES_PER_HEAD, k=session.retrieval_k)
         attended = head_kernels.head_attend_masked(store.keys.layer(self.layer_index), store.states(), queries,
                                                    session.retrieval_k, choice, store.kernel(), session.hidden)
@@ -193,7 +198,7 @@ class RetrievalCrossAttention(wrapping.CrossAttentionWrapper):
         bias is left out (it cancels in the softmax), the value bias is the caller's."""
         rows, steps, heads, _ = q.shape
         keys = store.keys.layer(self.layer_index)  # [H, N, dh]
-        queries = (q.float() * self.scaling).permute(2, 0, 1, 3).reshape(heads, rows * steps, -1)  # [H, r * T, dh]
+        queries = self._head_queries(q)  # [H, r * T, dh]
         # a step's queries per head are its rows; a reading's (many positions at once) as the plan measured them
         queries_per_head = rows if steps == 1 else READING_QUERIES_PER_HEAD
         choice = store.keys.choice(store.dim, queries_per_head=queries_per_head, k=session.retrieval_k)
