@@ -265,18 +265,24 @@ def test_the_needle_sentence_depends_on_its_passage(loaded, filler):  # noqa: F8
 @pytest.mark.parametrize("kernel", [None, "native"], ids=["measured kernel", "native forced"])
 @pytest.mark.parametrize("key_store", ["shared", "per-layer"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_hiding_nothing_gives_exactly_zero_support(filler, dtype, key_store, kernel, by, monkeypatch):  # noqa: F811
+@pytest.mark.parametrize("projection", [None, "columns"], ids=["own projection", "columns projection"])
+def test_hiding_nothing_gives_exactly_zero_support(filler, dtype, key_store, kernel, by, projection,  # noqa: F811
+                                                   monkeypatch):
     """The baseline and the ablation are one computation with two masks: each sentence read with a passage that
     hides nothing loses exactly 0 nats (before, the baseline was generation's own logits: another kernel for one
-    query a head, without BART's final_logits_bias)."""
+    query a head, without BART's final_logits_bias); also where the decoder's linear layers are taken as
+    weight @ rows^T (unlimisum/models/projections.py: the two rows are two columns of one product)."""
     from tests.test_needle import make_input
     from unlimisum.evidence import Source
     from unlimisum.config import ModelConfig
-    from unlimisum.models import load_model
+    from unlimisum.models import load_model, projections
     from unlimisum.unlimiformer.reread import SummaryReader, end_tokens, returned_length, support_of
 
     if kernel:
         monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", kernel)
+    if projection:
+        monkeypatch.setattr(projections, "MIN_GROUP_ELEMENTS", 0)
+        monkeypatch.setattr(projections.LinearGroup, "form", lambda self, rows: projection)
     loaded = load_model(ModelConfig(name=str(FIXTURE), device="cpu", dtype=dtype))
     text, _, _ = make_input(filler, 64 * 8, 0.5, 4)
     index = IndexConfig(kind="exact", device="cpu", key_store=key_store)

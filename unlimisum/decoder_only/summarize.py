@@ -31,7 +31,7 @@ from unlimisum.events import ProgressEvent
 from unlimisum.results import EMPTY_SUMMARY, GenerationProgress, Summary, SummaryStats, peak_rss_bytes
 from unlimisum import coverage, evidence
 from unlimisum.coverage import chapter_token_ranges
-from unlimisum.models import compat
+from unlimisum.models import compat, projections
 from unlimisum.search import compiled
 from unlimisum.search.placement import storage_dtype
 
@@ -154,7 +154,11 @@ class DecoderOnlySummarizer:
         token_mass = None
         if plan.keys_device.type == "cpu" and n_read >= selection.GROUPED_SCAN_MIN_KEYS:
             compiled.warm(["select_grouped"], plan.storage_dtype)  # compiled while the prompt is read (first run)
-        with torch.inference_mode(), reading.session(model, architecture, plan) as cache:
+        rows = max(kwargs.get(name) or 1 for name in ("num_beams", "num_return_sequences"))
+        for counted in {1, rows}:  # the prompt's reading projects its last position; generate() its rows
+            projections.prepare(model, counted)
+        with torch.inference_mode(), projections.faster_projections(model), \
+                reading.session(model, architecture, plan) as cache:
             self.progress(ProgressEvent("prefill", 0, chunks, name, info))
             reading.prefill(model, cache, prompt.ids[:-1], on_chunk=lambda done: self.progress(
                 ProgressEvent("prefill", -(-done // plan.chunk), chunks, name, info)))

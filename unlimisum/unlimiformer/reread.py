@@ -30,7 +30,7 @@ from typing import Sequence
 import torch
 
 from unlimisum import evidence
-from unlimisum.models import LoadedModel, compat
+from unlimisum.models import LoadedModel, compat, projections
 from unlimisum.search.datastore import Datastore
 from unlimisum.unlimiformer.retrieval import EVIDENCE_TOP_POSITIONS, EvidenceCollector, RetrievalSession, retrieval
 
@@ -72,6 +72,7 @@ class SummaryReader:
         model, architecture = self.loaded.model, self.loaded.architecture
         self._stack = ExitStack()
         self._stack.enter_context(retrieval(model, architecture, self.session))
+        self._stack.enter_context(projections.faster_projections(model))
         if self.tensor_cache is not None:
             from unlimisum.tensor_cache import tensor_cache
 

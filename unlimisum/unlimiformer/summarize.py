@@ -20,7 +20,7 @@ from unlimisum.config import DEFAULT_RETRIEVAL_K, EncodingConfig, GenerationOpti
 from unlimisum.document import Document
 from unlimisum.errors import ConfigError, EmptyDocumentError
 from unlimisum.events import ProgressCallback, ProgressEvent
-from unlimisum.models import LoadedModel, compat
+from unlimisum.models import LoadedModel, compat, projections
 from unlimisum.results import EMPTY_SUMMARY, GenerationProgress, Summary, SummaryStats, peak_rss_bytes
 from unlimisum.search import compiled
 from unlimisum.unlimiformer.cache import EncodedCache
@@ -218,6 +218,7 @@ class EncoderDecoderSummarizer:
         self.progress(ProgressEvent("prepare", 0, batch, name))
         for store in stores:  # kernels measured and stores packed here, not silently inside the first step
             store.prepare(queries_per_head=self._rows_per_document(kwargs), retrieval_k=self.retrieval_k())
+        projections.prepare(model, batch * self._rows_per_document(kwargs))
         prepared = {"packed_bytes": sum(store.packed_nbytes for store in stores),
                     "seconds": time.perf_counter() - preparing}
         if batch == 1:  # views of one book (a batch of chapters) share its store: their sum would count it again
@@ -228,6 +229,7 @@ class EncoderDecoderSummarizer:
         self.progress(ProgressEvent("generate", 0, total, name))
         with ExitStack() as stack:
             stack.enter_context(retrieval(model, self.loaded.architecture, session))
+            stack.enter_context(projections.faster_projections(model))
             if self.tensor_cache is not None:
                 from unlimisum.tensor_cache import tensor_cache
 
@@ -381,13 +383,13 @@ class EncoderDecoderSummarizer:
         plan = plan_windows(encoded.n_tokens, self._window(), self.encoding.overlap)
         if tuple(plan.kept(i) for i in range(plan.n_windows)) != tuple(tuple(w) for w in encoded.windows):
             raise RuntimeError("the book's windows are not the ones --support-by removal would encode again")
-        projections = {}
+        weights = {}
         if store.keys is not None:
-            projections["keys"] = key_weights(self.loaded.model, self.loaded.architecture)
+            weights["keys"] = key_weights(self.loaded.model, self.loaded.architecture)
             if store.keys.values is not None:
-                projections["values"] = value_weights(self.loaded.model, self.loaded.architecture)
+                weights["values"] = value_weights(self.loaded.model, self.loaded.architecture)
         return StoreRemoval(store, encoded.token_ids, plan, encoder.encode_ids, offset=part.start,
-                            projections=projections)
+                            projections=weights)
 
     def _window(self) -> int:
         return self.encoding.window or self.loaded.max_source_length

@@ -1,0 +1,117 @@
+"""The decoder's linear layers in the form measured faster (unlimisum/models/projections.py): the same products as
+the model's own, the form taken from the measurement kept for this machine, the model put back as it was."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from unlimisum import measurements
+from unlimisum.models import projections
+from unlimisum.models.projections import LinearGroup, MeasuredLinear, columns_product, faster_projections
+
+
+@pytest.fixture(autouse=True)
+def _own_cache_folder(monkeypatch, tmp_path):
+    """Each test measures (or reads back) in a cache folder of its own."""
+    monkeypatch.setenv("UNLIMISUM_CACHE_HOME", str(tmp_path))
+
+
+class FixedGroup(LinearGroup):
+    """A group whose form is given, counting the rows it was asked for."""
+
+    def __init__(self, form: str):
+        super().__init__("test", [])
+        self.fixed, self.asked = form, []
+
+    def form(self, rows: int) -> str:
+        self.asked.append(rows)
+        return self.fixed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 5, 64])
+def test_the_columns_form_is_the_linear_product(rows, dtype):
+    generator = torch.Generator().manual_seed(rows)
+    weight = torch.randn(1000, 48, generator=generator).to(dtype)
+    hidden = torch.randn(rows, 48, generator=generator).to(dtype)
+    product = columns_product(hidden, weight)
+    assert product.shape == (rows, 1000) and product.is_contiguous() and product.dtype == dtype
+    tolerance = {} if dtype == torch.float32 else {"atol": 0.1, "rtol": 0.02}
+    torch.testing.assert_close(product, F.linear(hidden, weight), **tolerance)
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("form", ["linear", "columns"])
+@pytest.mark.parametrize("shape", [(1, 1, 32), (3, 1, 32), (2, 7, 32)])
+def test_a_measured_linear_gives_the_originals_product_in_either_form(form, shape, bias, monkeypatch):
+    columns = []
+    product = projections.columns_product
+    monkeypatch.setattr(projections, "columns_product", lambda *args: columns.append(1) or product(*args))
+    original = nn.Linear(32, 500, bias=bias)
+    group = FixedGroup(form)
+    measured = MeasuredLinear(original, group)
+    assert measured.weight is original.weight and measured.bias is original.bias
+    assert dict(measured.named_parameters()) == dict(original.named_parameters())
+    hidden = torch.randn(*shape)
+    with torch.inference_mode():
+        expected, output = original(hidden), measured(hidden)
+    assert group.asked == [shape[0] * shape[1]] and len(columns) == (form == "columns")
+    assert output.shape == expected.shape
+    torch.testing.assert_close(output, expected)
+
+
+def test_the_kept_measurement_chooses_the_form_and_a_stale_entry_is_measured_again(monkeypatch):
+    weights = [torch.randn(300, 16), torch.randn(16, 300)]
+    raced = []
+    monkeypatch.setattr(LinearGroup, "race", lambda self, rows: raced.append(rows) or ({"form": "columns"}, "raced"))
+    assert LinearGroup("decoder layers", weights).form(3) == "columns"
+    assert raced == [4]  # measured at the rows' class
+    assert LinearGroup("decoder layers", weights).form(4) == "columns" and raced == [4]  # read back: not raced
+    [entry] = measurements.default_store().all()
+    assert entry.name == "decoder layers v1 cpu float32 2 weights of 16x300, 300x16, 4 rows"
+    measurements.default_store().put(measurements.Measurement(entry.name, {"form": "another"}, "then", 0.1, "old"))
+    assert LinearGroup("decoder layers", weights).form(4) == "columns" and raced == [4, 4]
+
+
+def test_a_race_times_both_forms_over_the_groups_weights_and_names_the_faster():
+    group = LinearGroup("output projection", [torch.randn(2000, 32), torch.randn(32, 2000)])
+    value, reason = group.race(2)
+    assert value["form"] in projections.FORMS
+    assert value[f"{value['form']}_seconds"] == min(value["linear_seconds"], value["columns_seconds"])
+    assert reason.startswith("output projection as ") and "for 2 rows x 2 weights" in reason
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 64, 65, 1000])
+def test_rows_are_measured_at_their_power_of_two_up_to_the_cap(rows):
+    expected = {1: 1, 2: 2, 3: 4, 64: 64, 65: 64, 1000: 64}[rows]
+    assert projections.rows_class(rows) == expected
+
+
+def test_a_models_decoder_and_output_projection_are_measured_inside_the_context_and_put_back(tiny_loaded,
+                                                                                          monkeypatch):
+    model = tiny_loaded("bart").model
+    head = model.get_output_embeddings()
+    state = {name: tensor for name, tensor in model.state_dict().items()}
+    with faster_projections(model) as found:
+        assert found == []  # a tiny model keeps F.linear: nothing is measured or replaced
+    monkeypatch.setattr(projections, "MIN_GROUP_ELEMENTS", 0)
+    monkeypatch.setattr(LinearGroup, "form", lambda self, rows: "columns")
+    decoder_linears = [module for module in model.get_decoder().modules() if type(module) is nn.Linear]
+    inputs = torch.tensor([[2, 10, 11, 12, 13, 2]])
+    with torch.inference_mode():
+        expected = model(input_ids=inputs, decoder_input_ids=inputs[:, :3]).logits
+        with faster_projections(model) as found:
+            assert [group.name for group in found] == ["decoder layers", "output projection"]
+            assert len(found[0].weights) == len(decoder_linears) and found[1].weights == [head.weight]
+            replaced = model.get_output_embeddings()
+            assert isinstance(replaced, MeasuredLinear) and replaced.original is head
+            assert not any(type(module) is nn.Linear for module in model.get_decoder().modules())
+            assert model.state_dict().keys() == state.keys()
+            logits = model(input_ids=inputs, decoder_input_ids=inputs[:, :3]).logits
+    assert model.get_output_embeddings() is head
+    assert [module for module in model.get_decoder().modules() if type(module) is nn.Linear] == decoder_linears
+    assert all(tensor is state[name] or torch.equal(tensor, state[name]) for name, tensor in model.state_dict().items())
+    torch.testing.assert_close(logits, expected)

@@ -1,0 +1,192 @@
+"""The decoder's linear layers computed in the matmul form measured faster on this machine.
+
+A generation step multiplies a few rows (one per beam) by every weight of the decoder and by the output
+projection, the model's largest matrix (bart-base: 50,265 x 768, 154 MB in float32): a step streams the weights
+from memory, and the BLAS call is the whole cost. ``F.linear`` hands a weight to the BLAS as a transposed
+operand; for one row that becomes a matrix-vector product some BLAS runs on one thread, and for a few rows a
+product that reads the weight several times over. On an AMD EPYC Zen 2 (2 cores), bart-base's output projection
+took 14.5 ms for one row and 34 ms for four (the beams), its decoder's linear layers 19 ms and 37 ms; the same
+products taken the other way round, ``weight @ rows^T`` (one row doubled, so that the BLAS runs a matrix
+product over its threads), took 9.6, 9.7, 16 and 16 ms. Neither form wins everywhere, so the choice is
+measured: once per machine (unlimisum/measurements.py keeps it), per group of weights (the decoder's layers,
+timed in turn as a step reads them; the output projection), dtype and count of rows, with the model's own
+weights.
+
+``faster_projections(model)`` puts a ``MeasuredLinear`` in place of each of those nn.Linear modules for the time
+of a generation or a reading: an nn.Linear holding the same Parameters (the state dict, the weight tying and
+everything that reads ``.weight`` are unchanged), put back on exit. Both forms compute the same product: the
+logits agree to float rounding, not bit for bit (the BLAS sums in another order).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from unlimisum import measurements
+
+# Groups of fewer weights than this (16 MB in float32) keep F.linear without measuring: either form takes a
+# millisecond at most there (the tiny test models), and a measurement would cost more than it saves.
+MIN_GROUP_ELEMENTS = 1 << 22
+# Row counts are measured at the next power of two, up to this: above it both forms are matrix products that
+# read each weight once (prompts, long readings), measured at this count.
+MAX_MEASURED_ROWS = 64
+# What an entry's value means changes with the code that measured it: entries of another version are ignored.
+MEASUREMENT_VERSION = 1
+FORMS = ("linear", "columns")
+
+
+class LinearGroup:
+    """Linear layers whose form is measured as one: ``name`` ("decoder layers", "output projection") and their
+    weights, in the order a step reads them."""
+
+    def __init__(self, name: str, weights: Sequence[torch.Tensor]):
+        self.name, self.weights = name, list(weights)
+        self._forms: dict[int, str] = {}  # rows class -> form, per process
+
+    @property
+    def elements(self) -> int:
+        return sum(weight.numel() for weight in self.weights)
+
+    def measurement_name(self, rows: int) -> str:
+        """The key of this group's measurement at ``rows`` rows: what identifies its shapes and dtype."""
+        shapes = sorted({tuple(weight.shape) for weight in self.weights})
+        listed = ", ".join(f"{out}x{width}" for out, width in shapes)
+        return (f"{self.name} v{MEASUREMENT_VERSION} cpu {str(self.weights[0].dtype).removeprefix('torch.')} "
+                f"{len(self.weights)} weights of {listed}, {rows} rows")
+
+    def form(self, rows: int) -> str:
+        """``"linear"`` or ``"columns"``: the form measured faster for ``rows`` rows (their class), raced once per
+        machine with these weights, kept in the user's cache folder, memoised per process."""
+        counted = rows_class(rows)
+        if counted not in self._forms:
+            found = measurements.remembered(self.measurement_name(counted), lambda: self.race(counted))
+            form = found.value.get("form") if isinstance(found.value, dict) else None
+            self._forms[counted] = form if form in FORMS else self.race(counted)[0]["form"]  # another release's
+        return self._forms[counted]
+
+    def race(self, rows: int) -> tuple[dict, str]:
+        """({"form", "linear_seconds", "columns_seconds"}, reason): both forms timed in turns (measurements.race),
+        each over every weight of the group in turn, on ``rows`` random rows."""
+        width = max(weight.shape[1] for weight in self.weights)
+        generator = torch.Generator().manual_seed(0)
+        hidden = torch.randn(rows, width, generator=generator).to(self.weights[0].dtype)
+        inputs = {weight.shape[1]: hidden[:, :weight.shape[1]].contiguous() for weight in self.weights}
+
+        def each(product):
+            return lambda: [product(inputs[weight.shape[1]], weight) for weight in self.weights]
+
+        with torch.inference_mode():
+            seconds = measurements.race({"linear": each(F.linear), "columns": each(columns_product)})
+        form = min(seconds, key=seconds.get)
+        value = {"form": form, **{f"{name}_seconds": best for name, best in seconds.items()}}
+        reason = (f"{self.name} as {'weight @ rows^T' if form == 'columns' else 'F.linear'}: F.linear "
+                  f"{seconds['linear'] * 1e3:.2f} ms, weight @ rows^T {seconds['columns'] * 1e3:.2f} ms for {rows} "
+                  f"rows x {len(self.weights)} weights ({self.elements / 1e6:.1f}M)")
+        return value, reason
+
+
+class MeasuredLinear(nn.Linear):
+    """An nn.Linear holding ``original``'s own Parameters (the same tensors, under the same names), whose product
+    is computed in the form its ``group`` measured faster for the rows of each call."""
+
+    def __init__(self, original: nn.Linear, group: LinearGroup):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = original.in_features, original.out_features
+        self.weight = original.weight
+        self.register_parameter("bias", original.bias)
+        self.group = group
+        self.__dict__["original"] = original  # not a child: nothing of the model's state changes names
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [..., in] -> [..., out], as ``original(hidden)``."""
+        rows = hidden.numel() // hidden.shape[-1] if hidden.shape[-1] else 0
+        if rows == 0 or self.group.form(rows) == "linear":
+            return F.linear(hidden, self.weight, self.bias)
+        product = columns_product(hidden.reshape(rows, -1), self.weight)  # [rows, out]
+        if self.bias is not None:
+            product += self.bias
+        return product.view(*hidden.shape[:-1], self.out_features)
+
+
+def columns_product(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden [rows, in] x weight [out, in]^T -> [rows, out] contiguous, computed as (weight @ hidden^T)^T: one
+    row is doubled, so that the BLAS runs a matrix product over its threads rather than a matrix-vector one."""
+    rows = hidden if hidden.shape[0] > 1 else hidden.expand(2, -1)
+    # [in, rows or 2] as the transpose of contiguous rows: the BLAS reads it as such (a [in, 2] copy ran 3x slower)
+    columns = rows.contiguous().t()
+    return torch.mm(weight, columns).t()[:hidden.shape[0]].contiguous()
+
+
+def rows_class(rows: int) -> int:
+    """The count of rows a call of ``rows`` is measured at: the next power of two, at most MAX_MEASURED_ROWS."""
+    return min(1 << max(rows - 1, 0).bit_length(), MAX_MEASURED_ROWS)
+
+
+def groups(model: nn.Module) -> list[tuple[LinearGroup, list[tuple[nn.Module, str, nn.Linear]]]]:
+    """The groups worth measuring in ``model``: its decoder's nn.Linear layers, and its output projection, each
+    with (parent, attribute, module) of its members; a group only where it is on the CPU, of one floating dtype,
+    with at least MIN_GROUP_ELEMENTS weights."""
+    found = []
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    head = model.get_output_embeddings()
+    for name, root in (("decoder layers", decoder), ("output projection", head)):
+        if root is None:
+            continue
+        members = [(parent, attribute, module) for parent, attribute, module in _linears(root, model)
+                   if module is not head or root is head]
+        weights = [module.weight for _, _, module in members]
+        if (weights and all(w.device.type == "cpu" and w.is_floating_point() and w.dtype == weights[0].dtype
+                            for w in weights) and sum(w.numel() for w in weights) >= MIN_GROUP_ELEMENTS):
+            found.append((LinearGroup(name, weights), members))
+    return found
+
+
+def prepare(model: nn.Module, rows: int) -> None:
+    """Measure now (where not yet measured on this machine) the forms for ``rows`` rows, so that the first
+    generation step does not."""
+    for group, _ in groups(model):
+        group.form(rows)
+
+
+@contextmanager
+def faster_projections(model: nn.Module) -> Iterator[list[LinearGroup]]:
+    """Inside the context, ``model``'s decoder layers and output projection (``groups``) have MeasuredLinear
+    modules in place of their nn.Linear ones; the originals are put back on exit."""
+    found, installed = groups(model), []
+    try:
+        for group, members in found:
+            for parent, attribute, module in members:
+                setattr(parent, attribute, MeasuredLinear(module, group))
+                installed.append((parent, attribute, module))
+        yield [group for group, _ in found]
+    finally:
+        for parent, attribute, module in reversed(installed):
+            setattr(parent, attribute, module)
+
+
+def _linears(root: nn.Module, model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """(parent, attribute, module) of every plain nn.Linear in ``root`` (``root`` itself included, its parent
+    found in ``model``), in the order of ``root.named_modules()``."""
+    if type(root) is nn.Linear:
+        located = _locate(model, root)
+        return [(*located, root)] if located is not None else []
+    found = []
+    for name, module in root.named_modules():
+        if type(module) is nn.Linear and name:
+            parent_name, _, attribute = name.rpartition(".")
+            found.append((root.get_submodule(parent_name), attribute, module))
+    return found
+
+
+def _locate(model: nn.Module, module: nn.Module) -> tuple[nn.Module, str] | None:
+    """(parent, attribute) holding ``module`` in ``model``, or None."""
+    for name, candidate in model.named_modules():
+        if candidate is module and name:
+            parent_name, _, attribute = name.rpartition(".")
+            return model.get_submodule(parent_name), attribute
+    return None
