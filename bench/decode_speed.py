@@ -31,7 +31,7 @@ import torch
 
 from bench.common import print_table, random_model, write_result
 from bench.index_choice import synthetic_states
-from unlimisum.models import compat
+from unlimisum.models import compat, projections
 from unlimisum.search import kernels
 from unlimisum.config import GenerationOptions, IndexConfig, RetrievalConfig
 from unlimisum.search.datastore import DatastoreBuilder, IndexPlan
@@ -49,17 +49,31 @@ def exact_store(states: torch.Tensor, device: str = "cpu"):
     return builder.finish()
 
 
-def truncated_seconds_per_token(loaded, states: torch.Tensor, new_tokens: int, beams: int = 1) -> float:
-    """generate() with ordinary cross-attention over the first BASELINE_WINDOW states: seconds per token."""
+def truncated_seconds_per_token(loaded, states: torch.Tensor, new_tokens: int, beams: int = 1,
+                                measured_projections: bool = False, steady: bool = False) -> float:
+    """generate() with ordinary cross-attention over the first BASELINE_WINDOW states: seconds per token.
+    ``measured_projections``: the decoder's linear layers in the form unlimisum measured faster
+    (unlimisum/models/projections.py, as its own steps run them), else transformers' own. ``steady``: a step
+    after the first, (T(2 new_tokens) - T(new_tokens)) / new_tokens: the first step also projects the window's
+    keys and values for every beam (4 beams x 1,024 states x 6 layers of bart-base: about half a second on 2
+    cores), a one-time cost that would weigh on every step of a short run."""
     model = loaded.model
     window = states[:BASELINE_WINDOW].to(loaded.device, loaded.dtype).unsqueeze(0)  # [1, W, d] as the model reads
-    kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, num_beams=beams, do_sample=False)
-    with torch.inference_mode():
-        model.generate(encoder_outputs=compat.encoder_outputs(window), **dict(kwargs, max_new_tokens=2,
-                                                                             min_new_tokens=2))
+    if measured_projections:
+        projections.prepare(model, beams)
+
+    def generate(tokens: int) -> float:
         started = time.perf_counter()
-        model.generate(encoder_outputs=compat.encoder_outputs(window), **kwargs)
-    return (time.perf_counter() - started) / new_tokens
+        model.generate(encoder_outputs=compat.encoder_outputs(window), max_new_tokens=tokens, min_new_tokens=tokens,
+                       num_beams=beams, do_sample=False)
+        return time.perf_counter() - started
+
+    faster = projections.faster_projections(model) if measured_projections else contextlib.nullcontext()
+    with torch.inference_mode(), faster:
+        generate(2)
+        if steady:
+            return (generate(2 * new_tokens) - generate(new_tokens)) / new_tokens
+        return generate(new_tokens) / new_tokens
 
 
 def unlimisum_seconds_per_token(loaded, store, k: int, new_tokens: int, beams: int = 1) -> tuple[float, float]:

@@ -15,11 +15,14 @@ In the same process:
 - the streaming bandwidth: the best of 3 float32 sums over ``--bandwidth-mib`` (1 GiB by default), measured
   just before and just after each row's generation; a row's floor uses the better of its two (a shared machine's
   bandwidth moves by half from minute to minute), ``vs_best_floor`` the best of the whole run;
-- the truncated baseline: the model's own generate() over the first 1,024 states (its own step), the best of 3
-  (once for the run: one slow moment would skew every row's floor);
+- the truncated baseline: the model's own generate() over the first 1,024 states (its own step, after the first:
+  bench/decode_speed.py ``steady``), the best of 3 (once for the run: one slow moment would skew every row's
+  floor), as transformers runs it (the "vs truncated rate" a reader compares with) and with the decoder's linear
+  layers in the form unlimisum measured faster (unlimisum/models/projections.py: as unlimisum's own steps run
+  them; the floor's model step);
 - the floor of an exact step: L layers x the bytes one layer reads (the store, or that layer's keys: the same
   count of 16-bit numbers when H x d_head = d; a dense step's keys and values where the policy keeps the values,
-  k = N) over the bandwidth, plus the model's own step;
+  k = N) over the bandwidth, plus the model's own step with those linear layers;
 - one layer's retrieval alone (scores, top-k and the weighted sum), both stores in turns on the same queries;
 - memory: the store's and the keys' bytes, and the process's peak resident set after each N.
 
@@ -113,7 +116,7 @@ def one_layer_seconds(loaded, store, keys: KeyStore, k: int, beams: int) -> dict
 def _floors(row: dict, bandwidth: float, layers: int) -> dict:
     """A row's floor at ``bandwidth`` bytes/s: L layers' reads plus the model's own step."""
     return dict(bandwidth_bytes_per_second=bandwidth, floor_layer_seconds=row["read_bytes"] / bandwidth,
-                floor_seconds=layers * row["read_bytes"] / bandwidth + row["baseline_seconds_per_token"])
+                floor_seconds=layers * row["read_bytes"] / bandwidth + row["model_step_seconds"])
 
 
 def run(n_values: list[int], size: str, new_tokens: int, beams_values: list[int], bandwidth_mib: int,
@@ -126,7 +129,7 @@ def run(n_values: list[int], size: str, new_tokens: int, beams_values: list[int]
     weights = key_weights(loaded.model, loaded.architecture)
     heads, head_dim, _ = weights[0].shape
     index = IndexConfig(kind="exact", device="cpu")
-    rows, baseline = [], {}
+    rows, baseline, model_step = [], {}, {}
     for n in n_values:
         store = synthetic_store(n, dim, index)
         store.kernel()  # calibrated before anything is timed
@@ -152,8 +155,11 @@ def run(n_values: list[int], size: str, new_tokens: int, beams_values: list[int]
         for beams in beams_values:
             if beams not in baseline:
                 window = store.states()[:1024].float()
-                baseline[beams] = min(truncated_seconds_per_token(loaded, window, new_tokens, beams=beams)
-                                      for _ in range(BASELINE_TURNS))
+                baseline[beams] = min(truncated_seconds_per_token(loaded, window, new_tokens, beams=beams,
+                                                                  steady=True) for _ in range(BASELINE_TURNS))
+                model_step[beams] = min(truncated_seconds_per_token(loaded, window, new_tokens, beams=beams,
+                                                                    measured_projections=True, steady=True)
+                                        for _ in range(BASELINE_TURNS))
             layer_bytes = n * max(dim, heads * head_dim) * store.storage_dtype.itemsize
             for k in sorted({min(1024, n), n if n <= dense_max_tokens else 1024}):
                 with_values = k >= n and values is not None  # the dense step's per-layer store reads them too
@@ -164,7 +170,7 @@ def run(n_values: list[int], size: str, new_tokens: int, beams_values: list[int]
                                key_store_bytes=(layer_keys.nbytes if layer_keys is not None else key_bytes)
                                if kind == "per-layer" else 0,
                                values=kind == "per-layer" and with_values, read_bytes=read,
-                               baseline_seconds_per_token=baseline[beams])
+                               baseline_seconds_per_token=baseline[beams], model_step_seconds=model_step[beams])
                     if kind == "per-layer" and keys is None:
                         rows.append(dict(row, skipped=f"store + keys {(store.nbytes + key_bytes) / 2**30:.1f} GiB "
                                                       f"exceed the budget {budget / 2**30:.1f} GiB"))

@@ -18,7 +18,8 @@ def test_quick_tiny_run_prints_the_table_and_writes_both_stores_beside_the_floor
     assert {(row["k"], row["store"]) for row in written["runs"]} == {(1024, "shared"), (1024, "per-layer"),
                                                                       (3000, "shared"), (3000, "per-layer")}
     for row in written["runs"]:
-        assert row["seconds_per_token"] > 0 and row["floor_seconds"] > row["baseline_seconds_per_token"] > 0
+        assert row["seconds_per_token"] > 0 and row["floor_seconds"] > row["model_step_seconds"] > 0
+        assert row["baseline_seconds_per_token"] > 0  # the plain model's step, for the truncated rate
         assert row["vs_floor"] == row["seconds_per_token"] / row["floor_seconds"]
         assert row["layer_seconds"] > 0 and row["peak_rss_bytes"] > 0
         keys = 3000 * 2 * 4 * 16 * 2 if row["store"] == "per-layer" else 0
@@ -28,7 +29,7 @@ def test_quick_tiny_run_prints_the_table_and_writes_both_stores_beside_the_floor
         # each row's floor at the better of the bandwidths measured around it; vs_best_floor at the run's best
         assert row["bandwidth_bytes_per_second"] in written["bandwidths_measured"]
         assert row["floor_layer_seconds"] == layer_bytes / row["bandwidth_bytes_per_second"]
-        best_floor = written["layers"] * layer_bytes / written["bandwidth_bytes_per_second"] + row["baseline_seconds_per_token"]
+        best_floor = written["layers"] * layer_bytes / written["bandwidth_bytes_per_second"] + row["model_step_seconds"]
         assert row["vs_best_floor"] == pytest.approx(row["seconds_per_token"] / best_floor)
         assert row["vs_best_floor"] >= row["vs_floor"]
     # measured at the start and around each of the four rows
