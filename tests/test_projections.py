@@ -84,10 +84,20 @@ def test_a_race_times_both_forms_over_the_groups_weights_and_names_the_faster():
     assert reason.startswith("output projection as ") and "for 2 rows x 2 weights" in reason
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 64, 65, 1000])
-def test_rows_are_measured_at_their_power_of_two_up_to_the_cap(rows):
-    expected = {1: 1, 2: 2, 3: 4, 64: 64, 65: 64, 1000: 64}[rows]
-    assert projections.rows_class(rows) == expected
+@pytest.mark.parametrize("rows", [1, 2, 3, 33, 64])
+def test_rows_are_measured_at_their_power_of_two(rows):
+    assert projections.rows_class(rows) == {1: 1, 2: 2, 3: 4, 33: 64, 64: 64}[rows]
+
+
+def test_more_rows_than_measured_keep_f_linear_unmeasured(monkeypatch):
+    group = FixedGroup("columns")
+    columns = []
+    monkeypatch.setattr(projections, "columns_product", lambda *args: columns.append(1))
+    original = nn.Linear(16, 40)
+    hidden = torch.randn(projections.MAX_MEASURED_ROWS + 1, 16)
+    with torch.inference_mode():
+        torch.testing.assert_close(MeasuredLinear(original, group)(hidden), original(hidden))
+    assert group.asked == [] and columns == []
 
 
 def test_a_models_decoder_and_output_projection_are_measured_inside_the_context_and_put_back(tiny_loaded,

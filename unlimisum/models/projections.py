@@ -32,8 +32,8 @@ from unlimisum import measurements
 # Groups of fewer weights than this (16 MB in float32) keep F.linear without measuring: either form takes a
 # millisecond at most there (the tiny test models), and a measurement would cost more than it saves.
 MIN_GROUP_ELEMENTS = 1 << 22
-# Row counts are measured at the next power of two, up to this: above it both forms are matrix products that
-# read each weight once (prompts, long readings), measured at this count.
+# Row counts are measured at the next power of two, up to this; more rows (a prompt, a long reading) are the
+# matrix products the BLAS is built for and keep F.linear without measuring.
 MAX_MEASURED_ROWS = 64
 # What an entry's value means changes with the code that measured it: entries of another version are ignored.
 MEASUREMENT_VERSION = 1
@@ -105,7 +105,7 @@ class MeasuredLinear(nn.Linear):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., in] -> [..., out], as ``original(hidden)``."""
         rows = hidden.numel() // hidden.shape[-1] if hidden.shape[-1] else 0
-        if rows == 0 or self.group.form(rows) == "linear":
+        if not 0 < rows <= MAX_MEASURED_ROWS or self.group.form(rows) == "linear":
             return F.linear(hidden, self.weight, self.bias)
         product = columns_product(hidden.reshape(rows, -1), self.weight)  # [rows, out]
         if self.bias is not None:
@@ -123,8 +123,8 @@ def columns_product(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def rows_class(rows: int) -> int:
-    """The count of rows a call of ``rows`` is measured at: the next power of two, at most MAX_MEASURED_ROWS."""
-    return min(1 << max(rows - 1, 0).bit_length(), MAX_MEASURED_ROWS)
+    """The count of rows a call of ``rows`` (at most MAX_MEASURED_ROWS) is measured at: the next power of two."""
+    return 1 << max(rows - 1, 0).bit_length()
 
 
 def groups(model: nn.Module) -> list[tuple[LinearGroup, list[tuple[nn.Module, str, nn.Linear]]]]:
@@ -149,8 +149,9 @@ def groups(model: nn.Module) -> list[tuple[LinearGroup, list[tuple[nn.Module, st
 def prepare(model: nn.Module, rows: int) -> None:
     """Measure now (where not yet measured on this machine) the forms for ``rows`` rows, so that the first
     generation step does not."""
-    for group, _ in groups(model):
-        group.form(rows)
+    if 0 < rows <= MAX_MEASURED_ROWS:
+        for group, _ in groups(model):
+            group.form(rows)
 
 
 @contextmanager
