@@ -437,10 +437,11 @@ def head_attend_masked(keys: torch.Tensor, states: torch.Tensor, queries: torch.
 def _select_masked(keys: torch.Tensor, queries: torch.Tensor, k: int, choice: HeadKernelChoice,
                    masks: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """(scores, ids) [H, G * m, min(k, N)] of ``head_attend_masked``'s groups (``head_retrieve``'s one, with its
-    ``exclude``), each group's top-k without its masked tokens (weight 0 where fewer are left), in no order. The scores are taken once where the groups'
-    queries are equal (a support reading's rows before their first cross-attention). Where they fit one
-    matrix, each group's masked columns are set to -inf there before its top-k; the scan instead fetches as
-    many more as the largest mask holds, for every group alike, and drops the masked ones after."""
+    ``exclude``), each group's top-k without its masked tokens (weight 0 where fewer are left), in no order. The
+    scores are taken once where the groups' queries are equal (a support reading's rows before their first
+    cross-attention). Where they fit one matrix, each group's masked columns are set to -inf there before its
+    top-k; the scan instead fetches as many more as the largest mask holds, for every group alike, and drops the
+    masked ones after."""
     heads, n, _ = keys.shape
     groups, wanted = len(masks), min(k, n)
     parts = queries.chunk(groups, dim=1)  # [H, m, dh] each
@@ -467,16 +468,15 @@ def _select_masked(keys: torch.Tensor, queries: torch.Tensor, k: int, choice: He
             scored[:, group * m:(group + 1) * m].index_fill_(2, hidden, float("-inf"))
         top, ids = kernels.top_k(scored.view(heads * groups * m, n), wanted, ordered=False)
         return top.view(heads, groups * m, -1), ids.view(heads, groups * m, -1)
-    found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by group; the groups with nothing masked first
+    found: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # by group
     masked = [group for group in range(groups) if columns[group].numel()]
-    for group in sorted(range(groups), key=lambda group: columns[group].numel() > 0):
-        rows = scored
-        if columns[group].numel():  # the last masked group masks the scores themselves, the others a copy
-            rows = scored if group == masked[-1] else scored.clone()
-            rows.index_fill_(2, columns[group], float("-inf"))
-        elif found:
-            found[group] = next(iter(found.values()))
-            continue
+    unmasked = [group for group in range(groups) if not columns[group].numel()]
+    if unmasked:  # one top-k of the scores as they are, for every group that hides nothing, before any masking
+        top, ids = kernels.top_k(scored.view(heads * m, n), wanted, ordered=False)
+        found.update({group: (top.view(heads, m, -1), ids.view(heads, m, -1)) for group in unmasked})
+    for group in masked:  # the last masks the scores themselves, the others a copy
+        rows = scored if group == masked[-1] else scored.clone()
+        rows.index_fill_(2, columns[group], float("-inf"))
         top, ids = kernels.top_k(rows.view(heads * m, n), wanted, ordered=False)
         found[group] = top.view(heads, m, -1), ids.view(heads, m, -1)
     return (torch.cat([found[group][0] for group in range(groups)], dim=1),
