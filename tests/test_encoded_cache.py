@@ -161,6 +161,8 @@ def test_the_encoders_code_path_is_in_the_key(tiny_loaded):
     plain = dataclasses.replace(led, architecture=dataclasses.replace(led.architecture, fast_encoding=None))
     assert "encoder the model's own" in software_identity(plain)
     assert software_identity(plain, int8=True) == software_identity(plain) + "; linear layers int8"  # --encode-int8
+    assert "the last layer on the kept rows" not in software_identity(led)
+    assert "encoder the model's own, the last layer on the kept rows" in software_identity(tiny_loaded("bart"))
 
 
 DAMAGED_META = {

@@ -101,10 +101,11 @@ def test_parts_of_a_plan_encoded_apart_give_the_whole_plans_states_bit_for_bit(t
 
 
 def kept_states(loaded, input_ids: torch.Tensor, plan, batch_size: int) -> list[torch.Tensor]:
-    """Each window's kept states, as ``encode_windows`` hands them out with the model's encoder inputs."""
+    """Each window's kept states, as ``encode_windows`` hands them out with the model's encoder inputs (BART's
+    last layer on the kept rows)."""
     chunks = []
     encode_windows(loaded.model.get_encoder(), input_ids, plan, chunks.append, batch_size=batch_size,
-                   encoder_inputs=loaded.architecture.encoder_inputs)
+                   encoder_inputs=loaded.architecture.encoder_inputs, kept_rows=loaded.architecture.kept_rows)
     return chunks
 
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from unlimisum.models import compat
+from unlimisum.models.kept_rows import last_layer_rows
 from unlimisum.models.local_attention import blocked_local_attention
 from unlimisum.models.decoder_architectures import BY_MODEL_TYPE as _DECODER_ONLY, DecoderOnlyArchitecture
 from unlimisum.errors import UnsupportedModelError
@@ -86,10 +87,22 @@ class Architecture:
     encoder_inputs: Callable[[torch.Tensor], dict] | None = field(default=None, repr=False)
     # encoder -> context manager within which the encoder computes the same states faster (wrapped modules)
     fast_encoding: Callable[[nn.Module], ContextManager] | None = field(default=None, repr=False)
+    # where the encoder layers' norms sit: "post" (BART) or "pre" (mBART, PEGASUS); either way the last layer
+    # may run on a window's kept rows alone (models/kept_rows.py). None: the last layer runs whole.
+    encoder_layer_norm: str | None = None
 
     def encoding(self, encoder: nn.Module) -> ContextManager:
         """The context the whole input is encoded in: ``fast_encoding`` when the family has one."""
         return self.fast_encoding(encoder) if self.fast_encoding is not None else nullcontext()
+
+    @property
+    def kept_rows(self) -> Callable[[nn.Module, int, int], ContextManager] | None:
+        """(encoder, start, stop) -> the context within which the encoder returns only rows ``[start, stop)``
+        of each sequence, its last layer computing those alone; None where the family's last layer runs whole."""
+        if self.encoder_layer_norm is None:
+            return None
+        pre_norm = self.encoder_layer_norm == "pre"
+        return lambda encoder, start, stop: last_layer_rows(encoder.layers, start, stop, pre_norm)
 
     def max_source_length(self, config, tokenizer=None) -> int:
         """The encoder's own window: the config's limit, narrowed by the tokenizer's when it has one."""
@@ -127,12 +140,13 @@ _T5_ROW = dict(
 )
 
 ARCHITECTURES: tuple[Architecture, ...] = (
-    _row("BART", ["bart"]),
-    _row("mBART", ["mbart"]),
-    _row("PEGASUS", ["pegasus"]),
-    _row("Marian", ["marian"], default_source_length=512),
-    _row("Blenderbot", ["blenderbot", "blenderbot-small"], default_source_length=128),
-    _row("PLBART", ["plbart"]),
+    _row("BART", ["bart"], encoder_layer_norm="post"),
+    _row("mBART", ["mbart"], encoder_layer_norm="pre"),
+    _row("PEGASUS", ["pegasus"], encoder_layer_norm="pre"),
+    _row("Marian", ["marian"], default_source_length=512, encoder_layer_norm="post"),
+    _row("Blenderbot", ["blenderbot"], default_source_length=128, encoder_layer_norm="pre"),
+    _row("Blenderbot-small", ["blenderbot-small"], default_source_length=128, encoder_layer_norm="post"),
+    _row("PLBART", ["plbart"], encoder_layer_norm="post"),
     _row(
         "LED", ["led"], pack_output=_led_output, source_length_attribute="max_encoder_position_embeddings",
         default_source_length=16384, encoder_inputs=_led_encoder_inputs, fast_encoding=blocked_local_attention,

@@ -160,7 +160,8 @@ class DocumentEncoder:
         int8 = int8_linears(encoder, self.int8_made) if self.encoding.int8 else nullcontext()
         with self.loaded.architecture.encoding(encoder), int8:
             encode_windows(encoder, input_ids, plan, sink, batch_size=batch_size,
-                           encoder_inputs=self.loaded.architecture.encoder_inputs, on_batch=on_batch)
+                           encoder_inputs=self.loaded.architecture.encoder_inputs,
+                           kept_rows=self.loaded.architecture.kept_rows, on_batch=on_batch)
 
     def encode_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         """[n, d] encoder states of one sequence ``input_ids`` [n] (at most a window), encoded as the document's
@@ -252,7 +253,7 @@ def model_identity(loaded: LoadedModel) -> str:
 def software_identity(loaded: LoadedModel, int8: bool = False) -> str:
     """What else changes the tokens or the states' last bits: the transformers, tokenizers and torch releases,
     the attention kernel and the code path the encoder runs (the model's own, or unlimisum's blocked local
-    attention for LED; ``int8``: its linear layers in int8); the unlimisum release is in every key too
+    attention for LED; the last layer on a window's kept rows alone, models/kept_rows.py; ``int8``: its linear layers in int8); the unlimisum release is in every key too
     (CacheKey.unlimisum)."""
     import tokenizers
     import transformers
@@ -261,6 +262,8 @@ def software_identity(loaded: LoadedModel, int8: bool = False) -> str:
     version = ".".join(transformers.__version__.split(".")[:2])
     fast = getattr(loaded.architecture, "fast_encoding", None)
     path = f"{fast.__module__}.{fast.__name__}" if fast is not None else "the model's own"
+    if getattr(loaded.architecture, "kept_rows", None) is not None:
+        path += ", the last layer on the kept rows"
     backend = ".".join(tokenizers.__version__.split(".")[:2])
     linears = "; linear layers int8" if int8 else ""
     return (f"transformers {version}; tokenizers {backend}; torch {torch.__version__.split('+')[0]}; "

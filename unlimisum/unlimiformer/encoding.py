@@ -8,8 +8,9 @@ first keeps its start and the last its end, so every token is kept exactly once.
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Callable, ContextManager, Protocol
 
 import torch
 from torch import nn
@@ -116,13 +117,16 @@ def encode_windows(
     *,
     batch_size: int,
     encoder_inputs: Callable[[torch.Tensor], dict] | None = None,
+    kept_rows: Callable[[nn.Module, int, int], ContextManager] | None = None,
     on_batch: Callable[[int], None] | None = None,
 ) -> None:
     """Encode every window of ``input_ids`` [N] and hand the kept states to ``sink`` in order.
 
     ``sink`` receives [n_kept, d] tensors in the encoder's dtype on its device; the
     states are never gathered here, so no second full copy of the input's states exists.
-    ``on_batch(windows_done)`` is called after each encoder pass.
+    ``kept_rows``: the architecture's (``Architecture.kept_rows``), within which the encoder's
+    last layer computes only the rows a batch's windows keep. ``on_batch(windows_done)`` is
+    called after each encoder pass.
     """
     device = next(encoder.parameters()).device
     done = 0
@@ -133,10 +137,18 @@ def encode_windows(
             # every window but a lone short one is full, so a batch never needs padding
             rows = torch.stack([input_ids[plan.starts[i] : plan.starts[i] + length] for i in batch]).to(device)
             extra = encoder_inputs(rows) if encoder_inputs is not None else {}
-            hidden = encoder(input_ids=rows, attention_mask=torch.ones_like(rows), **extra).last_hidden_state
-            for row, i in enumerate(batch):  # hidden: [batch, length, d]
+            # the rows any window of the batch keeps, relative to its start: [first, stop)
+            first = min(plan.kept(i)[0] - plan.starts[i] for i in batch)
+            stop = max(plan.kept(i)[1] - plan.starts[i] for i in batch)
+            if kept_rows is None or (first, stop) == (0, length):
+                first, rows_only = 0, nullcontext()
+            else:
+                rows_only = kept_rows(encoder, first, stop)
+            with rows_only:
+                hidden = encoder(input_ids=rows, attention_mask=torch.ones_like(rows), **extra).last_hidden_state
+            for row, i in enumerate(batch):  # hidden: [batch, rows from `first`, d]
                 keep_start, keep_end = plan.kept(i)
-                offset = plan.starts[i]
+                offset = plan.starts[i] + first
                 sink(hidden[row, keep_start - offset : keep_end - offset])
             done = batch[-1] + 1
             if on_batch is not None:
