@@ -70,6 +70,61 @@ def test_warm_compiles_in_a_thread_and_ready_waits_for_it(monkeypatch):
     assert compiled.warm(["weighted_sum"], torch.float32) is None  # nothing left to do
 
 
+@pytest.fixture
+def two_threads():
+    """torch on two threads for the test (the suite runs on one), then as it was."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_torch_leaves_the_compile_a_core_until_it_ends(two_threads):
+    release = threading.Event()
+    compiling = threading.Thread(target=lambda: release.wait(30), daemon=True)
+    compiling.start()
+    with compiled.core_for(compiling) as when_compiled:
+        assert torch.get_num_threads() == 1
+        when_compiled()  # still compiling: torch keeps to its one thread
+        assert torch.get_num_threads() == 1
+        release.set()
+        compiling.join(30)
+        when_compiled()
+        assert torch.get_num_threads() == 2  # given back between batches, before the encoding ends
+    assert torch.get_num_threads() == 2
+
+
+def test_torch_gets_its_threads_back_when_the_encoding_ends_first(two_threads):
+    release = threading.Event()
+    compiling = threading.Thread(target=lambda: release.wait(30), daemon=True)
+    compiling.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with compiled.core_for(compiling):
+                assert torch.get_num_threads() == 1
+                raise KeyboardInterrupt
+        assert torch.get_num_threads() == 2
+    finally:
+        release.set()
+    with compiled.core_for(None) as when_compiled:  # nothing compiling: nothing changes
+        when_compiled()
+        assert torch.get_num_threads() == 2
+
+
+def test_one_thread_is_left_alone():
+    release = threading.Event()
+    compiling = threading.Thread(target=lambda: release.wait(30), daemon=True)
+    compiling.start()
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with compiled.core_for(compiling):
+            assert torch.get_num_threads() == 1
+    finally:
+        release.set()
+        torch.set_num_threads(before)
+
+
 def test_a_kernel_that_fails_leaves_the_torch_kernels(monkeypatch):
     monkeypatch.setattr(compiled, "_READY", {})
 
@@ -181,3 +236,33 @@ def test_steps_unlike_the_measured_ones_are_not_judged(tmp_path, monkeypatch):
         kernels.attend(states, torch.randn(kernels.CALIBRATION_QUERIES, 8), 64, steps.choice)
         kernels.attend(states, torch.randn(4 * kernels.CALIBRATION_QUERIES, 8), 64, steps.choice)  # 4 beams
     assert steps.check.ratios == [] and steps.store.get("retrieval kernel") is not None
+
+
+def test_the_encoding_leaves_the_compile_a_core(tiny_loaded, monkeypatch, two_threads):
+    """A document encoded while its kernels compile runs torch on one thread fewer until the compile ends."""
+    from unlimisum.config import EncodingConfig, IndexConfig
+    from unlimisum.document import Document
+    from unlimisum.summarizer import Summarizer
+
+    release = threading.Event()
+    compiling = threading.Thread(target=lambda: release.wait(30), daemon=True)
+    monkeypatch.setattr(compiled, "warm", lambda kernels, dtype: (compiling.start(), compiling)[1])
+    loaded = tiny_loaded("bart")
+    threads_seen = []
+
+    def forward_hook(module, args, output):
+        threads_seen.append(torch.get_num_threads())
+        if len(threads_seen) == 2:  # the compile ends after the second window
+            release.set()
+            compiling.join(30)
+
+    handle = loaded.model.get_encoder().register_forward_hook(forward_hook)
+    try:
+        text = " ".join(f"word{i % 97}" for i in range(400))
+        summarizer = Summarizer(loaded, encoding=EncodingConfig(batch_size=1), index=IndexConfig(kind="exact"))
+        summarizer.family._encoder().encode(Document.from_text(text))
+    finally:
+        handle.remove()
+        release.set()
+    assert threads_seen[:2] == [1, 1] and threads_seen[2:] and set(threads_seen[2:]) == {2}
+    assert torch.get_num_threads() == 2

@@ -118,10 +118,11 @@ class DocumentEncoder:
         builder = DatastoreBuilder(n_tokens, self.loaded.model.config.d_model, self._index_plan(n_tokens),
                                    self.plan.index)
         keys_plan = self._key_store_plan(n_tokens, builder.plan)
+        compiling = None
         if builder.plan.kind == "exact":  # a first run on this machine compiles its kernels while it encodes
-            compiled.warm(kernels.compiled_kernels_for(n_tokens, builder.dtype, builder.plan.device, builder.dim,
-                                                       per_layer=keys_plan.kind == "per-layer",
-                                                       values=keys_plan.values), builder.dtype)
+            compiling = compiled.warm(kernels.compiled_kernels_for(n_tokens, builder.dtype, builder.plan.device,
+                                                                   builder.dim, per_layer=keys_plan.kind == "per-layer",
+                                                                   values=keys_plan.values), builder.dtype)
         keys = None
         if keys_plan.kind == "per-layer":  # each window's kept states projected once per layer, as they come
             values = value_weights(self.loaded.model, self.loaded.architecture) if keys_plan.values else None
@@ -135,8 +136,12 @@ class DocumentEncoder:
         sink = builder.add if keys is None else lambda states: (builder.add(states), keys.add(states))
         self.progress(ProgressEvent("encode", 0, windows.n_windows, name, info))
         encode = self.elsewhere.encode if self.elsewhere is not None else self.encode_windows
-        encode(input_ids, windows, sink, batch_size=batch_size,
-               on_batch=lambda done: self.progress(ProgressEvent("encode", done, windows.n_windows, name, info)))
+        with compiled.core_for(compiling if self.elsewhere is None else None) as when_compiled:
+            def on_batch(done: int) -> None:
+                when_compiled()
+                self.progress(ProgressEvent("encode", done, windows.n_windows, name, info))
+
+            encode(input_ids, windows, sink, batch_size=batch_size, on_batch=on_batch)
         encoded_at = time.perf_counter()
         self.progress(ProgressEvent("index", 0, 1, name, info))
         store = builder.finish()
