@@ -258,8 +258,8 @@ def model_identity(loaded: LoadedModel) -> str:
 def software_identity(loaded: LoadedModel, int8: bool = False) -> str:
     """What else changes the tokens or the states' last bits: the transformers, tokenizers and torch releases,
     the attention kernel and the code path the encoder runs (the model's own, or unlimisum's blocked local
-    attention for LED; the last layer on a window's kept rows alone, models/kept_rows.py; ``int8``: its linear layers in int8); the unlimisum release is in every key too
-    (CacheKey.unlimisum)."""
+    attention for LED; the last layer on a window's kept rows alone, models/kept_rows.py; ``int8``: its linear
+    layers in int8); the unlimisum release is in every key too (CacheKey.unlimisum)."""
     import tokenizers
     import transformers
 
