@@ -100,3 +100,19 @@ def test_a_document_encoder_runs_the_last_layer_on_the_kept_rows(tiny_loaded):
     rows = _rows_through_last_feed_forward(
         loaded.model.get_encoder(), lambda: encoder.encode_windows(input_ids, plan, kept.append, batch_size=1))
     assert rows and max(rows) < 64 and torch.cat(kept).shape[0] == 200
+
+
+@pytest.mark.parametrize("model_type", ["bart", "pegasus"])
+def test_kept_rows_in_bfloat16(tiny_loaded, model_type):
+    """The default path on a CPU with 16-bit units encodes in bfloat16: the kept rows agree there too."""
+    import copy
+
+    encoder = copy.deepcopy(tiny_loaded(model_type).model.get_encoder()).to(torch.bfloat16)
+    kept_rows = architecture_named(model_type).kept_rows
+    torch.manual_seed(6)
+    input_ids = torch.randint(5, 200, (250,))
+    plan = plan_windows(len(input_ids), 64, 0.5)
+    kept = _kept_states(encoder, input_ids, plan, kept_rows, 2)
+    whole = _kept_states(encoder, input_ids, plan, None, 2)
+    assert kept.dtype == torch.bfloat16
+    torch.testing.assert_close(kept, whole)  # bfloat16's own tolerance
