@@ -261,6 +261,8 @@ def test_evidence_at_80_columns_wraps_at_spaces_and_lists_no_faint_passage(loade
     piped_notes = subprocess.run([*base, "--evidence"], cwd=tmp_path, env=process_env(), capture_output=True,
                                  text=True, timeout=180).stdout
     written = [line for line in piped_notes.splitlines() if line.startswith("[^") and "]: " in line]
-    assert words(" ".join(notes)) == words(" ".join(written)), text
+    # in a pipe the book's text is escaped for a Markdown renderer; a renderer shows what the terminal does
+    rendered = [re.sub(r"\\(.)", r"\1", line) for line in written]
+    assert words(" ".join(notes)) == words(" ".join(rendered)), text
     assert len(notes) > len(written)  # some footnote was longer than a row: it went on, indented
     assert " (0%)" not in piped_notes

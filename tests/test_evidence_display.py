@@ -20,14 +20,17 @@ from unlimisum.runs.output import render_markdown, summary_record, with_evidence
 def test_footnotes_show_support_and_leave_out_faint_passages():
     document = hostile_book()
     summary = hostile_summary(document, support=(1.8, 0.02))
-    text, last = with_evidence(summary, 0)
+    text, last = with_evidence(summary, 0, escape=False)  # as a terminal shows it
     notes = text.split("\n\n", 1)[1].splitlines()
     assert last == 2 and len(notes) == 2
     assert notes[0].startswith("[^1]: Support 1.80 nats/token. Loomings <script>alert(1)</script> (70%): “")
+    escaped, _ = with_evidence(summary, 0)  # as a Markdown file holds it
+    assert escaped.split("\n\n", 1)[1].startswith(
+        "[^1]: Support 1.80 nats/token. Loomings \\<script>alert(1)\\</script> (70%): “")
     assert "(30%)" in notes[0] and "“I stuffed" in notes[0]
     assert notes[0].count("%): “") == 2  # the passage with 0.5 % is left out
     assert notes[1].startswith("[^2]: Check first: support 0.02 nats/token. ")
-    unmeasured, _ = with_evidence(hostile_summary(document, support=(None, None)), 0)
+    unmeasured, _ = with_evidence(hostile_summary(document, support=(None, None)), 0, escape=False)
     assert "[^2]: The \"Carpet-Bag\"" in unmeasured and "[^1]: Loomings" in unmeasured
     assert "upport" not in unmeasured.split("[^1]:", 1)[1]
     record = summary_record(summary, document)  # the JSON keeps every passage

@@ -6,7 +6,7 @@ extra): one column of points per system, each document's ROUGE-1 and ROUGE-L, th
 
 from __future__ import annotations
 
-from unlimisum.visible import visible
+from unlimisum.visible import markdown_line
 
 SHOWN = (("rouge1", "ROUGE-1"), ("rouge2", "ROUGE-2"), ("rougeL", "ROUGE-L"), ("rougeLsum", "ROUGE-Lsum"),
          ("entment", "EntMent"), ("bertscore", "BERTScore"))
@@ -20,10 +20,12 @@ def interval(estimate: dict, percent: bool = True) -> str:
 
 
 def markdown(report: dict, title: str = "Evaluation") -> str:
-    """The report as Markdown: the systems' means with 95 % intervals, the paired differences, each document."""
+    """The report as Markdown: the systems' means with 95 % intervals, the paired differences, each document; the
+    names and ids from the data and the command line escaped as Markdown text (unlimisum/visible.py)."""
     metrics = [(key, name) for key, name in SHOWN if any(key in system["metrics"] for system in report["systems"])]
-    lines = [f"# {visible(title)}", "", "Scores are F1 (ROUGE, BERTScore) or recall (EntMent), in percent: the mean over "
-             "the documents and its 95 % bootstrap interval.", "",
+    lines = [f"# {markdown_line(title)}", "",
+             "Scores are F1 (ROUGE, BERTScore) or recall (EntMent), in percent: the mean over the documents and its "
+             "95 % bootstrap interval.", "",
              "| system | documents | " + " | ".join(name for _, name in metrics) + " | words | seconds | check first |",
              "|---|---:|" + "---:|" * (len(metrics) + 3)]
     for system in report["systems"]:
@@ -31,14 +33,14 @@ def markdown(report: dict, title: str = "Evaluation") -> str:
         cells = [interval(found[key]) if key in found else "–" for key, _ in metrics]
         cells += [interval(found[key], percent=False) if key in found else "–" for key in ("words", "seconds")]
         cells.append(f"{100 * found['check_first']['mean']:.0f} %" if "check_first" in found else "–")
-        lines.append(f"| {system['name']} | {len(system['documents'])} | " + " | ".join(cells) + " |")
+        lines.append(f"| {markdown_line(system['name'])} | {len(system['documents'])} | " + " | ".join(cells) + " |")
     if report["paired"]:
         lines += ["", "Paired differences, unlimisum minus each baseline, over the documents both scored (points "
                   "of percent; an interval that excludes 0 holds beyond this sample of documents):", "",
                   "| baseline | metric | difference | 95 % interval |", "|---|---|---:|---|"]
         names = dict(SHOWN)
         for pair in report["paired"]:
-            lines.append(f"| {pair['baseline']} | {names.get(pair['metric'], pair['metric'])} | "
+            lines.append(f"| {markdown_line(pair['baseline'])} | {names.get(pair['metric'], pair['metric'])} | "
                          f"{100 * pair['difference']:+.1f} | {100 * pair['low']:+.1f} to {100 * pair['high']:+.1f} |")
     lines += ["", "Each document:", "", "| id | system | " + " | ".join(name for _, name in metrics) + " | words |",
               "|---|---|" + "---:|" * (len(metrics) + 1)]
@@ -49,8 +51,8 @@ def markdown(report: dict, title: str = "Evaluation") -> str:
     for identity, rows in by_id.items():
         for name, document in rows:
             cells = [f"{100 * document[key]:.1f}" if document.get(key) is not None else "–" for key, _ in metrics]
-            label = visible(str(identity)).replace("|", "\\|")
-            lines.append(f"| {label} | {name} | " + " | ".join(cells) + f" | {document['words']} |")
+            lines.append(f"| {markdown_line(str(identity))} | {markdown_line(name)} | " + " | ".join(cells)
+                         + f" | {document['words']} |")
     return "\n".join(lines) + "\n"
 
 

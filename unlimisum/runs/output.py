@@ -59,8 +59,10 @@ A document that failed is, on stdout only, ``{"schema_version": 3, "path": ..., 
 "error_type": ...}`` so that a JSON Lines consumer sees every input once.
 
 Text from the document or the model reaches a terminal or a file as text (unlimisum/visible.py): the Markdown
-shows its control characters as symbols (ESC as ␛); the JSON keeps the exact characters, escaped as JSON
-escapes them (DEL and the C1 controls too).
+shows its control characters as symbols (ESC as ␛) and, in a file or a pipe, escapes every character a renderer
+would read as markup (``markdown_text``: a book's ``<img>`` or ``[link](url)`` renders as those characters);
+printed on a terminal, where nothing renders it, the text is as written. The JSON keeps the exact characters,
+escaped as JSON escapes them (DEL and the C1 controls too).
 
 Files written with -o are marked as unlimisum's own — Markdown with ``MARKDOWN_MARKER`` as its
 first line, JSON with ``"written_by": "unlimisum"``, HTML pages (``unlimisum.runs.html``) with the same
@@ -77,7 +79,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from unlimisum.files import atomic_write_bytes
-from unlimisum.visible import json_text, visible
+from unlimisum.visible import json_text, markdown_line, markdown_text, visible
 
 if TYPE_CHECKING:  # the summarizer imports torch; keep `unlimisum --help` and completion fast
     from unlimisum.document import Document
@@ -181,25 +183,35 @@ def document_heading(document: Document) -> str:
 
 
 def render_markdown(summary: Summary, document: Document, *, heading: bool, marker: bool = False,
-                    coverage: bool = False, evidence: bool = False, width: int | None = None) -> str:
+                    coverage: bool = False, evidence: bool = False, width: int | None = None,
+                    escape: bool = True) -> str:
     """The summary as Markdown: the marker line (for files), ``# heading`` (when asked), the text,
     with ``coverage`` a table of where it looked, with ``evidence`` a footnote mark after each sentence and
     the quoted passages under the text, then ``## chapter`` sections (each with its own). ``width``: the
     terminal's columns, when it is printed on one: the footnotes are wrapped to it at spaces. Control characters
-    of the document's and the model's text are shown as symbols (unlimisum/visible.py)."""
+    of the document's and the model's text are shown as symbols, and with ``escape`` (Markdown a renderer reads:
+    a file, a pipe) every character of theirs that Markdown would read as markup is escaped
+    (unlimisum/visible.py); without it (a terminal) the text is as written."""
     parts = [MARKDOWN_MARKER] if marker else []
+    line = markdown_line if escape else visible
     if heading:
-        parts.append(f"# {document_heading(document)}")
+        parts.append(f"# {line(document_heading(document))}")
     notes = 0  # footnote labels run through the whole file: Markdown's are global
-    text, notes = with_evidence(summary, notes, width) if evidence else (summary.text, notes)
+    text, notes = with_evidence(summary, notes, width, escape) if evidence else (_text(summary.text, escape), notes)
     parts.append(text)
     if coverage and summary.coverage:
-        parts.append(coverage_table(summary))
+        parts.append(coverage_table(summary, escape))
     for number, chapter in enumerate(summary.chapters, start=1):
-        title = chapter.title or f"Part {number}"  # never a chapter name the book does not have
-        text, notes = with_evidence(chapter, notes, width) if evidence else (chapter.text, notes)
+        title = line(chapter.title) if chapter.title else f"Part {number}"  # never a name the book does not have
+        text, notes = with_evidence(chapter, notes, width, escape) if evidence else (_text(chapter.text, escape),
+                                                                                       notes)
         parts.append(f"## {title}\n\n{text}")
     return visible("\n\n".join(parts) + "\n")
+
+
+def _text(text: str, escape: bool, line_start: bool = True) -> str:
+    """A document's or a model's ``text`` for the Markdown (``render_markdown``'s ``escape``)."""
+    return markdown_text(text, line_start) if escape else visible(text)
 
 
 def shown_sources(sentence: SentenceEvidence) -> tuple[Source, ...]:
@@ -218,13 +230,12 @@ def support_note(sentence: SentenceEvidence) -> str:
     return f"check first: {measured}" if weakly_supported(sentence) else measured
 
 
-def with_evidence(summary: Summary, first: int, width: int | None = None) -> tuple[str, int]:
+def with_evidence(summary: Summary, first: int, width: int | None = None, escape: bool = True) -> tuple[str, int]:
     """The summary's text with a footnote mark ``[^n]`` after each sentence that has sources, then the
     footnotes: the sentence's support when measured, and each passage shown (``shown_sources``) quoted with
     its chapter and share. Labels continue after ``first``; returns the text and the last label used.
-    ``width``: wrap each footnote at spaces to that many columns, continued on indented lines."""
-    if not summary.evidence:
-        return summary.text, first
+    ``width``: wrap each footnote at spaces to that many columns, continued on indented lines. ``escape``: the
+    summary's and the book's text escaped for a Markdown renderer (``render_markdown``)."""
     text, position, label, notes = summary.text, 0, first, []
     pieces = []
     for sentence in summary.evidence:
@@ -232,16 +243,28 @@ def with_evidence(summary: Summary, first: int, width: int | None = None) -> tup
         if not sources:
             continue
         label += 1
-        pieces.append(text[position:sentence.end] + f"[^{label}]")
+        piece = _text(text[position:sentence.end], escape, _starts_line(text, position))
+        if escape and piece.endswith("!"):  # "![^1]" would be an image where the renderer has no footnotes
+            piece = piece[:-1] + "\\!"
+        pieces.append(piece + f"[^{label}]")
         position = sentence.end
         quoted = "; ".join(
-            f"{source.chapter or f'Part {source.chapter_index + 1}'} ({source.share:.0%}): "
-            f"“{' '.join(source.quote.split())}”" for source in sources)
+            f"{_quoted(source.chapter, escape) if source.chapter else f'Part {source.chapter_index + 1}'} "
+            f"({source.share:.0%}): “{_quoted(source.quote, escape)}”" for source in sources)
         support = support_note(sentence)
         note = f"[^{label}]: {support[:1].upper() + support[1:]}. {quoted}" if support else f"[^{label}]: {quoted}"
         notes.append(wrap_at_spaces(note, width, FOOTNOTE_INDENT) if width else note)
-    pieces.append(text[position:])
+    pieces.append(_text(text[position:], escape, _starts_line(text, position)))
     return "".join(pieces) + ("\n\n" + "\n".join(notes) if notes else ""), label
+
+
+def _starts_line(text: str, position: int) -> bool:
+    return position == 0 or text[position - 1] == "\n"
+
+
+def _quoted(text: str, escape: bool) -> str:
+    """A chapter's name or a passage, on one line of a footnote."""
+    return markdown_line(text) if escape else " ".join(visible(text).split())
 
 
 def wrap_at_spaces(text: str, width: int, indent: str) -> str:
@@ -264,11 +287,13 @@ def _cells(text: str) -> int:
                2 if unicodedata.east_asian_width(character) in "WF" else 1 for character in text)
 
 
-def coverage_table(summary: Summary) -> str:
-    """A Markdown table: each part of the input, its tokens, and its share of the summary's attention."""
+def coverage_table(summary: Summary, escape: bool = True) -> str:
+    """A Markdown table: each part of the input, its tokens, and its share of the summary's attention (``escape``:
+    the parts' titles escaped for a Markdown renderer, ``render_markdown``; a ``|`` in them always is)."""
     rows = ["| part | tokens | share of attention |", "|---|---:|---:|"]
     for number, span in enumerate(summary.coverage, start=1):
-        title = (span.title or f"Part {number}").replace("|", "\\|")
+        title = (markdown_line(span.title) if escape else visible(span.title).replace("|", "\\|")) if span.title \
+            else f"Part {number}"
         rows.append(f"| {title} | {span.start_token:,}–{span.end_token:,} | {span.share:.1%} |")
     return "Where the summary looked (retrieval attention, all layers, heads and steps):\n\n" + "\n".join(rows)
 

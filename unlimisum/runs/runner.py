@@ -360,7 +360,8 @@ class BatchRunner:
                                              coverage=settings.coverage, evidence=settings.evidence))
             return ""
         return render_markdown(summary, document, heading=several, coverage=settings.coverage,
-                               evidence=settings.evidence, width=settings.stdout_width)
+                               evidence=settings.evidence, width=settings.stdout_width,
+                               escape=settings.stdout_width is None)  # a terminal renders no Markdown
 
     def _write(self, job: Job, text: str, path: Path | None = None) -> None:
         """Write the summary file (or ``path``: the page of --html), unless another program put a file there
