@@ -28,7 +28,7 @@ its positions and PLAIN_PREFILL_MAX_TOKENS. With --before REV, unlimisum/decoder
 git revision REV is loaded beside this tree's and the first N is read with each in turns
 (plain, before, now; twice), so that a busy moment of a shared machine falls on all alike.
 
-Prints the tables and writes bench/results/decoder_only.json.
+Prints the tables and writes bench/results/decoder_only.json (``--name NAME``: NAME.json there).
 """
 
 from __future__ import annotations
@@ -235,6 +235,8 @@ def main(argv=None) -> None:
     parser.add_argument("--prefill-window", type=int, default=1024)
     parser.add_argument("--before", default=None, help="git revision whose decoder_only/cache.py is the baseline")
     parser.add_argument("--turns", type=int, default=2)
+    parser.add_argument("--name", default="decoder_only",
+                        help="write bench/results/NAME.json (--table prefill keeps the decode table there)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.prefill_layers is None:
@@ -243,10 +245,10 @@ def main(argv=None) -> None:
     if args.table in ("prefill", "both"):
         prefill = prefill_table(args, [int(n) for n in (args.prefill_tokens or "8192,32768,131072").split(",")])
         if args.table == "prefill":  # the decode table of an earlier run stays beside it
-            earlier = RESULTS / "decoder_only.json"
+            earlier = RESULTS / f"{args.name}.json"
             kept = json.loads(earlier.read_text()) if earlier.exists() else {}
             kept.pop("machine", None)
-            path = write_result("decoder_only", dict(kept, prefill=prefill))
+            path = write_result(args.name, dict(kept, prefill=prefill))
             print(f"wrote {path}")
             return
     default = "4096,16384,65536" if args.quick else "4096,16384,65536,262144"
@@ -276,7 +278,7 @@ def main(argv=None) -> None:
         print_table(["N", "positions", "ms/token", "floor ms", "x floor", "search", "plain ms", "store B/token",
                      "plain B/token"], rows)
         print(flush=True)
-    path = write_result("decoder_only", dict(
+    path = write_result(args.name, dict(
         model=args.size, weights_bytes=weight_bytes, read_bandwidth_bytes_per_second=bandwidth,
         new_tokens=args.new_tokens, threads=args.threads, results=results, prefill=prefill))
     print(f"wrote {path}")
