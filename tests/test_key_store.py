@@ -545,6 +545,7 @@ def test_the_compiled_head_kernel_is_chosen_where_it_is_fastest(monkeypatch):
     (0.020, 0.040, 2048),  # 2x slower at 512 tokens, 2x faster at 8 x 512: they meet at sqrt(8) x 512 = 1,448
     # tokens, rounded up to a multiple of 1,024
     (0.020, 0.100, None),  # slower at both lengths: never
+    (0.030, 0.001, None),  # 3x slower at 512 tokens: not raced at the second length (LONG_RACE_MAX_RATIO)
 ])
 def test_a_scan_takes_over_from_the_length_where_it_is_measured_faster(monkeypatch, scanner, scan, scan_long,
                                                                        expected_from):
@@ -553,9 +554,11 @@ def test_a_scan_takes_over_from_the_length_where_it_is_measured_faster(monkeypat
     seconds = {"shared": 0.030, "float32/256": 0.020, "float32/1024": 0.010, "float32/4096": 0.015, "native": 0.5,
                "compiled": 0.5, f"{scanner} scan": scan, "float32/1024 long": 0.080, f"{scanner} scan long": scan_long}
     shared = kernels.KernelChoice("float32", 512, False, 1e-9, 1e-9)
+    timed = []
     choice = head_kernels.calibrate_heads("cpu", torch.bfloat16, 32, 4, 8, rows=512, long_rows=4096, shared=shared,
-                                          time_one=lambda name, run: seconds[name])
+                                          time_one=lambda name, run: timed.append(name) or seconds[name])
     assert choice.scores == "float32" and choice.scan_min_rows == expected_from
+    assert (f"{scanner} scan long" in timed) == (scan > 0.010 and scan <= head_kernels.LONG_RACE_MAX_RATIO * 0.010)
     assert choice.scanner == (scanner if expected_from else None)
     assert choice.speedup == pytest.approx(0.030 / min(0.010, scan))
     assert (f"the {scanner} scan selecting" in choice.reason) == (expected_from is not None)

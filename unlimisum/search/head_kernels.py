@@ -55,6 +55,10 @@ MEASURE_ROWS = 16_384  # synthetic rows of the measurement: both stores at least
 # a scan against the best head kernel again at this many rows (its top-k's cost fades with length, a kernel's
 # scores do not): where it wins only here, it takes over from the length where the two meet
 LONG_MEASURE_ROWS = 131_072
+# ... but only a scan at most this much slower at MEASURE_ROWS: from 16k to 131k rows the scans gained 1.6x on the
+# head kernel (EPYC Zen 2, faiss, 1 and 32 queries per head: 1.25x as slow to 0.80x, 2.93x to 1.78x), so one
+# slower by more would not meet it there (that race took 2 s of a first run's 7 s of measuring)
+LONG_RACE_MAX_RATIO = 2.5
 # what the measurements of this module are called in the user's cache folder: a new version measures again
 MEASUREMENT_VERSION = 5  # 5: the head kernels' top-k compiled (compiled.top_k); one query's scan four keys at a time
 MEASURE_REPEATS = 3
@@ -143,9 +147,9 @@ def calibrate_heads(device: torch.device | str, dtype: torch.dtype, dim: int, he
     None) against the key store's, each head kernel and block size and (on a CPU, where they run) the two scans,
     on synthetic stores of ``rows`` tokens; choose the fastest head kernel and the faster scan, and say how much
     faster than the shared store the key store is there (``speedup``: its fastest, a scan included). Where the
-    scan loses at ``rows``, it races the fastest head kernel again at ``long_rows`` (the keys tiled, each copy
-    scaled apart) and, if it wins there, takes over from the length where the two meet (``scan_min_rows``,
-    interpolated in log length).
+    scan loses at ``rows`` (by LONG_RACE_MAX_RATIO at most), it races the fastest head kernel again at
+    ``long_rows`` (the keys tiled, each copy scaled apart) and, if it wins there, takes over from the length where
+    the two meet (``scan_min_rows``, interpolated in log length).
 
     ``time_one(name, run)`` -> seconds (default: the wall clock around one run); UNLIMISUM_SCORE_KERNEL=native
     forces the native head kernel, float32 or packed the float32 one (there is no packed head kernel; neither
@@ -191,7 +195,8 @@ def calibrate_heads(device: torch.device | str, dtype: torch.dtype, dim: int, he
     scan_min_rows = None
     if scanner is not None and seconds[f"{scanner} scan"] <= seconds[fastest]:
         scan_min_rows = rows
-    elif scanner is not None and long_rows > rows:  # again at long_rows: a scan's fixed costs fade with length
+    elif (scanner is not None and long_rows > rows  # again at long_rows: a scan's fixed costs fade with length
+          and seconds[f"{scanner} scan"] <= LONG_RACE_MAX_RATIO * seconds[fastest]):
         copies = -(-long_rows // rows)
         long_keys = keys.repeat(1, copies, 1)  # [H, copies * rows, dh]
         for copy in range(1, copies):  # scaled apart (exact in 16 bits): no copy's scores tie another's
