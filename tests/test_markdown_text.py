@@ -81,3 +81,23 @@ def test_any_text_renders_as_itself(text):
     elements, rendered = rendered_text(markdown_text(text))
     assert elements <= {"p", "br"}, elements
     assert rendered == shown(text)
+
+
+def test_a_summary_file_renders_the_books_markup_as_text():
+    """The Markdown of a summary whose titles, sentences and passages hold HTML (tests/test_html_page.py's
+    hostile book): its own headings, table and footnote marks are elements, nothing of the book's is."""
+    from tests.test_html_page import hostile_book, hostile_summary
+    from unlimisum.runs.output import coverage_table, render_markdown
+
+    document = hostile_book()
+    summary = hostile_summary(document, support=(1.8, 0.02))
+    page = RENDERER.render(render_markdown(summary, document, heading=True, evidence=True, coverage=True))
+    elements = {match.group(2) for match in TAG.finditer(page)}
+    assert elements <= {"h1", "p", "br", "table", "thead", "tbody", "tr", "th", "td", "a", "sup", "section",
+                        "ol", "li", "hr"}, elements
+    assert "<script" not in page and "<img" not in page and "<b>" not in page and "<i " not in page
+    assert "&lt;script&gt;window.pwned" in page  # the sentence's markup, as its characters
+    table = RENDERER.render(coverage_table(summary))
+    assert table.count("<tr>") == 1 + len(summary.coverage)
+    assert all(row.count("<td") == 3 for row in table.split("<tr>")[2:])
+    assert "Loomings &lt;script&gt;alert(1)&lt;/script&gt;" in table

@@ -292,8 +292,10 @@ def coverage_table(summary: Summary, escape: bool = True) -> str:
     the parts' titles escaped for a Markdown renderer, ``render_markdown``; a ``|`` in them always is)."""
     rows = ["| part | tokens | share of attention |", "|---|---:|---:|"]
     for number, span in enumerate(summary.coverage, start=1):
-        title = (markdown_line(span.title) if escape else visible(span.title).replace("|", "\\|")) if span.title \
-            else f"Part {number}"
+        if not span.title:
+            title = f"Part {number}"
+        else:
+            title = markdown_line(span.title) if escape else visible(span.title).replace("|", "\\|")
         rows.append(f"| {title} | {span.start_token:,}–{span.end_token:,} | {span.share:.1%} |")
     return "Where the summary looked (retrieval attention, all layers, heads and steps):\n\n" + "\n".join(rows)
 
