@@ -133,8 +133,7 @@ def test_files_written_with_o_hold_no_control_character(loader, tiny_model_dir, 
             assert "## Chapter 3: \u241b\\]0;PWNED-TITLE\u2407 The end\u2421" in text
             headings = [rendered_text(line) for line in text.splitlines() if line.startswith("## ")]
             assert all(elements == {"h2"} for elements, _ in headings)
-            # the markup as its characters (but the last "]": the text reader drops it from a heading)
-            assert headings[0][1].startswith(f"Chapter 1: {MARKUP[:-1]}")
+            assert f"Chapter 1: {MARKUP}" in [heading for _, heading in headings]  # the markup as its characters
 
 
 def test_in_a_terminal_the_screen_shows_the_characters_and_the_window_title_stays(tiny_model_dir, library):

@@ -221,6 +221,13 @@ def test_roman_and_uppercase_headings():
     assert [chapter.title for chapter in chapters] == ["CHAPTER I.", "CHAPTER II.", "CHAPTER III"]
 
 
+def test_a_heading_loses_only_a_closing_bracket_nothing_opened():
+    body = "Some words in this chapter, long enough to be a chapter of a book. " * 3
+    text = f"Chapter I.]\n\n{body}\n\nChapter 2: [a] note [b]\n\n{body}\n\nChapter 3: on [x]]\n\n{body}\n"
+    chapters, _ = split_chapters(text)
+    assert [chapter.title for chapter in chapters] == ["Chapter I.", "Chapter 2: [a] note [b]", "Chapter 3: on [x]"]
+
+
 def test_bare_numeral_headings_need_blank_lines_around_them():
     body = "A poem line that goes on for a while, and then a little while longer still. " * 2
     text = "\n\n".join(f"{numeral}.\n\n{body}" for numeral in ("I", "II", "III", "IV"))

@@ -166,7 +166,11 @@ def _blank_after(text: str, position: int) -> bool:
 
 
 def _clean_title(line: str) -> str:
-    return " ".join(line.strip().lstrip("#").strip().rstrip("]").split())
+    """A heading line as a title: its Markdown #s and spacing gone, and a closing "]" no "[" opened ("Chapter I.]")."""
+    title = line.strip().lstrip("#").strip()
+    while title.endswith("]") and title.count("]") > title.count("["):
+        title = title[:-1]
+    return " ".join(title.split())
 
 
 def _norm(title: str) -> str:
