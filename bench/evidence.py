@@ -152,7 +152,7 @@ def real_cost(sizes: list[str], n_values: list[int], new_tokens: int, beams: lis
     from bench.common import random_model
     from bench.index_choice import synthetic_store
     from unlimisum.evidence import Source
-    from unlimisum.search.keys import build_key_store, key_weights
+    from unlimisum.search.keys import build_key_store, key_weights, value_weights
     from unlimisum.unlimiformer.reread import SummaryReader, end_tokens, returned_length, support_of
 
     rows = []
@@ -162,8 +162,10 @@ def real_cost(sizes: list[str], n_values: list[int], new_tokens: int, beams: lis
         d = loaded.model.config.d_model
         for n, key_store in [(n, kind) for n in n_values for kind in key_stores]:
             store = synthetic_store(n, d, IndexConfig(kind="exact", device="cpu"))
-            if key_store == "per-layer":  # k < N here: the keys alone, as the encoder would build them
-                store.keys = build_key_store(store.states(), key_weights(loaded.model, loaded.architecture))
+            if key_store.startswith("per-layer"):  # k < N: the keys, as the encoder builds them (and "+values")
+                values = value_weights(loaded.model, loaded.architecture) if key_store.endswith("+values") else None
+                store.keys = build_key_store(store.states(), key_weights(loaded.model, loaded.architecture),
+                                             value_weights=values)
             for num_beams in beams:
                 generation = GenerationOptions(max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                                num_beams=num_beams, do_sample=False)
@@ -341,7 +343,8 @@ def main(argv=None) -> None:
     parser.add_argument("--beams", default="1,4", help="beam counts of --real")
     parser.add_argument("--new-tokens", type=int, default=64, help="summary tokens of --real")
     parser.add_argument("--key-stores", default="shared,per-layer",
-                        help="stores of --real: shared (the encoded states) and/or per-layer (keys built from them)")
+                        help="stores of --real: shared (the encoded states), per-layer (keys built from them) and/or "
+                             "per-layer+values (each layer's values too, summed at top-k steps)")
     parser.add_argument("--name", default=None, help="the result file's name (bench/results/NAME.json)")
     parser.add_argument("--support", action="store_true",
                         help="instead: support against a random control on the needle, by hiding and by removal "

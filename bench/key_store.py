@@ -49,7 +49,7 @@ from unlimisum.results import peak_rss_bytes
 from unlimisum.summarizer import Summarizer
 from unlimisum.search import head_kernels
 from unlimisum.search.keys import KeyStore, build_key_store, key_store_bytes, key_weights, value_weights
-from unlimisum.search.placement import KEY_STORE_MEMORY_FRACTION, IndexPlan, _free_bytes, plan_key_store
+from unlimisum.search.placement import KEY_STORE_MEMORY_FRACTION, IndexPlan, free_memory, plan_key_store
 
 TURNS = 3  # one layer's retrieval: the best of this many turns of each store
 BASELINE_TURNS = 3  # the truncated model's step: the best of this many generations
@@ -89,7 +89,8 @@ def seconds_per_token(loaded, store, k: int, new_tokens: int, beams: int) -> tup
 
 
 def one_layer_seconds(loaded, store, keys: KeyStore, k: int, beams: int) -> dict[str, float]:
-    """One decoder layer's retrieval alone, both stores in turns on the same random decoder states: best seconds."""
+    """One decoder layer's retrieval alone, the stores in turns on the same random decoder states: best seconds
+    (with the keys' values at a top-k step too, where the key store holds them)."""
     layer = loaded.architecture.decoder_layers(loaded.model)[0]
     attention = getattr(*loaded.architecture.cross_attention.locate(layer))
     weights = key_weights(loaded.model, loaded.architecture)[0]  # [H, dh, d]
@@ -104,6 +105,9 @@ def one_layer_seconds(loaded, store, keys: KeyStore, k: int, beams: int) -> dict
                                                           min(k, store.n_tokens), choice, store.kernel(),
                                                           values=keys.layer_values(0) if k >= store.n_tokens
                                                           else None)}
+    if keys.values is not None and k < store.n_tokens:
+        runs["per-layer+values"] = lambda: head_kernels.head_attend(keys.layer(0), store.states(), head_queries, k,
+                                                                    choice, store.kernel(), values=keys.layer_values(0))
     best = {name: float("inf") for name in runs}
     for _ in range(TURNS + 1):
         for name, run in runs.items():
@@ -134,18 +138,19 @@ def run(n_values: list[int], size: str, new_tokens: int, beams_values: list[int]
         store = synthetic_store(n, dim, index)
         store.kernel()  # calibrated before anything is timed
         key_bytes = key_store_bytes(n, layers, heads, head_dim, store.storage_dtype)
-        budget = KEY_STORE_MEMORY_FRACTION * (_free_bytes("cpu") + store.nbytes)  # the store is already resident
+        budget = KEY_STORE_MEMORY_FRACTION * (free_memory("cpu") + store.nbytes)  # the store is already resident
         keys = values = build_seconds = values_seconds = None
         if store.nbytes + key_bytes <= budget:
             started = time.perf_counter()
             keys = (build_key_store(store.states(), weights) if n <= synthetic_from
                     else synthetic_keys(layers, heads, n, head_dim, store.storage_dtype))
             build_seconds = time.perf_counter() - started if n <= synthetic_from else None
-        # a dense step's key store keeps the values too where the policy says (the store and both fit its budget)
+        # a dense step's key store keeps the values too where the policy says (the store and both fit its budget);
+        # a top-k step is timed with them as a row of its own ("per-layer+values"), where the plan may keep them
         dense_plan = plan_key_store(n, dim, layers, heads, head_dim, IndexConfig(kind="exact", key_store="per-layer"),
                                     IndexPlan("exact", "cpu", ""), retrieval_k=n,
-                                    free_bytes=_free_bytes("cpu") + store.nbytes)
-        if keys is not None and dense_plan.values and n <= dense_max_tokens:
+                                    free_bytes=free_memory("cpu") + store.nbytes)
+        if keys is not None and dense_plan.values:
             started = time.perf_counter()
             values = (build_key_store(store.states(), weights, value_weights=value_weights(loaded.model,
                                                                                            loaded.architecture),
@@ -164,18 +169,24 @@ def run(n_values: list[int], size: str, new_tokens: int, beams_values: list[int]
             for k in sorted({min(1024, n), n if n <= dense_max_tokens else 1024}):
                 with_values = k >= n and values is not None  # the dense step's per-layer store reads them too
                 layer_keys = KeyStore(keys.keys, values if with_values else None) if keys is not None else None
-                for kind in ("shared", "per-layer"):
-                    read = layer_bytes * (2 if kind == "per-layer" and with_values else 1)  # one layer's step
-                    row = dict(n_tokens=n, k=k, beams=beams, store=kind, store_bytes=store.nbytes,
-                               key_store_bytes=(layer_keys.nbytes if layer_keys is not None else key_bytes)
-                               if kind == "per-layer" else 0,
-                               values=kind == "per-layer" and with_values, read_bytes=read,
+                kinds = ("shared", "per-layer") + (("per-layer+values",) if values is not None and k < n else ())
+                for kind in kinds:
+                    # one layer's step: the keys (the shared states), and at k >= N the values too; a top-k step
+                    # reads k chosen values a head, a small share beside the keys, which the floor leaves out
+                    read = layer_bytes * (2 if kind == "per-layer" and with_values else 1)
+                    row_keys = KeyStore(keys.keys, values) if kind == "per-layer+values" else layer_keys
+                    row = dict(n_tokens=n, k=k, beams=beams, store=kind.removesuffix("+values"),
+                               store_bytes=store.nbytes,
+                               key_store_bytes=(row_keys.nbytes if row_keys is not None else key_bytes)
+                               if kind != "shared" else 0,
+                               values=kind == "per-layer+values" or kind == "per-layer" and with_values,
+                               read_bytes=read,
                                baseline_seconds_per_token=baseline[beams], model_step_seconds=model_step[beams])
                     if kind == "per-layer" and keys is None:
                         rows.append(dict(row, skipped=f"store + keys {(store.nbytes + key_bytes) / 2**30:.1f} GiB "
                                                       f"exceed the budget {budget / 2**30:.1f} GiB"))
                         continue
-                    store.keys = layer_keys if kind == "per-layer" else None
+                    store.keys = row_keys if kind != "shared" else None
                     before = streaming_bandwidth(bandwidth_mib)
                     seconds, share = seconds_per_token(loaded, store, k, new_tokens, beams)
                     bandwidths += [before, streaming_bandwidth(bandwidth_mib)]
@@ -190,9 +201,10 @@ def run(n_values: list[int], size: str, new_tokens: int, beams_values: list[int]
                           f"{baseline[beams] / seconds:.2f}x the truncated rate", flush=True)
                 store.keys = None
                 if keys is not None:
-                    layer = one_layer_seconds(loaded, store, layer_keys, k, beams)
-                    for row in rows[-2:]:
-                        row["layer_seconds"] = layer[row["store"]]
+                    layer = one_layer_seconds(loaded, store, KeyStore(keys.keys, values) if len(kinds) > 2
+                                              else layer_keys, k, beams)
+                    for row in rows[-len(kinds):]:
+                        row["layer_seconds"] = layer[row["store"] + ("+values" if row["values"] and k < n else "")]
         for row in rows:
             if row["n_tokens"] == n:
                 row["peak_rss_bytes"] = peak_rss_bytes()

@@ -15,25 +15,27 @@ def test_quick_tiny_run_prints_the_table_and_writes_both_stores_beside_the_floor
                              "--bandwidth-mib", "16", "--json", str(path)])
     written = json.loads(path.read_text())
     assert written["runs"] == json.loads(json.dumps(result["runs"])) and written["quick"] is True
-    assert {(row["k"], row["store"]) for row in written["runs"]} == {(1024, "shared"), (1024, "per-layer"),
-                                                                      (3000, "shared"), (3000, "per-layer")}
+    # the top-k step with the keys alone and with each layer's values; the dense step's key store keeps the values
+    assert [(row["k"], row["store"], row["values"]) for row in written["runs"]] == [
+        (1024, "shared", False), (1024, "per-layer", False), (1024, "per-layer", True), (3000, "shared", False),
+        (3000, "per-layer", True)]
     for row in written["runs"]:
         assert row["seconds_per_token"] > 0 and row["floor_seconds"] > row["model_step_seconds"] > 0
         assert row["baseline_seconds_per_token"] > 0  # the plain model's step, for the truncated rate
         assert row["vs_floor"] == row["seconds_per_token"] / row["floor_seconds"]
         assert row["layer_seconds"] > 0 and row["peak_rss_bytes"] > 0
         keys = 3000 * 2 * 4 * 16 * 2 if row["store"] == "per-layer" else 0
-        assert row["values"] is (row["store"] == "per-layer" and row["k"] == 3000)  # a dense step: keys and values
         assert row["key_store_bytes"] == keys * (2 if row["values"] else 1)
-        layer_bytes = 3000 * 64 * 2 * (2 if row["values"] else 1)  # d = 4 heads x 16 = 64, 16-bit
+        # d = 4 heads x 16 = 64, 16-bit; a dense step reads the values too, a top-k step only k of them a head
+        layer_bytes = 3000 * 64 * 2 * (2 if row["values"] and row["k"] == 3000 else 1)
         # each row's floor at the better of the bandwidths measured around it; vs_best_floor at the run's best
         assert row["bandwidth_bytes_per_second"] in written["bandwidths_measured"]
         assert row["floor_layer_seconds"] == layer_bytes / row["bandwidth_bytes_per_second"]
         best_floor = written["layers"] * layer_bytes / written["bandwidth_bytes_per_second"] + row["model_step_seconds"]
         assert row["vs_best_floor"] == pytest.approx(row["seconds_per_token"] / best_floor)
         assert row["vs_best_floor"] >= row["vs_floor"]
-    # measured at the start and around each of the four rows
-    assert len(written["bandwidths_measured"]) == 1 + 2 * 4
+    # measured at the start and around each of the five rows
+    assert len(written["bandwidths_measured"]) == 1 + 2 * 5
     assert written["bandwidth_bytes_per_second"] == max(written["bandwidths_measured"]) > 0 and written["head_kernel"]
     out = capsys.readouterr().out
     assert "vs floor" in out and "per-layer + values" in out and "vs truncated rate" in out and str(path) in out

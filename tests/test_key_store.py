@@ -305,6 +305,44 @@ def test_per_layer_and_shared_give_the_same_summary_coverage_and_evidence(tiny_l
         assert mine.support == pytest.approx(theirs.support, abs=1e-4)  # the ablation hides the same passages
 
 
+@pytest.mark.parametrize("beams", [1, 2])
+def test_keys_with_values_at_top_k_give_the_summary_coverage_evidence_and_support_of_keys_alone(tiny_loaded, beams,
+                                                                                               tmp_path, monkeypatch):
+    """Where the plan keeps each layer's values for top-k steps, generation, the evidence reading and the support
+    readings sum them instead of the states: the same summary, passages and support (within float rounding)."""
+    from unlimisum.search import placement
+
+    monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", "float32")
+    loaded = tiny_loaded("bart")
+    document = Document.from_text(SAMPLE_TEXT * 3)
+    keys_alone = _summarizer(loaded, PER_LAYER, k=6, beams=beams).summarize(document)
+    monkeypatch.setattr(placement, "KEY_STORE_MIN_TOKENS", 1)  # a tiny input, planned as a long one
+    pays = head_kernels.ValueSums(projection_seconds=1e-9, step_seconds=1e-3, reading_seconds=1e-2)
+    monkeypatch.setattr(head_kernels, "value_sums_for", lambda *args, **kwargs: pays)
+    summed = []
+    values_path = head_kernels.gathered_values
+    monkeypatch.setattr(head_kernels, "gathered_values", lambda *args, **kwargs: summed.append(1) or values_path(
+        *args, **kwargs))
+    cache = EncodedCache(tmp_path)
+    with_values = _summarizer(loaded, PER_LAYER, k=6, beams=beams, cache=cache).summarize(document)
+    assert summed  # the values were read
+    assert with_values.stats.key_store_values and not keys_alone.stats.key_store_values
+    assert with_values.stats.key_store_bytes == 2 * keys_alone.stats.key_store_bytes
+    assert with_values.token_ids == keys_alone.token_ids
+    assert [s.share for s in with_values.coverage] == pytest.approx([s.share for s in keys_alone.coverage], abs=1e-5)
+    assert len(with_values.evidence) == len(keys_alone.evidence) > 0
+    for mine, theirs in zip(with_values.evidence, keys_alone.evidence):
+        assert [(s.start_char, s.end_char) for s in mine.sources] == [
+            (s.start_char, s.end_char) for s in theirs.sources]
+        assert mine.support == pytest.approx(theirs.support, abs=1e-4)
+    # a cached book's keys are read from the entry, and its values built again where the plan keeps them
+    encoded = _summarizer(loaded, PER_LAYER, k=6, beams=beams, cache=cache).encode(document)
+    assert encoded.cached and encoded.store.keys.values is not None
+    weights = value_weights(loaded.model, loaded.architecture)
+    expected = torch.einsum("nd,hed->hne", encoded.store.states().float(), weights[0].float())
+    torch.testing.assert_close(encoded.store.keys.layer_values(0), expected, rtol=1e-5, atol=1e-5)
+
+
 def test_the_head_kernel_is_measured_for_the_runs_own_beams_and_k(tiny_loaded, monkeypatch):
     """Measured before the first step for what the steps ask (a measurement for one query and k=1 would choose
     for the wrong work, and each process kept the first it made for every later one)."""
@@ -489,6 +527,40 @@ def test_a_dense_steps_key_store_keeps_the_values_where_they_fit(free, values):
     top_k = plan_key_store(BIG, 768, 6, 12, 64, IndexConfig(), EXACT_CPU, retrieval_k=BIG - 1, free_bytes=2**40,
                            speedup=lambda: 9.0)
     assert top_k.kind == "per-layer" and not top_k.values and top_k.nbytes == BIG * 6 * 768 * 2
+
+
+@pytest.mark.parametrize("config", [IndexConfig(), IndexConfig(key_store="per-layer")])
+def test_top_k_steps_keep_the_values_where_their_saving_exceeds_their_projection(config):
+    """At top-k steps the values cost BIG x 6 projections and save 6 layers' sums at each of the summary's steps and
+    (with support) its readings, one a READING_TOKENS tokens: kept where that saving is larger and they fit."""
+    from unlimisum.search import placement
+    from unlimisum.search.head_kernels import ValueSums
+
+    cost = BIG * 6 * 1e-6  # 1 us a token and layer
+
+    def plan(tokens: int, support: bool = False, free: int = 2**40, n_tokens: int = BIG, step: float = 1e-3,
+             reading: float = 0.0):
+        asked.clear()
+        return plan_key_store(n_tokens, 768, 6, 12, 64, config, EXACT_CPU, free_bytes=free, speedup=lambda: 9.0,
+                              support=support, summary_tokens=tokens,
+                              value_sums=lambda: asked.append(1) or ValueSums(1e-6, step, reading))
+
+    asked = []
+    paying = cost / (6 * 1e-3)  # the steps whose saving equals the cost
+    kept = plan(int(paying) + 1)
+    assert kept.kind == "per-layer" and kept.values and kept.nbytes == 2 * BIG * 6 * 768 * 2 and asked
+    assert "top-k steps sum each head's values" in kept.reason and "keys and values" in kept.reason
+    assert not plan(int(paying) - 1).values and asked
+    # with support, each reading's saving counts too: what the steps alone do not pay, the readings do
+    readings_pay = plan(int(paying) // 2, support=True, step=1e-3, reading=2e-3 * placement.READING_TOKENS)
+    assert readings_pay.values and "and their support" in readings_pay.reason
+    assert not plan(int(paying) // 2, step=1e-3, reading=2e-3 * placement.READING_TOKENS).values
+    # nothing measured where the values cannot be kept: no summary length, a short input, or over the budget
+    assert not plan(0).values and not asked
+    assert not plan(10**9, n_tokens=KEY_STORE_MIN_TOKENS - 1).values and not asked
+    store_and_both = 2 * BIG * 768 * 2 * 13  # twice (the budget's half) the store, the keys and the values
+    assert not plan(10**9, free=store_and_both - 1).values and not asked
+    assert plan(10**9, free=store_and_both).values and asked
 
 
 def test_per_layer_keys_are_exact_search_only():
@@ -839,8 +911,50 @@ def test_a_dense_step_over_each_layers_values_is_the_dense_step_over_the_states_
     monkeypatch.setattr(head_kernels, "DENSE_SCORE_BYTES", 300 * 4)  # one head's query's scores at a time
     torch.testing.assert_close(head_kernels.head_attend(keys, states, queries, 300, choice, shared, values=values),
                                expected, rtol=1e-5, atol=1e-5)
-    # a top-k step reads the states, whatever the store holds beside them
-    assert head_kernels.head_attend(keys, states, queries, 20, choice, shared, values=values).shape == (2, 3, 16)
+
+
+@pytest.mark.parametrize("kernel", ["float32", "compiled"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_top_k_step_over_each_layers_values_is_the_top_k_step_over_the_states_projected(kernel, dtype):
+    """k < N: each head's k chosen values summed are its chosen states summed, then projected (the same ids and
+    weights, the same coverage); in a chapter's view of the values too, and with tokens hidden."""
+    keys, states, w_v, values, queries = _dense_layer(8)
+    keys, states = keys.to(dtype), states.to(dtype)
+    # as a key store holds them: projected from the stored states, head-major, each head's rows contiguous
+    values = torch.einsum("nd,hed->hne", states.float(), w_v).to(dtype).contiguous()
+    exact_values = values.float()
+    choice = head_kernels.HeadKernelChoice(kernel, 64)
+    shared = kernels.KernelChoice("float32", 128, False, 1e-9, 1e-9)
+    tight = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    hidden = torch.zeros(300, dtype=torch.bool)
+    hidden[[4, 50, 51, 200]] = True
+    for rows in (slice(0, 300), slice(40, 240)):  # the whole store, and a chapter's view
+        over_states, over_values = torch.zeros(rows.stop - rows.start), torch.zeros(rows.stop - rows.start)
+        layer_keys, layer_states, layer_values = keys[:, rows], states[rows], values[:, rows]
+        got = head_kernels.head_attend(layer_keys, layer_states, queries, 20, choice, shared, over_values,
+                                       values=layer_values)
+        assert got.shape == (2, 3, 8)
+        ids, weights, _ = head_kernels.head_retrieve(layer_keys, layer_states, queries, 20, choice, shared)
+        heads = torch.arange(2).view(2, 1, 1)
+        by_hand = torch.einsum("hqk,hqke->hqe", weights, exact_values[:, rows][heads, ids])
+        torch.testing.assert_close(got, by_hand, **tight)
+        through_states = head_kernels.head_attend(layer_keys, layer_states, queries, 20, choice, shared,
+                                                  over_states)
+        torch.testing.assert_close(got, torch.einsum("hqd,hed->hqe", through_states, w_v), **tight)
+        torch.testing.assert_close(over_values, over_states)  # the same weights counted as coverage
+        mask = hidden[rows]
+        got_ids, got_weights, got = head_kernels.head_retrieve(layer_keys, layer_states, queries, 20, choice,
+                                                               shared, mask, values=layer_values)
+        ids, weights, attended = head_kernels.head_retrieve(layer_keys, layer_states, queries, 20, choice, shared,
+                                                            mask)
+        assert torch.equal(got_ids, ids) and torch.equal(got_weights, weights) and not mask[got_ids].any()
+        torch.testing.assert_close(got, torch.einsum("hqd,hed->hqe", attended, w_v), **tight)
+        two = torch.cat([queries, queries], dim=1)  # two groups of rows, the second with tokens hidden
+        masked = head_kernels.head_attend_masked(layer_keys, layer_states, two, 20, choice, shared,
+                                                 [torch.zeros_like(mask), mask], values=layer_values)
+        alone = [head_kernels.head_attend(layer_keys, layer_states, queries, 20, choice, shared, values=layer_values,
+                                          exclude=exclude) for exclude in (torch.zeros_like(mask), mask)]
+        torch.testing.assert_close(masked, torch.cat(alone, dim=1), rtol=1e-6, atol=1e-6)
 
 
 def test_retrieve_over_each_layers_values_says_what_each_head_attended_to_and_hides_excluded_tokens():
@@ -910,3 +1024,25 @@ def test_a_dense_step_in_blocks_gives_what_it_gives_at_once(kernel, budget, monk
         torch.testing.assert_close(found, wanted, rtol=1e-5, atol=1e-6)
     reference = torch.softmax(torch.einsum("hqd,hnd->hqn", queries, keys), dim=2)
     torch.testing.assert_close(got[0], torch.einsum("hqn,hnd->hqd", reference, values), rtol=1e-5, atol=1e-5)
+
+
+def test_what_values_cost_and_save_is_each_timing_at_its_best_per_token_and_per_layer():
+    """ValueSums from the timings (every one timed at each turn, none dropped as a race's loser): the projection
+    per token of its block, the saving of a step and of a reading as the states' sums less the values'."""
+    seconds = {"projection": [0.50, 0.40, 0.41, 0.45], "step states": [0.004, 0.003, 0.003, 0.003],
+               "step values": [0.001, 0.0005, 0.0006, 0.0005], "reading states": [0.02, 0.012, 0.013, 0.012],
+               "reading values": [0.01, 0.004, 0.005, 0.004]}
+    calls = {name: 0 for name in seconds}
+
+    def time_one(name, run):
+        run()  # the candidates run: the gathers and the projection as a store does them
+        calls[name] += 1
+        return seconds[name][calls[name] - 1]
+
+    shared = kernels.KernelChoice("float32", 512, False, 1e-9, 1e-9)
+    sums = head_kernels.calibrate_values("cpu", torch.bfloat16, 32, 4, 8, queries_per_head=2, reading_queries=8,
+                                         k=16, rows=512, compiled_kernels=False, time_one=time_one, shared=shared)
+    assert calls == {name: head_kernels.MEASURE_REPEATS + 1 for name in seconds}  # the slow projection too
+    assert sums.projection_seconds == pytest.approx(0.40 / 512)  # a block of every row here (512 < 4,096)
+    assert sums.step_seconds == pytest.approx(0.003 - 0.0005) and sums.reading_seconds == pytest.approx(0.008)
+    assert "2 per head" in sums.reason and "8 per head" in sums.reason

@@ -90,17 +90,21 @@ def _threads() -> int:
 # --- the public functions ------------------------------------------------------------------------
 
 
-def _head_rows(keys: torch.Tensor) -> tuple[np.ndarray, int]:
-    """(rows [(H - 1) * pitch + n, w], pitch): keys [H, n, dh] as the kernels read them, head h's keys being
-    rows[h * pitch:h * pitch + n]: bfloat16 as [.., dh/2] uint32 words, fp32 as they are. Each head's rows where
-    they lie when they are contiguous (a chapter's view of a book's keys: its rows at an offset into each
-    head's block), else a copy."""
+def head_row_view(keys: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(rows [(H - 1) * pitch + n, dh], pitch): keys (or values) [H, n, dh] as one matrix of rows, head h's
+    being rows[h * pitch:h * pitch + n]: each head's rows where they lie when they are contiguous (a chapter's
+    view of a book's keys: its rows at an offset into each head's block), else a copy."""
     heads, n, head_dim = keys.shape
     if not (keys.stride(2) == 1 and keys.stride(1) == head_dim and keys.stride(0) % head_dim == 0
             and (heads == 1 or keys.stride(0) >= n * head_dim)):
         keys = keys.contiguous()
     pitch = keys.stride(0) // head_dim if heads > 1 else n
-    rows = torch.as_strided(keys, ((heads - 1) * pitch + n, head_dim), (head_dim, 1))  # no copy
+    return torch.as_strided(keys, ((heads - 1) * pitch + n, head_dim), (head_dim, 1)), pitch  # no copy
+
+
+def _head_rows(keys: torch.Tensor) -> tuple[np.ndarray, int]:
+    """``head_row_view`` as the kernels read it: bfloat16 as [.., dh/2] uint32 words, fp32 as they are."""
+    rows, pitch = head_row_view(keys)
     if keys.dtype == torch.bfloat16:
         return rows.view(torch.int32).numpy().view(np.uint32), pitch
     return rows.numpy(), pitch

@@ -17,8 +17,8 @@ from unlimisum.search.jit import kernel as _compile
 from unlimisum.search.jit import parallel_kernel as _compile_parallel
 from unlimisum.search.llvm import (_LANES, _ONE, _SHIFT, _UPPER, _above, _as_float, _dot_four_bf16, _dot_four_f32,
     _dot_three_bf16, _dot_three_f32, _dot_two_bf16, _dot_two_f32, _largest, _lowest_bit, _pair_four_bf16,
-    _pair_four_f32, _pair_three_bf16, _pair_three_f32, _pair_two_bf16, _pair_two_f32, _prefetch, _quad_one_bf16,
-    _sum_four, _sum_one, _sum_three, _sum_two)
+    _pair_four_f32, _pair_three_bf16, _pair_three_f32, _pair_two_bf16, _pair_two_f32, _prefetch, _prefetch_row,
+    _quad_one_bf16, _sum_four, _sum_one, _sum_three, _sum_two)
 from unlimisum.search.top_k_loops import _k_largest, _largest_first
 
 BLOCK_ROWS = 1024  # rows scored before their scores are filtered: every query's block of scores stays in L1
@@ -28,6 +28,7 @@ SUM_TILE_ROWS = 32
 # states per block of the blocked sums: the sums of a thread's queries meet each block's states while they are in
 # cache (measured at 16k states, 192-384 queries of 1,024: 512 states 6.3/9.7 ms, 1,024 5.7/9.3, 4,096 6.0/10.0)
 SUM_BLOCK_SHIFT = 10
+GATHER_AHEAD = 16  # ids ahead whose rows a gathered sum asks for (``_prefetch_row``) while it adds the ones before
 
 jit.begin_decorations()
 
@@ -364,6 +365,11 @@ def _sums_bf16(words, ids, weights, even, odd):
     even[:] = 0.0
     odd[:] = 0.0
     for j in range(0, count - count % 4, 4):
+        if j + GATHER_AHEAD + 4 <= count:  # the rows a few ids on, their reads in flight meanwhile
+            _prefetch_row(words, ids[j + GATHER_AHEAD])
+            _prefetch_row(words, ids[j + GATHER_AHEAD + 1])
+            _prefetch_row(words, ids[j + GATHER_AHEAD + 2])
+            _prefetch_row(words, ids[j + GATHER_AHEAD + 3])
         _add_four_bf16(even, odd, weights[j], weights[j + 1], weights[j + 2], weights[j + 3], words[ids[j]],
                        words[ids[j + 1]], words[ids[j + 2]], words[ids[j + 3]])
     for j in range(count - count % 4, count):
@@ -376,6 +382,11 @@ def _sums_f32(states, ids, weights, out):
     count = ids.shape[0]
     out[:] = 0.0
     for j in range(0, count - count % 4, 4):
+        if j + GATHER_AHEAD + 4 <= count:
+            _prefetch_row(states, ids[j + GATHER_AHEAD])
+            _prefetch_row(states, ids[j + GATHER_AHEAD + 1])
+            _prefetch_row(states, ids[j + GATHER_AHEAD + 2])
+            _prefetch_row(states, ids[j + GATHER_AHEAD + 3])
         _add_four_f32(out, weights[j], weights[j + 1], weights[j + 2], weights[j + 3], states[ids[j]],
                       states[ids[j + 1]], states[ids[j + 2]], states[ids[j + 3]])
     for j in range(count - count % 4, count):

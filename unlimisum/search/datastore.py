@@ -151,9 +151,9 @@ class Datastore:
         """Within the block, searches read the states, not copies of them (the exact store's packed copies)."""
         yield self
 
-    def compiled_kernels(self) -> tuple[str, ...]:
-        """The compiled kernels (unlimisum/search/compiled.py) this store's search may run: ``prepare``
-        needs them compiled; none for faiss indexes."""
+    def compiled_kernels(self, retrieval_k: int) -> tuple[str, ...]:
+        """The compiled kernels (unlimisum/search/compiled.py) this store's search may run for steps retrieving
+        ``retrieval_k`` tokens a head: ``prepare`` needs them compiled; none for faiss indexes."""
         return ()
 
     def _check_range(self, start: int, end: int) -> None:
@@ -194,11 +194,11 @@ class TorchExactDatastore(Datastore):
             return
         self.packed()  # calibrates the kernels first (once per process), then packs when that kernel was chosen
 
-    def compiled_kernels(self) -> tuple[str, ...]:
+    def compiled_kernels(self, retrieval_k: int) -> tuple[str, ...]:
         keys = self.keys
         return kernels.compiled_kernels_for(self.n_tokens, self.storage_dtype, self._states.device, self.dim,
                                             per_layer=keys is not None, values=keys is not None
-                                            and keys.values is not None)
+                                            and keys.values is not None and retrieval_k >= self.n_tokens)
 
     def packed(self) -> "kernels.PackedStates | None":
         """The packed copies the packed kernel reads, made once when that kernel was chosen, the states are

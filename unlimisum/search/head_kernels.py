@@ -19,6 +19,9 @@ model's scaling folded in), that layer's ``keys`` [H, N, dh] (unlimisum/search/k
   heads spread over the threads;
 - the weighted sum over the shared states, as the shared store does it (``kernels.gathered_attention``, or a
   dense values pass where measured cheaper), in fp32 by compiled.weighted_sum where the scores run compiled;
+  where the key store keeps the layer's values, over each head's chosen values instead (``gathered_values``:
+  d_head numbers a token rather than d, the output already projected by W_v; ``value_sums_for`` measures what
+  that saves against what projecting them costs, for the plan);
   k >= N: every score's softmax times the states (on a CPU, one compiled pass over them; elsewhere each block
   scored and summed under an online softmax), which equals full cross-attention; where the key store keeps the
   layer's values (``values`` [H, N, dh], keys.py), every score's softmax times each head's own values instead
@@ -231,6 +234,99 @@ def calibrate_heads(device: torch.device | str, dtype: torch.dtype, dim: int, he
                                scan_row_seconds=scan_row_seconds)
 
 
+@dataclass(frozen=True)
+class ValueSums:
+    """What keeping each layer's values beside its keys costs and saves at top-k steps on one device, measured
+    (``value_sums_for``): a cost once per token of the input, a saving at every step and support reading, each
+    head summing its chosen tokens' dh values instead of their d-wide states."""
+
+    projection_seconds: float  # one token's state projected into one layer's values (every head)
+    step_seconds: float  # one layer's sums at one step (its queries per head): the chosen states' less the values'
+    reading_seconds: float  # ... at one support reading (its queries per head)
+    reason: str = ""  # what was measured, for the logs and the benchmarks
+
+
+_VALUE_SUMS: dict[tuple, ValueSums] = {}
+VALUE_SUMS_VERSION = 1  # what the measurement of ValueSums is called in the user's cache folder
+
+
+def value_sums_for(device: torch.device | str, dtype: torch.dtype, dim: int, heads: int, head_dim: int, *,
+                   queries_per_head: int = 1, reading_queries: int = 32, k: int = 1024,
+                   compiled_kernels: bool = False) -> ValueSums:
+    """``calibrate_values`` for this device, dtype, shape, queries per head (a step's and a reading's) and k:
+    measured once per machine (kept in the user's cache folder), then reused. ``compiled_kernels``: the sums run
+    compiled, as a store of ``kernels.uses_compiled`` length runs them (compiled first where they are not yet)."""
+    device = torch.device(device)
+    compiled_kernels = compiled_kernels and device.type == "cpu" and dtype in compiled.SCAN_DTYPES
+    k = max(1, min(k, MEASURE_ROWS // MEASURE_ROWS_PER_K))  # as measured: a larger k is timed as this one
+    key = (str(device), dtype, dim, heads, head_dim, queries_per_head, reading_queries, k, compiled_kernels)
+    if key not in _VALUE_SUMS:
+        where = "cpu" if device.type == "cpu" else f"{device.type} {kernels._device_model(device)}"
+        name = (f"value sums v{VALUE_SUMS_VERSION} {where} {str(dtype).removeprefix('torch.')} d={dim} "
+                f"{heads}x{head_dim} heads, {queries_per_head} and {reading_queries} per head, k={k}"
+                + (" compiled" if compiled_kernels else ""))
+
+        def measured() -> tuple[dict, str]:
+            sums = calibrate_values(device, dtype, dim, heads, head_dim, queries_per_head=queries_per_head,
+                                    reading_queries=reading_queries, k=k, compiled_kernels=compiled_kernels)
+            return dataclasses.asdict(sums), sums.reason
+
+        found = measurements.remembered(name, measured)
+        try:
+            _VALUE_SUMS[key] = ValueSums(**found.value)
+        except TypeError:  # an entry another release wrote: measured again, for this process
+            _VALUE_SUMS[key] = ValueSums(**measured()[0])
+    return _VALUE_SUMS[key]
+
+
+def calibrate_values(device: torch.device | str, dtype: torch.dtype, dim: int, heads: int, head_dim: int, *,
+                     queries_per_head: int = 1, reading_queries: int = 32, k: int = 1024,
+                     rows: int = MEASURE_ROWS, compiled_kernels: bool = True,
+                     time_one: Callable[[str, Callable], float] | None = None,
+                     shared: kernels.KernelChoice | None = None) -> ValueSums:
+    """Time, on a synthetic store of ``rows`` tokens: projecting a block of states into one layer's values (fp32
+    sums, rounded into the head-major layout, as the keys are built), and the weighted sums of a step's (``queries_per_head``) and a reading's
+    (``reading_queries``) k chosen tokens per head, over the d-wide states (as ``shared``, the shared store's
+    measured kernel, sums them: ``kernels.kernel_for`` when None) and over each head's dh values."""
+    device = torch.device(device)
+    time_one = time_one or (lambda name, run: kernels._timed(run, device))  # the wall clock around one run
+    shared = (shared or kernels.kernel_for(device, dtype, dim)).unpacked()
+    compiled_sums = compiled_kernels and device.type == "cpu" and compiled.usable_states(
+        torch.empty(1, dim, dtype=dtype), "weighted_sum")
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    states = torch.randn(rows, dim, generator=generator).to(device, dtype)  # [rows, d]
+    values = torch.randn(heads, rows, head_dim, generator=generator).to(device, dtype)  # [H, rows, dh]
+    weight = torch.randn(heads * head_dim, dim, generator=generator).to(device)  # one layer's [H * dh, d]
+    block = states[:min(rows, 4_096)]
+    projected = torch.empty(heads, block.shape[0], head_dim, dtype=dtype, device=device)  # as the builder keeps them
+    k = max(1, min(k, rows // MEASURE_ROWS_PER_K))
+    candidates = {"projection": lambda: projected.copy_((block.float() @ weight.T).view(-1, heads, head_dim)
+                                                        .transpose(0, 1))}
+    for name, queries in (("step", queries_per_head), ("reading", reading_queries)):
+        ids = torch.randint(0, rows, (heads, queries, k), generator=generator).to(device)  # [H, nq, k]
+        weights = torch.softmax(torch.randn(heads, queries, k, generator=generator), dim=2).to(device)
+        candidates[f"{name} states"] = (lambda ids=ids, weights=weights: kernels.gathered_attention(
+            states, ids.view(heads * ids.shape[1], k), weights.view(heads * ids.shape[1], k), shared.widens,
+            shared.fused_gather, compiled_sums))
+        candidates[f"{name} values"] = (lambda ids=ids, weights=weights: gathered_values(
+            values, ids, weights, shared, compiled_sums))
+    # not rivals: each is timed at every turn (a race stops timing what is far slower than its leader)
+    timed = {name: (lambda name=name, run=run: time_one(name, run)) for name, run in candidates.items()}
+    seconds = measurements.race(timed, turns=MEASURE_REPEATS, give_up=math.inf, timer=lambda run: run())
+    kernels.release_scratch()
+    measured = ", ".join(f"{name} {value * 1e3:.2f} ms" for name, value in seconds.items())
+    sums = ValueSums(projection_seconds=seconds["projection"] / block.shape[0],
+                     step_seconds=seconds["step states"] - seconds["step values"],
+                     reading_seconds=seconds["reading states"] - seconds["reading values"])
+    reason = (f"a layer's values cost {sums.projection_seconds * 1e6:.2f} us a token and save "
+              f"{sums.step_seconds * 1e3:.3f} ms a step ({queries_per_head} per head), "
+              f"{sums.reading_seconds * 1e3:.2f} ms a reading "
+              f"({reading_queries} per head); measured on {rows:,} tokens x {heads} heads x {head_dim}, d={dim}, "
+              f"k={k:,}{', compiled sums' if compiled_sums else ''}: {measured} "
+              f"(projection of {block.shape[0]:,} tokens)")
+    return dataclasses.replace(sums, reason=reason)
+
+
 def _scan_usable(scanner: str, keys: torch.Tensor) -> bool:
     """Whether the scan ``scanner`` can read ``keys`` [H, n, dh] here."""
     if scanner == "compiled":
@@ -389,8 +485,8 @@ def head_retrieve(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tenso
     """``head_attend`` that also says what each query attended to: (ids [H, nq, k'], weights [H, nq, k'] fp32,
     in no particular order; attended [H, nq, d] fp32), k' = min(k, N), the weights the softmax of the kernel's own
     scores (as generation weighs them). ``exclude`` [N] bool: tokens hidden from every query, as if they were not
-    stored (weight 0 where fewer than k' are left). With the layer's ``values`` [H, N, dh] and k >= N, ``attended``
-    is [H, nq, dh]: the weighted sum of each head's values (``head_dense_values``)."""
+    stored (weight 0 where fewer than k' are left). With the layer's ``values`` [H, N, dh], ``attended`` is
+    [H, nq, dh]: the weighted sum of each head's chosen values (k >= N: of all of them, ``head_dense_values``)."""
     heads, n, _ = keys.shape
     nq = queries.shape[1]
     wanted = min(k, n)
@@ -408,35 +504,58 @@ def head_retrieve(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tenso
         scores, ids = head_select(keys, queries, wanted, choice)  # [H, nq, k'], in no order
     else:  # one group: the hidden ones' scores -inf before the top-k, or fetched and dropped after the scan
         scores, ids = _select_masked(keys, queries.to(keys.device, torch.float32), k, choice, [hidden])
-    weights, attended = _weighed_sums(states, scores, ids, choice, shared)
+    weights, attended = _weighed_sums(states, scores, ids, choice, shared, values)
     return ids, weights, attended
 
 
 def _weighed_sums(states: torch.Tensor, scores: torch.Tensor, ids: torch.Tensor, choice: HeadKernelChoice,
-                  shared: kernels.KernelChoice) -> tuple[torch.Tensor, torch.Tensor]:
+                  shared: kernels.KernelChoice,
+                  values: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [H, nq, k'] fp32: the softmax of each query's selected scores, 0 where all are -inf; attended
-    [H, nq, d] fp32: the states ``ids`` chose, summed by those weights), one sum for every head and query."""
+    [H, nq, d] fp32: the states ``ids`` chose, summed by those weights; with the layer's ``values`` [H, N, dh],
+    [H, nq, dh]: each head's own chosen values summed instead), one sum for every head and query."""
     heads, nq, _ = scores.shape
     weights = torch.softmax(scores, dim=2, dtype=torch.float32).nan_to_num(0.0)
     shared = shared.unpacked()
+    if values is not None:
+        return weights, gathered_values(values, ids, weights, shared, _compiled(choice) or None)
     attended = kernels.gathered_attention(states, ids.reshape(heads * nq, -1), weights.reshape(heads * nq, -1),
                                           shared.widens, shared.fused_gather, _compiled(choice) or None)
     return weights, attended.view(heads, nq, -1)
 
 
+def gathered_values(values: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shared: kernels.KernelChoice,
+                    compiled_sums: bool | None = None) -> torch.Tensor:
+    """[H, nq, dh] fp32 = sum_j weights[h, q, j] * values[h, ids[h, q, j]]: each head's chosen values [H, N, dh]
+    summed as ``kernels.gathered_attention`` sums the shared states (``shared``'s widening and fused gather; on a
+    CPU from COMPILED_MIN_STATES rows or as ``compiled_sums`` says, compiled), every head's rows read where they
+    lie (a chapter's view included) through one id space: head h's row j is row h * pitch + j."""
+    heads, nq, k = ids.shape
+    head_dim = values.shape[2]
+    if k == 0:
+        return torch.zeros(heads, nq, head_dim, dtype=torch.float32, device=values.device)
+    if compiled_sums is None:  # as for the states: compiled from COMPILED_MIN_STATES tokens, not rows of all heads
+        compiled_sums = kernels.uses_compiled(values.shape[1], values.device)
+    rows, pitch = compiled.head_row_view(values)  # [(H - 1) * pitch + N, dh]
+    offsets = torch.arange(heads, device=ids.device).view(heads, 1, 1) * pitch
+    summed = kernels.gathered_attention(rows, (ids + offsets).view(heads * nq, k), weights.reshape(heads * nq, k),
+                                        shared.widens, shared.fused_gather, compiled_sums)
+    return summed.view(heads, nq, head_dim)
+
+
 def head_attend_masked(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tensor, k: int,
                        choice: HeadKernelChoice, shared: kernels.KernelChoice,
-                       hidden: Sequence[torch.Tensor]) -> torch.Tensor:
+                       hidden: Sequence[torch.Tensor], values: torch.Tensor | None = None) -> torch.Tensor:
     """``head_attend`` for queries [H, G * m, dh] in G = len(hidden) equal groups, group g's (queries
     [:, g * m:(g + 1) * m]) with the tokens ``hidden[g]`` ([N] bool) out of its retrieval, k < N: what G calls of
     ``head_attend(..., exclude=hidden[g])`` give (but for the order of each query's sums), in one selection
     (``_select_masked``) and one sum of all the chosen states, which reads each from memory once for every group.
-    -> [H, G * m, d] fp32."""
+    -> [H, G * m, d] fp32; with the layer's ``values`` [H, N, dh], [H, G * m, dh]: their sums."""
     if queries.shape[1] % len(hidden):
         raise ValueError(f"{queries.shape[1]} queries per head cannot be {len(hidden)} equal groups")
     scores, ids = _select_masked(keys, queries.to(keys.device, torch.float32), k, choice,
                                  [mask.to(keys.device) for mask in hidden])  # [H, G * m, k']
-    return _weighed_sums(states, scores, ids, choice, shared)[1]
+    return _weighed_sums(states, scores, ids, choice, shared, values)[1]
 
 
 def _select_masked(keys: torch.Tensor, queries: torch.Tensor, k: int, choice: HeadKernelChoice,
@@ -493,7 +612,8 @@ def head_attend(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tensor,
                 values: torch.Tensor | None = None, exclude: torch.Tensor | None = None) -> torch.Tensor:
     """Exact top-k retrieval attention per head: queries [H, nq, dh] (scaling folded in) -> [H, nq, d] fp32, the
     softmax-weighted sum of each query's top-k shared states [N, d]. k >= N is dense attention: with the layer's
-    ``values`` [H, N, dh], [H, nq, dh], the weighted sum of each head's own values (``head_dense_values``).
+    ``values`` [H, N, dh], [H, nq, dh], the weighted sum of each head's own values (``head_dense_values``); at
+    k < N the same of each head's chosen values (``gathered_values``: dh numbers a chosen token instead of d).
 
     ``shared``: the shared store's measured kernel, whose gather and dense values pass sum the states here too;
     ``coverage`` [N] fp32, when given, gets every query's attention weights added to it. ``exclude`` [N] bool:
@@ -518,7 +638,8 @@ def head_attend(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tensor,
             return head_dense_values(keys, values, queries, choice, coverage)
         return head_dense_attention(keys, states, queries, choice, shared, coverage)
     dense_scores = rows * n * 4 <= kernels.MAX_SCORE_BYTES and not choice.selects_with_scan(keys, queries)
-    if dense_measured and dense_scores and shared.dense_is_cheaper(rows, k, n):
+    # a dense pass over the shared states against their gather, as measured; a head's values are always gathered
+    if values is None and dense_measured and dense_scores and shared.dense_is_cheaper(rows, k, n):
         logits = head_scores(keys, queries, choice).view(rows, n)
         top, ids = kernels.top_k(logits, k, ordered=False)
         kept = torch.softmax(top, dim=1, dtype=torch.float32)  # [rows, k]
@@ -537,6 +658,9 @@ def head_attend(keys: torch.Tensor, states: torch.Tensor, queries: torch.Tensor,
     ids = ids.view(rows, -1)
     if coverage is not None:
         coverage.index_add_(0, ids.reshape(-1), weights.reshape(-1))
+    if values is not None:
+        return gathered_values(values, ids.view(heads, nq, -1), weights.view(heads, nq, -1), shared,
+                               _compiled(choice) or None)
     return kernels.gathered_attention(states, ids, weights, shared.widens, shared.fused_gather,
                                       _compiled(choice) or None).view(heads, nq, dim)
 

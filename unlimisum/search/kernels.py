@@ -157,7 +157,8 @@ def compiled_kernels_for(n_tokens: int, dtype: torch.dtype, device: torch.device
                          per_layer: bool = False, values: bool = False) -> tuple[str, ...]:
     """The compiled kernels (compiled.KERNELS) an exact store of ``n_tokens`` states of width ``dim`` in ``dtype``
     on ``device`` may run and have measured: the top-k of its scores; with per-layer keys its heads' scores and scan
-    (with the layers' values, the one-pass dense attention and the heads' value sums); the weighted sums of the
+    (with the layers' values for dense steps, k >= N, the one-pass dense attention and the heads' value sums; a
+    top-k step sums its chosen values with the weighted sums); the weighted sums of the
     chosen states (a reading's many queries sum them compiled whatever the kernel: ``gathered_attention``); and
     the dense sums where its kernel widens them to fp32 (``kernel_for``: the native kernel sums in the storage
     dtype); none for a store shorter than COMPILED_MIN_STATES, off the CPU, or of a dtype they do not read. What

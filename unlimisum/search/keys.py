@@ -6,10 +6,12 @@ head's query is projected into hidden space (``q W_k^T``, d_model numbers), so e
 query per head. With the keys of each layer stored, each head scores its own d_head-dim query against its own
 contiguous block: the same bytes read per layer, H times fewer multiply-adds. The key bias is left out: it adds
 ``q . b_k`` to every score of a head and cancels in the softmax. A top-k step needs no values of its own: the
-attention output stays ``(sum_i a_i h_i) W_v``, a weighted sum over k shared states per head. A dense step
-(k >= N) weighs every state for every head: ``H x N x d`` multiply-adds a layer, bound by arithmetic; with the
-layer's values stored, each head sums its own ``d_head`` numbers per token instead, H times fewer (the value
-bias is added after the sum as before: the weights sum to one).
+attention output stays ``(sum_i a_i h_i) W_v``, a weighted sum over k shared states per head; with the layer's
+values stored, each head gathers its k tokens' ``d_head`` values instead of their d-wide states (H times fewer
+bytes, kept where the plan measures that this pays for projecting them: placement.py). A dense step (k >= N)
+weighs every state for every head: ``H x N x d`` multiply-adds a layer, bound by arithmetic; with the layer's
+values stored, each head sums its own ``d_head`` numbers per token instead, H times fewer (the value bias is
+added after the sum as before: the weights sum to one).
 
 The keys are projected from the states as the store holds them (rounded to its dtype), their sums in fp32, then
 rounded to that dtype: the same numbers whether they were built while encoding, rebuilt from the states of a
@@ -83,7 +85,7 @@ def key_store_bytes(n_tokens: int, layers: int, heads: int, head_dim: int, dtype
 
 class KeyStore:
     """The keys of every decoder layer: ``keys`` [L, H, N, d_head] in the store's dtype, on its device; and
-    ``values`` of the same shape, or None (a store for top-k steps)."""
+    ``values`` of the same shape, or None (the steps then sum the shared states)."""
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor | None = None):
         if values is not None and (values.shape != keys.shape or values.dtype != keys.dtype):

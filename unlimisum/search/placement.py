@@ -31,18 +31,27 @@ for the same bytes read. ``key_store="auto"`` uses it when all of these hold:
 ``"shared"`` never. Where every head attends to every token (``retrieval_k >= n_tokens``: a dense step, bound
 by arithmetic, H x N x d multiply-adds a layer over the shared states) the key store keeps each layer's values
 too (``KeyStorePlan.values``), H times fewer multiply-adds for another L x the store's bytes, when the store,
-the keys and the values together fit the same budget; else the keys alone.
+the keys and the values together fit the same budget; else the keys alone. At top-k steps the values let each
+head sum its k chosen tokens' d_head values instead of their d-wide states (H times fewer bytes gathered, at
+every step and support reading), but projecting them costs as much as the keys, once per token: they are kept
+for inputs of KEY_STORE_MIN_TOKENS or more where they fit that budget and the saving over the summary's steps
+(``summary_tokens``, the most it may write, and its support readings) is measured to exceed their projection
+(``head_kernels.value_sums_for``): an input of tens of thousands of tokens summarized at length, not a whole
+book's few hundred thousand.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from unlimisum.config import IndexConfig
 from unlimisum.errors import ConfigError
+
+if TYPE_CHECKING:
+    from unlimisum.search.head_kernels import ValueSums
 
 KINDS = ("exact", "ivf", "hnsw")
 KEY_STORES = ("auto", "shared", "per-layer")
@@ -54,6 +63,8 @@ KEY_STORE_MEMORY_FRACTION = 0.5
 KEY_STORE_MIN_SPEEDUP = 1.2
 # a support reading's queries per head: 2 rows (nothing hidden, passages hidden) x a sentence of about 16 tokens
 READING_QUERIES_PER_HEAD = 32
+# a support reading's positions per sentence (its two rows read a sentence of about this many tokens at once)
+READING_TOKENS = READING_QUERIES_PER_HEAD // 2
 # the support pass's retrieval against the generation's, on the shared store: a reading of 32 queries for each
 # 16 tokens generated one query at a time costs about twice the steps' (measured: 181 s against 69 s on all of
 # Moby-Dick, bart-base, float32, a CPU without 16-bit units; the scores and top-k scale with the queries)
@@ -186,20 +197,24 @@ class KeyStorePlan:
     kind: str  # "shared" | "per-layer"
     nbytes: int  # the per-layer keys' bytes, and the values' when kept (0 for the shared store)
     reason: str  # one line for `unlimisum info` and the logs
-    values: bool = False  # each layer's values kept beside its keys (dense steps: k >= N)
+    values: bool = False  # each layer's values kept beside its keys (dense steps, k >= N, or where they pay)
 
 
 def plan_key_store(n_tokens: int, dim: int, layers: int, heads: int, head_dim: int, config: IndexConfig,
                    index: IndexPlan, *, queries_per_head: int = 1, retrieval_k: int = 1024,
                    free_bytes: int | None = None, speedup: Callable[[], float] | None = None,
-                   support: bool = False) -> KeyStorePlan:
+                   support: bool = False, summary_tokens: int = 0,
+                   value_sums: Callable[[], "ValueSums"] | None = None) -> KeyStorePlan:
     """The shared store or a key store per decoder layer (``layers`` x ``heads`` x ``head_dim`` numbers per token)
     for ``n_tokens`` states of width ``dim`` in the index ``index`` (the policy: this module's docstring).
 
     ``free_bytes``: the memory left for the store and the keys (None: measured now, beside this process or on the
     index's GPU); ``speedup()``: the key store's measured speed over the shared store's (None: measured through
     head_kernels.kernel_for with ``queries_per_head``, the beams, and ``retrieval_k``; with ``support``, the
-    summary's support readings too, ``with_support``), asked only when everything else allows the key store."""
+    summary's support readings too, ``with_support``), asked only when everything else allows the key store.
+    ``summary_tokens``: the most tokens the summary may write (0: values are kept for dense steps only);
+    ``value_sums()``: what values cost and save here (None: measured, ``head_kernels.value_sums_for``), asked
+    only for top-k steps where the values fit."""
     validate_index_config(config)
     dtype = storage_dtype(config)
     store_bytes = n_tokens * dim * dtype.itemsize
@@ -215,18 +230,44 @@ def plan_key_store(n_tokens: int, dim: int, layers: int, heads: int, head_dim: i
     def budget_bytes() -> float:
         nonlocal free_bytes
         if free_bytes is None:
-            free_bytes = _free_bytes(index.device)
+            free_bytes = free_memory(index.device)
         return fraction * free_bytes
 
-    def per_layer(reason: str) -> KeyStorePlan:  # the keys, and the values for dense steps where they fit
+    def per_layer(reason: str) -> KeyStorePlan:  # the keys, and the values where they fit (dense) or pay (top-k)
         if retrieval_k < n_tokens:
-            return KeyStorePlan("per-layer", key_bytes, f"per-layer keys{reason}")
+            values = top_k_values()
+            if values is None:
+                return KeyStorePlan("per-layer", key_bytes, f"per-layer keys{reason}")
+            return KeyStorePlan("per-layer", 2 * key_bytes, f"per-layer keys and values ({values}, "
+                                                            f"{2 * key_bytes / 2**20:,.0f} MiB){reason}", values=True)
         if store_bytes + 2 * key_bytes > budget_bytes():
             return KeyStorePlan("per-layer", key_bytes, f"per-layer keys{reason}; not the values (dense steps): "
                                                         f"they, the keys and the store, {(store_bytes + 2 * key_bytes) / 2**20:,.0f} MiB, "
                                                         f"exceed {budget_bytes() / 2**20:,.0f} MiB")
         return KeyStorePlan("per-layer", 2 * key_bytes, f"per-layer keys and values (dense steps: k >= N, "
                                                         f"{2 * key_bytes / 2**20:,.0f} MiB){reason}", values=True)
+
+    def top_k_values() -> str | None:  # why top-k steps sum each head's values, or None: they sum the states
+        if (summary_tokens <= 0 or n_tokens < KEY_STORE_MIN_TOKENS  # below: a small share of a step either way
+                or store_bytes + 2 * key_bytes > budget_bytes()):
+            return None
+        nonlocal value_sums
+        if value_sums is None:
+            from unlimisum.search import head_kernels, kernels
+
+            def value_sums() -> "ValueSums":
+                return head_kernels.value_sums_for(index.device, dtype, dim, heads, head_dim,
+                                                   queries_per_head=queries_per_head,
+                                                   reading_queries=READING_QUERIES_PER_HEAD, k=retrieval_k,
+                                                   compiled_kernels=kernels.uses_compiled(n_tokens, index.device))
+        sums = value_sums()
+        readings = summary_tokens / READING_TOKENS if support else 0.0
+        cost = n_tokens * layers * sums.projection_seconds
+        saved = layers * (summary_tokens * sums.step_seconds + readings * sums.reading_seconds)
+        if saved <= cost:
+            return None
+        return (f"top-k steps sum each head's values: {saved:.1f} s saved over {summary_tokens:,} steps"
+                f"{' and their support' if support else ''} for {cost:.1f} s of projection, measured")
 
     if config.key_store == "per-layer":
         return per_layer(f" as requested, {size}")
@@ -263,7 +304,7 @@ def with_support(generation: float, reading: float) -> float:
     return (1 + SUPPORT_TO_GENERATION) / (1 / generation + SUPPORT_TO_GENERATION / reading)
 
 
-def _free_bytes(device: str) -> int:
+def free_memory(device: str) -> int:
     """Memory left for a store on ``device``: a GPU's free memory, else the usable memory beside this process."""
     if torch.device(device).type == "cuda":
         return torch.cuda.mem_get_info(torch.device(device))[0]

@@ -30,7 +30,7 @@ from unlimisum.unlimiformer.encoding import WindowEncoder, WindowPlan, auto_batc
 from unlimisum.search.keys import (
     KeyStore, KeyStoreBuilder, build_key_store, key_weights, matches, value_weights,
 )
-from unlimisum.search.placement import KeyStorePlan, plan_key_store
+from unlimisum.search.placement import KeyStorePlan, free_memory, plan_key_store
 from unlimisum.errors import ConfigError, EmptyDocumentError
 from unlimisum.models import LoadedModel
 
@@ -44,6 +44,7 @@ class EncodePlan:
     retrieval_k: int
     queries_per_step: int  # heads x beams of one document
     support: bool = False  # each sentence's support is read: the key-store plan weighs those readings too
+    summary_tokens: int = 0  # the most tokens a summary may write: the steps per-layer values would save at (0: none)
 
 
 class DocumentEncoder:
@@ -146,6 +147,8 @@ class DocumentEncoder:
         self.progress(ProgressEvent("index", 0, 1, name, info))
         store = builder.finish()
         store.keys = keys.finish() if keys is not None else None
+        if store.keys is not None:
+            store.keys = self._with_values(store, builder.plan, name)
         finished = time.perf_counter()
         self.progress(ProgressEvent("index", 1, 1, name, dict(info, bytes=store.nbytes,
                                                               key_store_bytes=_key_bytes(store),
@@ -177,15 +180,38 @@ class DocumentEncoder:
                             batch_size=1)
         return torch.cat(kept)
 
-    def _key_store_plan(self, n_tokens: int, index: IndexPlan) -> KeyStorePlan:
-        """The shared store or per-layer keys for this model (placement.plan_key_store)."""
+    def _key_store_plan(self, n_tokens: int, index: IndexPlan, *, top_k_values: bool = False,
+                        free_bytes: int | None = None) -> KeyStorePlan:
+        """The shared store or per-layer keys for this model (placement.plan_key_store): with their values for
+        dense steps where they fit, and with ``top_k_values`` for top-k steps where they pay (``free_bytes``: the
+        memory for the store, the keys and the values, None: measured now)."""
         weights = key_weights(self.loaded.model, self.loaded.architecture)
         if not weights:
             return KeyStorePlan("shared", 0, "shared store: the decoder has no cross-attention layers")
         heads, head_dim, dim = weights[0].shape
         return plan_key_store(n_tokens, dim, len(weights), heads, head_dim, self.plan.index, index,
                               queries_per_head=max(1, self.plan.queries_per_step // heads),
-                              retrieval_k=self.plan.retrieval_k, support=self.plan.support)
+                              retrieval_k=self.plan.retrieval_k, support=self.plan.support,
+                              summary_tokens=self.plan.summary_tokens if top_k_values else 0,
+                              free_bytes=free_bytes)
+
+    def _with_values(self, store, index: IndexPlan, name: str) -> KeyStore:
+        """``store.keys``, with each layer's values where the plan keeps them for top-k steps: decided once the
+        book is encoded (or loaded), so that what they save is measured with the compiled sums a first run
+        compiles meanwhile, and projected from the stored states as a cached book's are."""
+        keys = store.keys
+        if keys.values is not None or self._dense(store.n_tokens) or not self.plan.summary_tokens:
+            return keys
+        resident = store.nbytes + keys.nbytes  # held already: the plan's budget counts them
+        plan = self._key_store_plan(store.n_tokens, index, top_k_values=True,
+                                    free_bytes=free_memory(index.device) + resident)
+        if not plan.values:
+            return keys
+        self.progress(ProgressEvent("keys", 0, store.n_tokens, name))
+        return build_key_store(store.states(), key_weights(self.loaded.model, self.loaded.architecture),
+                               value_weights=value_weights(self.loaded.model, self.loaded.architecture),
+                               keys=keys.keys, on_rows=lambda done: self.progress(
+                                   ProgressEvent("keys", done, store.n_tokens, name)))
 
     def _cached_keys(self, cached, store, plan: IndexPlan, name: str = ""):
         """The per-layer keys of a cached book when the plan wants them: the entry's own (memory-mapped) when it
@@ -209,6 +235,10 @@ class DocumentEncoder:
             return build_key_store(store.states(), weights, value_weights=values, keys=stored, on_rows=built)
         built(0)
         return build_key_store(store.states(), weights, value_weights=values, on_rows=built)
+
+    def _dense(self, n_tokens: int) -> bool:
+        """Whether every head attends to every one of ``n_tokens`` tokens (its values summed by the dense kernels)."""
+        return self.plan.retrieval_k >= n_tokens
 
     def _index_plan(self, n_tokens: int) -> IndexPlan:
         return plan_index(n_tokens, self.loaded.model.config.d_model, self.plan.index, retrieval_k=self.plan.retrieval_k,
@@ -237,6 +267,8 @@ class DocumentEncoder:
                 builder.add(states[start:start + 65_536])
             store = builder.finish()
         store.keys = self._cached_keys(cached, store, plan, name)
+        if store.keys is not None:
+            store.keys = self._with_values(store, plan, name)
         windows = tuple(tuple(w) for w in cached.meta["windows"])
         ends = cached.token_ends.tolist() if cached.token_ends is not None else None
         chapters = chapter_token_ranges(document, ends, n_tokens)

@@ -185,17 +185,21 @@ class RetrievalCrossAttention(wrapping.CrossAttentionWrapper):
         started = time.perf_counter()
         queries = self._head_queries(q)  # [H, R * T, dh]
         choice = store.keys.choice(store.dim, queries_per_head=READING_QUERIES_PER_HEAD, k=session.retrieval_k)
+        values = store.keys.layer_values(self.layer_index)  # [H, N, dh] or None
         attended = head_kernels.head_attend_masked(store.keys.layer(self.layer_index), store.states(), queries,
-                                                   session.retrieval_k, choice, store.kernel(), session.hidden)
+                                                   session.retrieval_k, choice, store.kernel(), session.hidden,
+                                                   values=values)
         session.stats.search_seconds += time.perf_counter() - started
-        attended = attended.view(heads, rows, steps, -1).permute(1, 2, 0, 3)  # [R, T, H, d]
+        attended = attended.view(heads, rows, steps, -1).permute(1, 2, 0, 3)  # [R, T, H, d or dh]
+        if values is not None:  # the layer's own values summed
+            return attended.to(w_v.dtype)
         return torch.einsum("rthd,hed->rthe", attended.to(w_v.dtype), w_v)
 
     def _attend_keys(self, store, q: torch.Tensor, session: RetrievalSession, doc: int) -> tuple[torch.Tensor, bool]:
         """Retrieval attention of one document's queries q [r, T, H, dh] through its store's keys of this layer:
         ([r, T, H, d] float32 weighted sums of the shared states, False), or, where the store keeps this layer's
-        values and every head attends to every token, ([r, T, H, dh] float32 weighted sums of them, True). The key
-        bias is left out (it cancels in the softmax), the value bias is the caller's."""
+        values, ([r, T, H, dh] float32 weighted sums of each head's chosen values, True). The key bias is left out
+        (it cancels in the softmax), the value bias is the caller's."""
         rows, steps, heads, _ = q.shape
         keys = store.keys.layer(self.layer_index)  # [H, N, dh]
         queries = self._head_queries(q)  # [H, r * T, dh]
@@ -203,7 +207,7 @@ class RetrievalCrossAttention(wrapping.CrossAttentionWrapper):
         queries_per_head = rows if steps == 1 else READING_QUERIES_PER_HEAD
         choice = store.keys.choice(store.dim, queries_per_head=queries_per_head, k=session.retrieval_k)
         k = min(session.retrieval_k, store.n_tokens)
-        values = store.keys.layer_values(self.layer_index) if k >= store.n_tokens else None  # [H, N, dh]
+        values = store.keys.layer_values(self.layer_index)  # [H, N, dh] or None
         hidden = session.hidden[doc] if session.hidden is not None else None
         if session.evidence is not None or session.recorder is not None:
             # what each query attended to is wanted

@@ -212,7 +212,8 @@ class EncoderDecoderSummarizer:
                                                              end_tokens(self.loaded))
         preparing = time.perf_counter()
         # a first run on this machine: the kernels the stores run, compiled (most of them while the book was encoded)
-        compiled.wait_ready([(kernel, store.storage_dtype) for store in stores for kernel in store.compiled_kernels()],
+        compiled.wait_ready([(kernel, store.storage_dtype) for store in stores
+                             for kernel in store.compiled_kernels(self.retrieval_k())],
                             lambda done, total, left: self.progress(ProgressEvent("compile", done, total, name,
                                                                                   {"seconds_left": left})))
         self.progress(ProgressEvent("prepare", 0, batch, name))
@@ -268,7 +269,8 @@ class EncoderDecoderSummarizer:
     def _encoder(self) -> DocumentEncoder:
         plan = EncodePlan(window=self._window(), index=self._index_config(), retrieval_k=self.retrieval_k(),
                           queries_per_step=self._queries_per_step(),
-                          support=self.retrieval.evidence and self.retrieval.support)
+                          support=self.retrieval.evidence and self.retrieval.support,
+                          summary_tokens=self.generation.to_generate_kwargs()["max_new_tokens"])
         return DocumentEncoder(self.loaded, self.encoding, plan, self.progress, self.cache, self._int8_made,
                                self.window_encoder)
 
