@@ -64,6 +64,14 @@ def test_usage_errors_exit_2(info, args):
     assert info(*args).exit_code == 2
 
 
+def test_a_model_folder_that_does_not_exist_is_named_not_offered_for_download(info, tmp_path):
+    """As summarize says it: a path is a folder, never a hub name (no `hf download /the/path` advice)."""
+    missing = tmp_path / "no-model"
+    result = info("-m", missing, "--tokens", 100)
+    assert result.exit_code == 2 and result.stdout == ""
+    assert result.stderr.strip() == f"unlimisum: error: model folder '{missing}' does not exist"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA message")
 def test_gpu_index_without_cuda_is_a_usage_error(info):
     result = info("--tokens", 10, "--index-device", "gpu")

@@ -227,6 +227,33 @@ def test_done_line_and_failures_without_a_terminal():
     assert lines[2:] == ["1 of 2 inputs failed:", "  a/very/long/path/that/does/not/fit/in/sixty/columns/bad.pdf: corrupt file"]
 
 
+@pytest.mark.parametrize("columns", [50, 80, 100])
+def test_at_a_terminal_the_done_and_looked_at_lines_fit_its_width_broken_at_spaces(columns):
+    """A terminal wraps a line at its edge, mid-word (``tok|ens``): the lines left on the screen break at spaces
+    instead, and the bar of where the summary looked is as wide as leaves room for what it says."""
+    from unlimisum.coverage import CoverageSpan
+
+    console = terminal(width=columns)
+    display = ProgressDisplay(console, clock=FakeClock(), memory=FakeMemory(), auto_refresh=False)
+    spans = (CoverageSpan("Chapter 1: The Map That Moved", 0, 600, 0.62),
+             CoverageSpan("Chapter 2: The Grandmother's Notebook", 600, 1234, 0.38))
+    summary = dataclasses.replace(make_summary(), coverage=spans)
+    display.document_done(summary, "shelf/a book with a long name.txt", 12.5,  # what stays on the screen
+                          output=Path("summaries/a book with a long name.txt.summary.md"))
+    rows = [row.rstrip() for row in console.file.getvalue().splitlines() if row.strip()]
+    assert all(len(row) <= columns for row in rows), rows
+    looked = next(number for number, row in enumerate(rows) if "looked at" in row)
+    done = " ".join(row.strip() for row in rows[:looked])
+    assert done == ("done shelf/a book with a long name.txt: 1,234 tokens in 5 windows · exact index on cpu "
+                    "(3.0 MiB), k=64 · 40 summary tokens (20.0 tokens/s) · peak RSS 1.0 GiB · 12.5 s -> "
+                    "summaries/a book with a long name.txt.summary.md")  # every break at a space
+    assert "\u2595" in rows[looked] and "\u258f" in rows[looked]  # the whole bar on one line
+    said = " ".join(row.strip() for row in rows[looked:]).split("\u258f")[1]
+    assert said == ' most at "Chapter 1: The Map That Moved" (62%)'
+    if columns >= 100:
+        assert len(rows) == looked + 1  # room for all of it on one line
+
+
 def test_quiet_prints_errors_only():
     console = terminal()
     display = ProgressDisplay(console, show=False, verbose=1, clock=FakeClock(), memory=FakeMemory())

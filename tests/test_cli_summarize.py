@@ -138,6 +138,43 @@ def test_directory_with_a_bad_file_summarizes_the_rest_and_exits_1(summarize, tm
     assert f"{folder / 'broken.pdf'}:" in result.stderr and f"{folder / 'sub' / 'empty.txt'}:" in result.stderr
 
 
+def test_with_output_dir_no_failure_goes_to_stdout_either(summarize, books, tmp_path):
+    """--json -o DIR: every record is a file's, a failure's too, whether found before reading or while reading."""
+    broken = tmp_path / "broken.pdf"
+    broken.write_bytes(b"%PDF-1.4\n this is not a PDF body")
+    result = summarize("--json", "-o", tmp_path / "out", books["text"], tmp_path / "missing.txt", broken)
+    assert result.exit_code == 1
+    assert result.stdout == ""
+    assert f"{tmp_path / 'missing.txt'}: no such file" in result.stderr and f"{broken}:" in result.stderr
+
+
+@pytest.mark.parametrize("where", ["under a file", "read-only"])
+def test_an_output_dir_that_cannot_be_written_is_a_usage_error_before_the_model_loads(summarize, books, tmp_path,
+                                                                                      loader, where):
+    if where == "under a file":
+        (tmp_path / "afile").write_text("x")
+        out = tmp_path / "afile" / "sub"
+    else:
+        if os.geteuid() == 0:
+            pytest.skip("root writes into a read-only folder")
+        out = tmp_path / "locked"
+        out.mkdir(mode=0o555)
+    calls = loader.calls
+    result = summarize("-o", out, books["text"], books["epub"])
+    assert result.exit_code == 2
+    assert result.stderr.strip().startswith(f"unlimisum: error: cannot write summaries to --output-dir {out}: ")
+    assert loader.calls == calls  # nothing loaded, nothing summarized in vain
+
+
+def test_encode_int8_loads_float32_weights_where_auto_would_choose_16_bits(summarize, books, monkeypatch):
+    """--dtype auto picks bfloat16 on a CPU with 16-bit units, whose weights int8 cannot quantize: with
+    --encode-int8 it loads float32 and the book is summarized (each input failed after loading before)."""
+    monkeypatch.setenv("UNLIMISUM_CPU_BFLOAT16", "1")  # as on a CPU where bfloat16 measured faster
+    result = summarize("--encode-int8", "--json", books["text"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["stats"]["input_tokens"] > 0
+
+
 def test_output_dir_then_skip_existing_resumes_without_loading_the_model(summarize, books, tmp_path, loader):
     out = tmp_path / "out"
     first = summarize("--json", "-o", out, books["text"], books["epub"])
@@ -409,6 +446,7 @@ def test_model_from_environment(summarize, books, tiny_model_dir, monkeypatch):
         ["--top-k", "0", "x.txt"],
         ["--topk", "3", "--retrieval-k", "4", "x.txt"],
         ["--tc-params", "missing.safetensors", "x.txt"],
+        ["--encode-int8", "--dtype", "bfloat16", "x.txt"],  # int8 copies are made of float32 weights
     ],
 )
 def test_usage_errors_exit_2_before_loading_the_model(summarize, args, loader):
@@ -547,3 +585,7 @@ def test_an_empty_summary_is_said_on_stderr_with_what_to_do(silent_model_dir, lo
         assert record["summary"] == "" and record["warnings"] and "empty" in record["warnings"][0]
     else:
         assert result.stdout.strip() == ""
+    piped = CliRunner().invoke(app, ["summarize", "-m", str(silent_model_dir), "--device", "cpu", "-"],
+                               input=SAMPLE_TEXT * 2)
+    (warning,) = [line for line in piped.stderr.splitlines() if "warning" in line]
+    assert warning.startswith("unlimisum: warning: standard input: the summary is empty")  # as its done line says

@@ -339,3 +339,29 @@ def test_the_tokens_of_a_fixed_text_change_only_with_the_store_format_version(ti
         "the tokens of the fixed texts or the store format changed: bump STORE_FORMAT_VERSION "
         "(unlimisum/unlimiformer/cache.py) when the tokens changed, then record in tests/fixtures/tokenization/"
         f'fingerprint.json: {{"store_format_version": {cache_module.STORE_FORMAT_VERSION}, "sha256": "{now}"}}')
+
+
+@pytest.mark.parametrize("command", [["list"], ["prune"], ["clear"], ["list", "--json"]])
+def test_a_cache_folder_that_does_not_exist_is_said_and_not_made(tmp_path, command):
+    """A mistyped --cache-dir (or one no run has used yet) is named, not reported as an empty cache."""
+    from typer.testing import CliRunner
+
+    from unlimisum.cli import app
+
+    missing = tmp_path / "no-such-cache"
+    result = CliRunner().invoke(app, ["cache", *command, "--cache-dir", str(missing)])
+    assert result.exit_code == 0 and result.stdout == ""
+    assert result.stderr.strip() == (f"unlimisum: no cache folder {missing}: nothing in it (summarize --cache-dir "
+                                     "makes it on first use)")
+    assert not missing.exists()
+
+
+def test_an_age_that_is_no_duration_names_its_option(tmp_path):
+    from typer.testing import CliRunner
+
+    from unlimisum.cli import app
+
+    result = CliRunner().invoke(app, ["cache", "clear", "--cache-dir", str(tmp_path), "--older-than", "5x"])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == ("unlimisum: error: invalid value for '--older-than': '5x' is not a duration; "
+                                     "use e.g. 12h, 30d or 2w")

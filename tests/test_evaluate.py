@@ -45,7 +45,8 @@ def test_a_malformed_line_is_one_error_naming_its_number(tmp_path, line, problem
     with pytest.raises(EvaluationDataError, match=problem):
         read_items(data)
     result = CliRunner().invoke(app, ["evaluate", str(data), "-m", str(FIXTURE)])
-    assert result.exit_code == 1 and problem in result.stderr and len(result.stderr.splitlines()) == 1
+    assert result.exit_code == 1 and len(result.stderr.splitlines()) == 1
+    assert result.stderr.startswith(f"unlimisum: error: {data}: {problem}")  # the data file named, then the line
 
 
 def test_ids_default_to_line_numbers_and_paths_are_relative_to_the_data_file(tmp_path):

@@ -159,3 +159,21 @@ def test_named_pipe_as_path(runner, tmp_path):
     record = json.loads(result.stdout)
     assert record["path"] == str(fifo) and record["format"] == "pdf"
     assert [c["title"] for c in record["chapters"]] == STORY_TITLES
+
+
+def test_a_folders_summaries_that_unlimisum_wrote_are_not_read_as_summarize_would_not(runner, tmp_path):
+    from unlimisum.runs.output import MARKDOWN_MARKER
+
+    shelf = tmp_path / "shelf"
+    shelf.mkdir()
+    (shelf / "story.txt").write_bytes((SAMPLES / "story.txt").read_bytes())
+    (shelf / "story.txt.summary.md").write_text(f"{MARKDOWN_MARKER}\n# The Cartographer\n\nA summary.\n")
+    (shelf / "notes.md").write_text("# My notes\n\nWritten by a person.\n")
+    result = runner.invoke(app, ["ingest", "--json", str(shelf)])
+    assert result.exit_code == 0, result.output
+    assert sorted(json.loads(line)["path"] for line in result.stdout.splitlines()) == [
+        str(shelf / "notes.md"), str(shelf / "story.txt")]
+    assert result.stderr.strip() == (f"unlimisum: not reading 1 summary that unlimisum wrote: "
+                                     f"{shelf / 'story.txt.summary.md'}")
+    named = runner.invoke(app, ["ingest", str(shelf / "story.txt.summary.md")])  # named, it is read as asked
+    assert named.exit_code == 0 and named.stderr == ""

@@ -63,6 +63,27 @@ def test_decodes_every_supported_encoding(data, expected_encoding):
     assert "caf" in text and "\ufeff" not in text and "\ufffd" not in text
 
 
+@pytest.mark.parametrize("data, encoding, replaced", [
+    (codecs.BOM_UTF8 + "Grüße, café \ufffd kept\n".encode("utf-8") + b"one \xff bad\n", "utf-8-bom", 1),
+    (codecs.BOM_UTF16_LE + "Grüße, café\n".encode("utf-16-le") + b"\x00\xd8" + "ok\n".encode("utf-16-le"),
+     "utf-16-le-bom", 1),
+    (codecs.BOM_UTF8 + "plain and right\n".encode("utf-8"), "utf-8-bom", 0),
+])
+def test_bytes_the_named_encoding_cannot_decode_are_counted_and_reported(tmp_path, data, encoding, replaced):
+    """A BOM names the encoding: what breaks it becomes U+FFFD, and the reader says so (a U+FFFD the file
+    itself holds is text, not counted)."""
+    from unlimisum.ingest import read_document
+    from unlimisum.ingest.decode import decode_text_counting
+
+    text, found, count = decode_text_counting(data)
+    assert (found, count) == (encoding, replaced) and "Gr" in text or "plain" in text
+    path = tmp_path / "book.txt"
+    path.write_bytes(data)
+    warnings = read_document(str(path)).metadata["warnings"]
+    assert warnings == ([f"1 byte sequence is not {encoding.removesuffix('-bom')}, which the file's byte-order mark "
+                         "says it is: replaced by U+FFFD"] if replaced else [])
+
+
 # Openings of public-domain books (Tolstoy, Natsume Soseki, Lu Xun), a paragraph or more each.
 RUSSIAN = (
     "Все счастливые семьи похожи друг на друга, каждая несчастливая семья несчастлива по-своему.\n\n"

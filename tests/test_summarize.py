@@ -256,6 +256,33 @@ def test_default_retrieval_k_is_the_window_up_to_1024(tiny_model_dir):
     assert asked.family.retrieval_k() == 4096
 
 
+def test_the_key_store_and_the_way_support_is_measured_are_python_options_too():
+    from unlimisum.summarizer import configs_from_options
+
+    configs = configs_from_options("m", {"key_store": "shared", "support_by": "removal", "max_new_tokens": 9})
+    assert configs["index"].key_store == "shared" and configs["retrieval"].support_by == "removal"
+    assert configs["generation"].extra == {}  # neither is handed to generate()
+
+
+@pytest.mark.parametrize("options, named", [
+    ({"key_stor": "shared"}, "option 'key_stor'"),  # misspelled: generate() would refuse it after the whole input
+    ({"num_beam": 2, "max_lenght": 9}, "options 'num_beam', 'max_lenght'"),
+])
+def test_an_option_nobody_takes_is_refused_before_any_work(tiny_loaded, options, named):
+    with pytest.raises(ConfigError, match=f"unknown {named}: not an unlimisum option"):
+        Summarizer(tiny_loaded("bart"), generation=GenerationOptions(max_new_tokens=4, extra=options))
+    # generate()'s own parameters, its configuration's fields and the model's inputs pass on
+    Summarizer(tiny_loaded("bart"), generation=GenerationOptions(max_new_tokens=4, extra={
+        "output_scores": True, "streamer": None, "decoder_attention_mask": None}))
+
+
+@pytest.mark.parametrize("name", ["temperature", "repetition_penalty", "top_p"])
+def test_a_sampling_setting_that_is_not_positive_is_refused_before_any_work(tiny_loaded, name):
+    with pytest.raises(ConfigError, match=f"{name} must be greater than 0, got 0.0"):
+        Summarizer(tiny_loaded("bart"), generation=GenerationOptions(max_new_tokens=4, do_sample=True,
+                                                                     **{name: 0.0}))
+
+
 def test_top_k_without_sampling_is_refused_naming_retrieval_k():
     from unlimisum.summarizer import configs_from_options
 

@@ -11,7 +11,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-from unlimisum.config import DEFAULT_MODEL, IndexConfig
+from unlimisum.config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_MODEL, IndexConfig
 from unlimisum.errors import ConfigError, UnlimisumError
 from unlimisum.version import __version__
 
@@ -166,6 +166,10 @@ def collect_models(model: str | None) -> dict:
 
     from unlimisum.models.architectures import supported_model_types
 
+    if model:  # a folder that does not exist is an error here too, not a hub name to download
+        from unlimisum.models.checkpoint import locate
+
+        locate(model)
     chosen = model or DEFAULT_MODEL
     tokenizer = _needed_tokenizer(chosen)
     missing = [name for name, available in ((chosen, _available_offline(chosen)),
@@ -215,7 +219,8 @@ def collect_plan(tokens: int, model: str, index: IndexConfig) -> dict:
                       f"({packed.packed_bytes(tokens, d_model) / 2**30:.1f} GiB) would exceed "
                       f"{packed.PACKED_MEMORY_FRACTION:.1%} of the memory left beside this process; "
                       f"for smaller inputs {kernel}")
-    keys = plan_key_store(tokens, d_model, layers, heads, head_dim, index, plan, support=True)  # as summarize's default
+    keys = plan_key_store(tokens, d_model, layers, heads, head_dim, index, plan, support=True,  # summarize's defaults
+                          summary_tokens=DEFAULT_MAX_NEW_TOKENS)
     key_kernel = None
     if keys.kind == "per-layer":  # what its heads run here (measured with the choice under auto)
         import torch

@@ -59,6 +59,11 @@ class Summarizer:
         self.progress = progress or (lambda event: None)
         if generation.extra.get("num_return_sequences", 1) != 1:
             raise ConfigError("num_return_sequences must be 1: unlimisum returns one summary per document")
+        _check_passed_on(self.loaded, generation.extra)
+        for name in ("temperature", "repetition_penalty", "top_p"):  # generate() would refuse them mid-run
+            value = getattr(generation, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{name} must be greater than 0, got {value}")
         limit, wanted = self.loaded.max_target_length, generation.max_new_tokens
         if limit is not None and wanted is not None and wanted > limit:
             raise ConfigError(
@@ -147,11 +152,11 @@ def summarize(
 ) -> Summary:
     """Summarize a text or Document with ``model`` (hub name, local folder, or loaded model).
 
-    Keyword options: ``tokenizer, device, dtype`` (model); ``overlap, encode_batch, window, encode_int8``
-    (encoding); ``index, index_device, exact_max_tokens, storage_dtype`` (datastore);
+    Keyword options: ``tokenizer, device, dtype, trust_remote_code`` (model); ``overlap, encode_batch, window,
+    encode_int8`` (encoding); ``index, index_device, exact_max_tokens, storage_dtype, key_store`` (datastore);
     ``retrieval_k`` (input tokens each cross-attention head retrieves per step), ``evidence`` (False: no
-    evidence pass), ``evidence_passages`` (passages kept per summary sentence) and ``support`` (False: no
-    ablation pass); for decoder-only
+    evidence pass), ``evidence_passages`` (passages kept per summary sentence), ``support`` (False: no
+    ablation pass) and ``support_by`` ("hiding" or "removal"); for decoder-only
     models ``prompt`` (a template with ``{text}``), ``system``, ``window`` (the exact local window),
     ``sinks, block_size, block_representatives, prefill_selection``; and any ``generate()`` option,
     meaning what it means there: ``max_new_tokens``, ``num_beams``, ``no_repeat_ngram_size``,
@@ -160,6 +165,25 @@ def summarize(
     configs = configs_from_options(model, options)
     summarizer = Summarizer(configs.pop("model_config", model), progress=progress, **configs)
     return summarizer.summarize(text_or_document, per_chapter=per_chapter)
+
+
+def _check_passed_on(loaded: LoadedModel, extra: dict) -> None:
+    """Refuse, before any document is read, an option neither unlimisum nor ``generate()`` knows (a misspelled
+    one, or an unlimisum option under another name): generate() itself would refuse it only after the whole
+    input was encoded. ``generate()`` takes its own parameters, the fields of a ``GenerationConfig`` and the
+    model's ``forward`` inputs."""
+    import inspect
+
+    from transformers import GenerationConfig
+
+    known = GenerationConfig()
+    accepted = set(inspect.signature(loaded.model.generate).parameters) | set(
+        inspect.signature(loaded.model.forward).parameters)
+    unknown = [name for name in extra if name not in accepted and not hasattr(known, name)]
+    if unknown:
+        raise ConfigError(f"unknown option{'s' if len(unknown) > 1 else ''} {', '.join(map(repr, unknown))}: "
+                          f"not an unlimisum option (docs/python.md) and not one generate() of model "
+                          f"'{loaded.name}' takes")
 
 
 def configs_from_options(model, options: dict) -> dict:
@@ -172,11 +196,11 @@ def configs_from_options(model, options: dict) -> dict:
                 if key in options}
     index = {name: options.pop(key) for key, name in
              {"index": "kind", "index_device": "device", "exact_max_tokens": "exact_max_tokens",
-              "storage_dtype": "storage_dtype"}.items() if key in options}
+              "storage_dtype": "storage_dtype", "key_store": "key_store"}.items() if key in options}
     if "top_k" in options and not options.get("do_sample"):
         raise ConfigError("top_k is sampling's top-k, as in generate(), and needs do_sample=True; the number of "
                           "input tokens each head retrieves is retrieval_k")
-    retrieval_names = ("retrieval_k", "evidence", "evidence_passages", "support")
+    retrieval_names = ("retrieval_k", "evidence", "evidence_passages", "support", "support_by")
     retrieval_config = RetrievalConfig(**{name: options.pop(name) for name in retrieval_names if name in options})
     prompt = {name: options.pop(key) for key, name in {"prompt": "template", "system": "system"}.items()
               if key in options}

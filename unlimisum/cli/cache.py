@@ -37,7 +37,7 @@ def parse_duration(value: str) -> float:
     """``30d`` -> seconds (s, m, h, d, w; a plain number is seconds); BadParameter otherwise."""
     match = _DURATION.match(value.lower())
     if not match:
-        raise typer.BadParameter(f"'{value}' is not a duration; use e.g. 12h, 30d or 2w")
+        raise typer.BadParameter(f"'{value}' is not a duration; use e.g. 12h, 30d or 2w", param_hint="'--older-than'")
     return float(match[1]) * _SECONDS[match[2]]
 
 
@@ -51,6 +51,10 @@ def _open(cache_dir: Optional[Path]):
 
     if cache_dir is None:
         raise fail("no cache folder: pass --cache-dir DIR or set UNLIMISUM_CACHE_DIR", EXIT_USAGE)
+    if not cache_dir.expanduser().exists():  # a mistyped folder, or one no run has used yet: said, not made
+        typer.echo(visible(f"unlimisum: no cache folder {cache_dir}: nothing in it (summarize --cache-dir makes it "
+                           "on first use)"), err=True)
+        raise typer.Exit(0)
     return EncodedCache(cache_dir)
 
 

@@ -16,10 +16,11 @@ from typing import List, Optional
 import typer
 from rich.cells import cell_len
 
-from unlimisum.cli.app import EXIT_FAILURE, app, fail
+from unlimisum.cli.app import EXIT_FAILURE, EXIT_USAGE, app, fail
 from unlimisum.document import Document
-from unlimisum.errors import UnlimisumError
-from unlimisum.ingest import STDIN, expand_paths, read_document
+from unlimisum.errors import ConfigError, UnlimisumError
+from unlimisum.ingest import STDIN, read_document
+from unlimisum.runs.jobs import plan_jobs
 from unlimisum.visible import json_text, visible
 
 _TITLE_WIDTH = 60  # chapter titles are cut to this many characters in the table
@@ -36,12 +37,23 @@ def ingest(
     ),
 ) -> None:
     """Read inputs and report what was found: title, format, chapters, characters."""
-    inputs = expand_paths(paths)
+    try:  # the inputs summarize would read: a folder's summaries that unlimisum wrote are not among them
+        plan = plan_jobs(paths, None)
+    except ConfigError as error:
+        raise fail(error, EXIT_USAGE)
+    if plan.own_outputs:
+        count = len(plan.own_outputs)
+        example = f" (e.g. {plan.own_outputs[0]})" if count > 1 else f": {plan.own_outputs[0]}"
+        typer.echo(visible(f"unlimisum: not reading {count} {'summary' if count == 1 else 'summaries'} that "
+                           f"unlimisum wrote{example}"), err=True)
+    inputs = [job.source for job in plan.jobs]
     failures = printed = 0
-    for item in inputs:
-        source = str(item)
+    for job in plan.jobs:
+        source = job.source
         try:
-            document = read_document(item, password=password, keep_all=keep_all)
+            if job.problem is not None:
+                raise job.problem
+            document = read_document(source, password=password, keep_all=keep_all)
         except UnlimisumError as error:
             failures += 1
             typer.echo(visible(f"unlimisum: error: {error}"), err=True)

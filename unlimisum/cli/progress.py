@@ -35,6 +35,7 @@ CHAPTER_TITLE_CELLS = 40  # chapter titles are cut to this many characters in th
 # narrower (down to 10) before the label is cut; counts, rate and clock are never cut.
 MAX_BAR_CELLS = 30
 MIN_BAR_CELLS = 10
+COVERAGE_BAR_CELLS = 48  # the widest the bar of where a summary looked is drawn (its terminal permitting)
 LABEL_CELLS = 40
 MIN_LABEL_CELLS = 12
 
@@ -426,9 +427,10 @@ class ProgressDisplay(DrawnOnLiveArea):
         line = f"[green]done[/] {escape(_display_name(source))}: " + escape(" · ".join(parts))
         if output is not None:
             line += f" -> {escape(str(output))}"
-        self._area.print(line, soft_wrap=True)
-        if self.console.is_terminal and len(summary.coverage) > 1:
-            self._area.print(coverage_line(summary), soft_wrap=True, highlight=False)
+        terminal = self.console.is_terminal  # a terminal's lines broken at spaces, a log's kept whole
+        self._area.print(line, soft_wrap=not terminal)
+        if terminal and len(summary.coverage) > 1:
+            self._area.print(coverage_line(summary, columns=self.console.width), highlight=False)
         if self.console.is_terminal and self.evidence:
             for part in (summary, *summary.chapters):
                 for line in evidence_lines(part, heading=part.title if part is not summary else ""):
@@ -588,18 +590,25 @@ class _ChapterProgress:
         return f"chapters {self.batch_start + 1}-{last}/{self.total}"
 
 
-def coverage_line(summary: Summary, width: int = 48) -> Text:
+def coverage_line(summary: Summary, width: int = COVERAGE_BAR_CELLS, columns: int | None = None) -> Text:
     """``  looked at ▕░▒█▓ ░ ▏ most at "Chapter 5" (62%)``: the summary's attention across the book,
-    darker where it looked more, with chapter boundaries ticked underneath in the bar's order."""
+    darker where it looked more, with chapter boundaries ticked underneath in the bar's order. In a terminal
+    of ``columns``, the bar (at most ``width`` cells, at least MIN_BAR_CELLS) leaves room for the rest of the
+    line where it can; what still does not fit goes on the next line, broken at a space."""
     from unlimisum.coverage import bar
 
     top = max(summary.coverage, key=lambda span: span.share)
     name = " ".join(top.title.split()) or f"tokens {top.start_token:,}-{top.end_token:,}"
     if len(name) > CHAPTER_TITLE_CELLS:
         name = name[: CHAPTER_TITLE_CELLS - 1] + "\u2026"
-    line = Text("  looked at ", style="dim")
+    most = visible(f" most at \"{name}\" ({top.share:.0%})")
+    label = "  looked at "
+    if columns is not None:  # the label and the bar's two ends, then the bar, then what it says
+        width = max(MIN_BAR_CELLS, min(width, columns - cell_len(label) - 2 - cell_len(most)))
+        width = min(width, max(1, columns - cell_len(label) - 2))
+    line = Text(label, style="dim")
     line.append("\u2595" + bar(summary.coverage, width) + "\u258f", style="cyan")
-    line.append(visible(f" most at \"{name}\" ({top.share:.0%})"), style="dim")
+    line.append(most, style="dim")
     return line
 
 

@@ -21,7 +21,8 @@ import typer
 
 from unlimisum.cli.app import EXIT_FAILURE, EXIT_INTERRUPTED, EXIT_USAGE, _click, app, fail, silence_stdout
 from unlimisum.runs.runner import BatchResult, BatchRunner, SummarizeSettings
-from unlimisum.runs.jobs import HTML_EXTENSION, JSON_EXTENSION, MARKDOWN_EXTENSION, Job, assign_page, plan_jobs
+from unlimisum.runs.jobs import (HTML_EXTENSION, JSON_EXTENSION, MARKDOWN_EXTENSION, Job, assign_page,
+    check_output_dir, plan_jobs)
 from unlimisum.cli.option_sources import CONFIG, describe, describe_all, from_command_line, option_source, rank
 from unlimisum.cli.progress import ProgressDisplay, make_stderr_console
 from unlimisum.config import (
@@ -320,7 +321,7 @@ def summarize(
     # -- cache of encoded books
     cache_dir: Optional[Path] = typer.Option(
         None, "--cache-dir", envvar="UNLIMISUM_CACHE_DIR", show_envvar=True, metavar="DIR", file_okay=False,
-        help="Keep encoded books here: summarizing the same book again (other options) skips reading and encoding.",
+        help="Keep encoded books here: summarizing the same book again (other options) skips tokenizing and encoding.",
         rich_help_panel=CACHE_PANEL,
     ),
     cache_max_bytes: Optional[str] = typer.Option(
@@ -395,6 +396,11 @@ def summarize(
         raise fail(error, EXIT_USAGE)
     _check_engine(ctx, engine, workers, gpus_per_worker, cpus_per_worker)
     do_sample, temperature, top_k, top_p = _sampling(ctx, sample, temperature, top_k, top_p, decided)
+    if encode_int8:  # int8 copies are made of float32 weights: auto loads those, a 16-bit dtype contradicts it
+        if dtype in ("float16", "bfloat16"):
+            raise fail(f"{describe(ctx, 'encode_int8')} quantizes float32 weights and "
+                       f"{describe(ctx, 'dtype', value=True)} loads 16-bit ones", EXIT_USAGE)
+        dtype = "float32"
     settings = SummarizeSettings(
         model=ModelConfig(name=model, tokenizer=tokenizer, device=device, dtype=dtype, trust_remote_code=trust_remote_code),
         encoding=EncodingConfig(overlap=overlap, batch_size=encode_batch, window=window, int8=encode_int8),
@@ -418,6 +424,8 @@ def summarize(
         check_index_settings(settings.index)
         extension = HTML_EXTENSION if as_html else JSON_EXTENSION if as_json else MARKDOWN_EXTENSION
         plan = plan_jobs(paths, output_dir, extension, skip_existing=skip_existing)
+        if output_dir is not None and any(job.problem is None and not job.skip for job in plan.jobs):
+            check_output_dir(output_dir)
         if html_page is not None:
             assign_page(plan, html_page)
     except ConfigError as error:

@@ -55,7 +55,10 @@ def read_items(data: Path) -> list[Item]:
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
-        item = parse_line(line, number, data.parent)
+        try:
+            item = parse_line(line, number, data.parent)
+        except EvaluationDataError as error:  # the data file named, as for every other problem with it
+            raise EvaluationDataError(error.problem, source=str(data)) from None
         if item.id in seen:
             raise EvaluationDataError(f"line {number}: id '{item.id}' is already line {seen[item.id]}'s",
                                       source=str(data))

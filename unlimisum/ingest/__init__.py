@@ -23,7 +23,7 @@ from unlimisum.errors import (
     InputTooLargeError,
     UnsupportedFormatError,
 )
-from unlimisum.ingest.decode import NotTextError, decode_text
+from unlimisum.ingest.decode import NotTextError, decode_text_counting
 from unlimisum.ingest.detect import PDF, ZIP, sniff_format
 from unlimisum.ingest.limits import DEFAULT_LIMITS, MiB, IngestLimits
 from unlimisum.ingest.paths import STDIN, SUPPORTED_SUFFIXES, expand_paths
@@ -175,11 +175,19 @@ def _sniff(head: bytes, source: str) -> str:
         raise UnsupportedFormatError(f"{description}, not text, EPUB or PDF", source=source) from None
 
 
+def _replaced_warning(replaced: int, encoding: str) -> str:
+    """What became U+FFFD where the file named its encoding (a BOM, or UTF-16's NUL bytes) but broke it."""
+    named, by = (encoding.removesuffix("-bom"), "byte-order mark") if encoding.endswith("-bom") else (encoding,
+                                                                                                      "NUL bytes")
+    return (f"{replaced:,} byte sequence{'s are' if replaced > 1 else ' is'} not {named}, which the file's {by} "
+            f"say{'' if by == 'NUL bytes' else 's'} it is: replaced by U+FFFD")
+
+
 def _text_document(data: bytes, source: str, default_title: str) -> Document:
     if not data.strip():
         raise EmptyDocumentError("empty file" if not data else "file holds only whitespace", source=source)
     try:
-        text, encoding = decode_text(data)
+        text, encoding, replaced = decode_text_counting(data)
     except NotTextError as problem:
         raise UnsupportedFormatError(f"{problem}, not text, EPUB or PDF", source=source) from None
     if not text.strip():
@@ -193,5 +201,6 @@ def _text_document(data: bytes, source: str, default_title: str) -> Document:
         chapters=parsed.chapters,
         source=source,
         format="text",
-        metadata={"encoding": encoding, "gutenberg": parsed.gutenberg, "warnings": []},
+        metadata={"encoding": encoding, "gutenberg": parsed.gutenberg,
+                  "warnings": [_replaced_warning(replaced, encoding)] if replaced else []},
     )

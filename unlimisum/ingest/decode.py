@@ -66,12 +66,19 @@ def decode_text(data: bytes) -> tuple[str, str]:
     else strict UTF-8; else the legacy encoding charset-normalizer finds among
     LEGACY_ENCODINGS (Windows-1251, Shift-JIS, GBK, Windows-1252...). Line endings are
     normalised to ``\\n``. Raises NotTextError for binary data and for bytes that no
-    encoding explains.
+    encoding explains. Where a BOM (or BOM-less UTF-16) names the encoding, bytes it cannot
+    decode become U+FFFD: ``decode_text_counting`` says how many.
     """
-    text, encoding = _decode(data)
+    text, encoding, _ = decode_text_counting(data)
+    return text, encoding
+
+
+def decode_text_counting(data: bytes) -> tuple[str, str, int]:
+    """``decode_text``, and how many byte sequences the named encoding could not decode (each now U+FFFD)."""
+    text, encoding, replaced = _decode(data)
     if _looks_binary(text):
         raise NotTextError("binary data")
-    return normalise_newlines(text), encoding
+    return normalise_newlines(text), encoding, replaced
 
 
 def normalise_newlines(text: str) -> str:
@@ -79,19 +86,31 @@ def normalise_newlines(text: str) -> str:
     return text.replace("\r\n", "\n").replace("\r", "\n").rstrip("\x1a")
 
 
-def _decode(data: bytes) -> tuple[str, str]:
+def _decode(data: bytes) -> tuple[str, str, int]:
     for bom, encoding in _BOMS:
         if data.startswith(bom):
-            return data[len(bom) :].decode(encoding, errors="replace"), encoding + "-bom"
+            text, replaced = _decode_replacing(data[len(bom) :], encoding)
+            return text, encoding + "-bom", replaced
     utf16 = _guess_bomless_utf16(data)
     if utf16:
-        return data.decode(utf16, errors="replace"), utf16
+        text, replaced = _decode_replacing(data, utf16)
+        return text, utf16, replaced
     if b"\x00" in data:
         raise NotTextError("binary data (NUL bytes)")
     try:
-        return data.decode("utf-8"), "utf-8"
+        return data.decode("utf-8"), "utf-8", 0
     except UnicodeDecodeError:
-        return detect_legacy(data)
+        return (*detect_legacy(data), 0)
+
+
+def _decode_replacing(data: bytes, encoding: str) -> tuple[str, int]:
+    """(text, how many sequences became U+FFFD): ``data`` decoded in ``encoding``, bytes it cannot decode
+    replaced (a U+FFFD the file itself holds is not counted)."""
+    try:
+        return data.decode(encoding), 0
+    except UnicodeDecodeError:
+        text = data.decode(encoding, errors="replace")
+        return text, text.count("\ufffd") - data.count("\ufffd".encode(encoding))
 
 
 def detect_legacy(data: bytes) -> tuple[str, str]:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -102,6 +103,18 @@ def plan_jobs(
     if output_dir is not None:
         _assign_outputs(plan.jobs, Path(output_dir), extension, skip_existing)
     return plan
+
+
+def check_output_dir(output_dir: Path) -> None:
+    """ConfigError (a usage error) unless summaries can be written in ``output_dir``, checked before the model
+    loads: the folder is made where it is missing (the run's manifest goes there too), then a file is written
+    in it and removed. Found only when the first summary is written, every book would be summarized in vain."""
+    try:
+        Path(output_dir).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=output_dir):
+            pass
+    except OSError as error:
+        raise ConfigError(f"cannot write summaries to --output-dir {output_dir}: {error.strerror or error}") from None
 
 
 def assign_page(plan: Plan, page: Path) -> None:

@@ -257,13 +257,14 @@ class BatchRunner:
             else:
                 document = self._read(job.source)
                 read_seconds = self.clock() - started
+            shown = "standard input" if job.is_stdin else job.source  # as the done and error lines name it
             for warning in document.metadata.get("warnings", []):
-                self.reporter.note(f"unlimisum: warning: {job.source}: {warning}")
+                self.reporter.note(f"unlimisum: warning: {shown}: {warning}")
             if document.left_out:
-                self.reporter.log(f"left out of {job.source}: {'; '.join(document.left_out)} (--keep-all keeps them)")
+                self.reporter.log(f"left out of {shown}: {'; '.join(document.left_out)} (--keep-all keeps them)")
             summary = self.summarizer.summarize(document, per_chapter=self.settings.per_chapter)
             for part, warning in _summary_warnings(summary):
-                self.reporter.note(f"unlimisum: warning: {job.source}{part}: {warning}")
+                self.reporter.note(f"unlimisum: warning: {shown}{part}: {warning}")
             stdout = self._render(job, document, summary, read_seconds, several)
             if job.page is not None:
                 page_failed = self._write_page(job, document, summary, started)
@@ -306,7 +307,7 @@ class BatchRunner:
         outcome = DocumentOutcome(job.source, FAILED, output=str(job.output) if job.output is not None else None,
                                   problem=problem, error_type=error_type, seconds=seconds)
         stdout = ""
-        if self.settings.as_json and job.output is None:
+        if self.settings.as_json and self.settings.output_dir is None:  # with -o every record is a file's
             stdout = to_json_line(error_record(job.source, problem, error_type)) + "\n"
         return JobResult(outcome, stdout=stdout)
 
