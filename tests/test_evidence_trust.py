@@ -263,7 +263,7 @@ def test_the_needle_sentence_depends_on_its_passage(loaded, filler):  # noqa: F8
 
 @pytest.mark.parametrize("by", ["hiding", "removal"])
 @pytest.mark.parametrize("kernel", [None, "native"], ids=["measured kernel", "native forced"])
-@pytest.mark.parametrize("key_store", ["shared", "per-layer"])
+@pytest.mark.parametrize("key_store", ["shared", "per-layer", "per-layer+values"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("projection", [None, "columns"], ids=["own projection", "columns projection"])
 def test_hiding_nothing_gives_exactly_zero_support(filler, dtype, key_store, kernel, by, projection,  # noqa: F811
@@ -271,7 +271,8 @@ def test_hiding_nothing_gives_exactly_zero_support(filler, dtype, key_store, ker
     """The baseline and the ablation are one computation with two masks: each sentence read with a passage that
     hides nothing loses exactly 0 nats (before, the baseline was generation's own logits: another kernel for one
     query a head, without BART's final_logits_bias); also where the decoder's linear layers are taken as
-    weight @ rows^T (unlimisum/models/projections.py: the two rows are two columns of one product)."""
+    weight @ rows^T (unlimisum/models/projections.py: the two rows are two columns of one product), and where
+    each layer's values are summed at the top-k steps (per-layer+values)."""
     from tests.test_needle import make_input
     from unlimisum.evidence import Source
     from unlimisum.config import ModelConfig
@@ -285,12 +286,18 @@ def test_hiding_nothing_gives_exactly_zero_support(filler, dtype, key_store, ker
         monkeypatch.setattr(projections.LinearGroup, "form", lambda self, rows: projection)
     loaded = load_model(ModelConfig(name=str(FIXTURE), device="cpu", dtype=dtype))
     text, _, _ = make_input(filler, 64 * 8, 0.5, 4)
-    index = IndexConfig(kind="exact", device="cpu", key_store=key_store)
+    index = IndexConfig(kind="exact", device="cpu", key_store=key_store.removesuffix("+values"))
     summarizer = Summarizer(loaded, generation=GenerationOptions(max_new_tokens=12, min_new_tokens=12),
                             retrieval=RetrievalConfig(retrieval_k=16), index=index)
     family = summarizer.family
     store = family.encode(Document.from_text(text)).store
-    assert (store.keys is not None) == (key_store == "per-layer")
+    assert (store.keys is not None) == key_store.startswith("per-layer")
+    if key_store.endswith("+values"):  # as the plan keeps them where they pay (a short book's never do)
+        from unlimisum.search.keys import build_key_store, key_weights, value_weights
+
+        store.keys = build_key_store(store.states(), key_weights(loaded.model, loaded.architecture),
+                                     value_weights=value_weights(loaded.model, loaded.architecture),
+                                     keys=store.keys.keys)
     run = family.generate([store], coverage=False, record=True)
     row = run.token_ids[0].tolist()
     ids = row[:returned_length(row, end_tokens(loaded))]
