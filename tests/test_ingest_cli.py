@@ -177,3 +177,14 @@ def test_a_folders_summaries_that_unlimisum_wrote_are_not_read_as_summarize_woul
                                      f"{shelf / 'story.txt.summary.md'}")
     named = runner.invoke(app, ["ingest", str(shelf / "story.txt.summary.md")])  # named, it is read as asked
     assert named.exit_code == 0 and named.stderr == ""
+
+
+def test_a_document_without_a_title_is_titled_by_its_file_name_as_summarize_titles_it(runner, tmp_path):
+    from unlimisum.ingest import read_document
+    from unlimisum.runs.output import document_title
+
+    untitled = tmp_path / "notes.txt"
+    untitled.write_text("just a few words, and no title line to take one from.\n")
+    record = json.loads(runner.invoke(app, ["ingest", "--json", str(untitled)]).stdout)
+    assert record["title"] == "notes.txt" == document_title(read_document(str(untitled)))
+    assert "  title:      notes.txt\n" in runner.invoke(app, ["ingest", str(untitled)]).stdout

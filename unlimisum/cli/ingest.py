@@ -21,6 +21,7 @@ from unlimisum.document import Document
 from unlimisum.errors import ConfigError, UnlimisumError
 from unlimisum.ingest import STDIN, read_document
 from unlimisum.runs.jobs import plan_jobs
+from unlimisum.runs.output import document_title
 from unlimisum.visible import json_text, visible
 
 _TITLE_WIDTH = 60  # chapter titles are cut to this many characters in the table
@@ -96,7 +97,7 @@ def document_record(document: Document, with_text: bool = False) -> dict:
     return {
         "path": document.source,
         "format": document.format,
-        "title": document.title,
+        "title": document_title(document),  # as summarize titles it: the document's own, else the file name
         "author": document.author,
         "chars": document.char_count,
         "chapters": chapters,
@@ -109,7 +110,7 @@ def render_summary(document: Document) -> str:
     """Plain-text report of one document: readable in a terminal and when piped."""
     lines = [
         document.source,
-        f"  title:      {document.title or '(none)'}",
+        f"  title:      {document_title(document) or '(none)'}",
         f"  author:     {document.author or '(unknown)'}",
         f"  format:     {document.format}",
         *([f"  encoding:   {document.metadata['encoding']}"] if document.metadata.get("encoding") else []),
