@@ -51,6 +51,34 @@ def test_a_measurement_is_made_once_and_kept_for_the_next_process(tmp_path):
     assert again.measured_at == first.measured_at and again.reason == "measured"
 
 
+def test_a_kept_choice_of_another_releases_shape_is_measured_again_for_this_process(tmp_path, monkeypatch):
+    """remembered_choice: (the choice, kept or not); an entry whose fields are not the choice's (a release that
+    measured other things) is measured again for this process, and said as kept None."""
+    import dataclasses
+
+    @dataclasses.dataclass(frozen=True)
+    class Choice:
+        speed: float
+        reason: str = ""
+
+    store = MeasurementStore(tmp_path / "measurements.json")
+    monkeypatch.setattr(measurements, "default_store", lambda: store)
+    made = []
+
+    def measure() -> Choice:
+        made.append(1)
+        return Choice(2.0, "measured")
+
+    assert measurements.remembered_choice("a choice", measure, Choice) == (Choice(2.0, "measured"), False)
+    assert measurements.remembered_choice("a choice", measure, Choice) == (Choice(2.0, "measured"), False)
+    store = MeasurementStore(tmp_path / "measurements.json")  # the next process's
+    assert measurements.remembered_choice("a choice", measure, Choice) == (Choice(2.0, "measured"), True)
+    assert len(made) == 1
+    remembered("an older choice", lambda: ({"speed": 1.0, "gone": True}, "an older release's"), store=store)
+    assert measurements.remembered_choice("an older choice", measure, Choice) == (Choice(2.0, "measured"), None)
+    assert len(made) == 2
+
+
 def test_another_machine_measures_again(tmp_path):
     made = []
     measure = lambda: made.append(1) or (len(made), "measured")  # noqa: E731

@@ -258,7 +258,7 @@ def collect_decoder_plan(tokens: int, model: str, config, index: IndexConfig) ->
     sinks, k, position regime (or why it is refused), the store's bytes by its formula, and where it goes."""
     import torch
 
-    from unlimisum.config import DEFAULT_MAX_NEW_TOKENS, DecoderOnlyConfig
+    from unlimisum.config import DecoderOnlyConfig
     from unlimisum.decoder_only.plan import (
         MIN_SINKS, default_retrieval_k, default_window, kv_shape, plan_retrieval, store_bytes_per_token, store_devices,
     )

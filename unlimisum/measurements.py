@@ -31,11 +31,12 @@ import platform
 import threading
 import time
 import warnings
+import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Mapping, TypeVar
 
 from unlimisum.errors import UnlimisumWarning
 from unlimisum.files import atomic_write_bytes
@@ -325,6 +326,20 @@ def remembered(name: str, measure: Callable[[], tuple[object, str]], *, store: M
                               clock() - started, reason)
     store.put(measurement)
     return measurement
+
+
+_Choice = TypeVar("_Choice")  # a measured choice: a dataclass with a ``reason``
+
+
+def remembered_choice(name: str, measure: Callable[[], _Choice], kind: type[_Choice]) -> tuple[_Choice, bool | None]:
+    """``remembered`` for a choice that ``measure()`` makes as a dataclass of ``kind`` with a ``reason``: (the
+    choice, whether it was kept from an earlier run), or, where the kept entry is another release's (its fields
+    are not ``kind``'s), (a choice measured again for this process, None)."""
+    found = remembered(name, lambda: (dataclasses.asdict(choice := measure()), choice.reason))
+    try:
+        return kind(**found.value), found.kept
+    except TypeError:
+        return measure(), None
 
 
 class LiveCheck:

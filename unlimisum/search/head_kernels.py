@@ -114,22 +114,15 @@ def kernel_for(device: torch.device | str, dtype: torch.dtype, dim: int, heads: 
     k = max(1, min(k, MEASURE_ROWS // MEASURE_ROWS_PER_K))  # as measured: a larger k is timed as this one
     key = (str(device), dtype, dim, heads, head_dim, queries_per_head, k, forced, compiled_kernels)
     if key not in _MEASURED:
-        where = "cpu" if device.type == "cpu" else f"{device.type} {kernels._device_model(device)}"
-        name = (f"key store kernel v{MEASUREMENT_VERSION} {where} {str(dtype).removeprefix('torch.')} d={dim} "
-                f"{heads}x{head_dim} heads, {queries_per_head} per head, k={k}"
-                + (" compiled" if compiled_kernels else "") + (f" {forced} forced" if forced else ""))
-
-        def measured() -> tuple[dict, str]:
-            choice = calibrate_heads(device, dtype, dim, heads, head_dim, queries_per_head=queries_per_head, k=k,
-                                     compiled_kernels=compiled_kernels)
-            return dataclasses.asdict(choice), choice.reason
-
-        found = measurements.remembered(name, measured)
-        try:
-            _MEASURED[key] = HeadKernelChoice(**found.value)
-            _LIVE.setdefault(_MEASURED[key], measurements.LiveCheck(name, kept=found.kept))
-        except TypeError:  # an entry another release wrote: measured again, for this process
-            _MEASURED[key] = HeadKernelChoice(**measured()[0])
+        name = (f"key store kernel v{MEASUREMENT_VERSION} {kernels.measured_device(device)} "
+                f"{str(dtype).removeprefix('torch.')} d={dim} {heads}x{head_dim} heads, {queries_per_head} per head, "
+                f"k={k}" + (" compiled" if compiled_kernels else "") + (f" {forced} forced" if forced else ""))
+        choice, kept = measurements.remembered_choice(name, lambda: calibrate_heads(
+            device, dtype, dim, heads, head_dim, queries_per_head=queries_per_head, k=k,
+            compiled_kernels=compiled_kernels), HeadKernelChoice)
+        _MEASURED[key] = choice
+        if kept is not None:  # a choice another release kept is measured again for this process, and not checked
+            _LIVE.setdefault(choice, measurements.LiveCheck(name, kept=kept))
     return _MEASURED[key]
 
 
@@ -261,21 +254,12 @@ def value_sums_for(device: torch.device | str, dtype: torch.dtype, dim: int, hea
     k = max(1, min(k, MEASURE_ROWS // MEASURE_ROWS_PER_K))  # as measured: a larger k is timed as this one
     key = (str(device), dtype, dim, heads, head_dim, queries_per_head, reading_queries, k, compiled_kernels)
     if key not in _VALUE_SUMS:
-        where = "cpu" if device.type == "cpu" else f"{device.type} {kernels._device_model(device)}"
-        name = (f"value sums v{VALUE_SUMS_VERSION} {where} {str(dtype).removeprefix('torch.')} d={dim} "
-                f"{heads}x{head_dim} heads, {queries_per_head} and {reading_queries} per head, k={k}"
-                + (" compiled" if compiled_kernels else ""))
-
-        def measured() -> tuple[dict, str]:
-            sums = calibrate_values(device, dtype, dim, heads, head_dim, queries_per_head=queries_per_head,
-                                    reading_queries=reading_queries, k=k, compiled_kernels=compiled_kernels)
-            return dataclasses.asdict(sums), sums.reason
-
-        found = measurements.remembered(name, measured)
-        try:
-            _VALUE_SUMS[key] = ValueSums(**found.value)
-        except TypeError:  # an entry another release wrote: measured again, for this process
-            _VALUE_SUMS[key] = ValueSums(**measured()[0])
+        name = (f"value sums v{VALUE_SUMS_VERSION} {kernels.measured_device(device)} "
+                f"{str(dtype).removeprefix('torch.')} d={dim} {heads}x{head_dim} heads, {queries_per_head} and "
+                f"{reading_queries} per head, k={k}" + (" compiled" if compiled_kernels else ""))
+        _VALUE_SUMS[key], _ = measurements.remembered_choice(name, lambda: calibrate_values(
+            device, dtype, dim, heads, head_dim, queries_per_head=queries_per_head, reading_queries=reading_queries,
+            k=k, compiled_kernels=compiled_kernels), ValueSums)
     return _VALUE_SUMS[key]
 
 

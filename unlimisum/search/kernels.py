@@ -38,7 +38,6 @@ of states runs in the storage dtype with the native kernel, in fp32 with the oth
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import threading
@@ -177,27 +176,21 @@ def compiled_kernels_for(n_tokens: int, dtype: torch.dtype, device: torch.device
 def _remembered_choice(device: torch.device, dtype: torch.dtype, dim: int, force: str | None,
                        sample: torch.Tensor | None, compiled_sums: bool) -> KernelChoice:
     """This machine's kept calibration for (device, dtype, width, forced kernel, sums), else ``calibrate`` now."""
-    where = "cpu" if device.type == "cpu" else f"{device.type} {_device_model(device)}"
-    name = (f"retrieval kernel v{MEASUREMENT_VERSION} {where} {str(dtype).removeprefix('torch.')} d={dim}"
-            + (" compiled sums" if compiled_sums else "") + (f" {force} forced" if force else ""))
-
-    def measure() -> tuple[dict, str]:
-        choice = calibrate(device, dtype, dim, force=force, sample=sample, compiled_sums=compiled_sums)
-        return dataclasses.asdict(choice), choice.reason
-
-    found = measurements.remembered(name, measure)
-    try:
-        choice = KernelChoice(**found.value)
-    except TypeError:  # an entry another release wrote: measured again, for this process
-        return calibrate(device, dtype, dim, force=force, sample=sample, compiled_sums=compiled_sums)
-    _LIVE.setdefault(choice, measurements.LiveCheck(name, kept=found.kept))
+    name = (f"retrieval kernel v{MEASUREMENT_VERSION} {measured_device(device)} {str(dtype).removeprefix('torch.')} "
+            f"d={dim}" + (" compiled sums" if compiled_sums else "") + (f" {force} forced" if force else ""))
+    choice, kept = measurements.remembered_choice(name, lambda: calibrate(
+        device, dtype, dim, force=force, sample=sample, compiled_sums=compiled_sums), KernelChoice)
+    if kept is not None:  # a choice another release kept is measured again for this process, and not checked
+        _LIVE.setdefault(choice, measurements.LiveCheck(name, kept=kept))
     return choice
 
 
-def _device_model(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return str(device)
+def measured_device(device: torch.device) -> str:
+    """How a measurement's name says where it was made: ``cpu`` (the CPU itself is in the store's machine key),
+    or a GPU's kind and model."""
+    if device.type == "cpu":
+        return "cpu"
+    return f"{device.type} {torch.cuda.get_device_name(device) if device.type == 'cuda' else device}"
 
 
 def calibrate(device: torch.device, dtype: torch.dtype, dim: int, *, force: str | None = None,
