@@ -18,7 +18,10 @@ For each N, in turns (plain, then --before's unlimisum where given, then this tr
   attention) on the same prompt ids, T greedy tokens.
 
 Both are whole-process wall times (loading included); the ratio is unlimisum's over the plain model's, in the same
-turn. Prints the table and writes bench/results/<json>.json.
+turn. The prompt's reading is set against the plain model's too: unlimisum's `prefill` timing (all the prompt but
+its last token) against the plain generate()'s time to its first stopping check (the prompt's forward and the
+first token): the prefill's rate as a share of the plain forward's. Prints the table and writes
+bench/results/<json>.json.
 """
 
 from __future__ import annotations
@@ -52,10 +55,14 @@ folder, prompt_file, new_tokens, dtype = sys.argv[1], sys.argv[2], int(sys.argv[
 ids = torch.tensor(json.load(open(prompt_file))).unsqueeze(0)
 model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype), attn_implementation="sdpa").eval()
 loaded = time.perf_counter()
+first = []  # when generate() first asks whether to stop: after the prompt's forward and the first token's
+def note(input_ids, scores, **kwargs):
+    first.append(time.perf_counter())
+    return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 with torch.inference_mode():
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                   do_sample=False, num_beams=1)
-print(json.dumps({"load": loaded - started, "generate": time.perf_counter() - loaded}))
+                   do_sample=False, num_beams=1, stopping_criteria=[note])
+print(json.dumps({"load": loaded - started, "generate": time.perf_counter() - loaded, "prefill": first[0] - loaded}))
 '''
 
 
@@ -160,15 +167,18 @@ def main(argv=None) -> None:
             earlier = run_unlimisum(folder, text_file, args.new_tokens, before, args.window) if before else None
             record = dict(tokens=ours["tokens"], turn=turn, unlimisum=ours, plain=plain, before=earlier,
                           ratio=ours["wall"] / plain["wall"])
+            if "prefill" in ours["timings"] and plain.get("prefill"):  # the prompt read, at the plain forward's rate
+                record["prefill_rate"] = plain["prefill"] / ours["timings"]["prefill"]
             records.append(record)
             rows.append([turn, f"{ours['tokens']:,}", ours["dtype"], f"{ours['window']:,}", f"{ours['wall']:.1f}",
                          f"{ours['timings'].get('prefill', 0):.1f}", f"{ours['timings'].get('generate', 0):.1f}",
-                         f"{plain['wall']:.1f}", f"{record['ratio']:.2f}",
+                         f"{plain['wall']:.1f}", f"{plain.get('prefill', 0):.1f}", f"{record['ratio']:.2f}",
+                         f"{record['prefill_rate']:.2f}" if "prefill_rate" in record else "-",
                          f"{earlier['wall']:.1f}" if earlier else "-"])
             print(f"  turn {turn}, {ours['tokens']:,} tokens: unlimisum {ours['wall']:.1f} s, plain "
                   f"{plain['wall']:.1f} s", flush=True)
     print_table(["turn", "prompt", "dtype", "window", "unlimisum s", "prefill s", "generate s", "plain s",
-                 "x plain", f"{args.before or 'before'} s"], rows)
+                 "plain prefill s", "x plain", "prefill x plain rate", f"{args.before or 'before'} s"], rows)
     ratios = [record["ratio"] for record in records]
     print(f"unlimisum / plain: median {statistics.median(ratios):.2f}, {min(ratios):.2f}-{max(ratios):.2f}")
     path = write_result(args.json, dict(new_tokens=args.new_tokens, layers=args.layers, before=args.before,

@@ -85,6 +85,28 @@ def test_a_window_said_by_its_causal_tail_attends_as_its_mask_does(monkeypatch, 
     torch.testing.assert_close(got_mass, mass[2].sum(dim=0), rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("tailed", [True, False], ids=["causal tail", "causal mask"])
+@pytest.mark.parametrize("mass_keys", [None, 0, 9, 16, 30, 40])
+def test_a_float32_models_mass_comes_from_products_for_the_keys_asked(monkeypatch, tailed, mass_keys):
+    """A float32 model's local mass by matrix products (blocks of 5 keys here: blocks straddle the window's end
+    and the chunk's own triangle): parts.attend's to float32 precision for the keys asked, 0 for the others."""
+    monkeypatch.setattr(flash, "_mass_float32", None)
+    monkeypatch.setattr(flash, "_split", None)  # the kernel's way is not taken either
+    monkeypatch.setattr(flash, "MASS_BLOCK_KEYS", 5)
+    q, chunk_parts = _random_parts(torch.Generator().manual_seed(11), shared_queries=True, dtype=torch.float32)
+    n_queries = q.shape[3]
+    local = chunk_parts[2]  # a window of 16 keys, then the chunk's own 24
+    if tailed:
+        local = Part(local.keys, local.values, "shared", causal_tail=n_queries)
+    mass = []
+    parts.attend(q, chunk_parts, 0.25, None, mass)
+    expected = mass[2].sum(dim=0)  # [G, 40]
+    _, got = flash.attend(q, chunk_parts[:2] + [local], 0.25, mass_part=2, mass_keys=mass_keys)
+    needed = expected.shape[1] if mass_keys is None else mass_keys
+    torch.testing.assert_close(got[:, :needed], expected[:, :needed], rtol=1e-5, atol=1e-6)
+    assert not got[:, needed:].any()
+
+
 def test_a_query_that_sees_none_of_a_calls_keys_takes_nothing_from_it():
     """Far blocks all padding for a head, no sinks, no window before the chunk: the kernel's call over the far
     keys sees nothing for that head (its log-sum-exp -inf); the chunk's own keys are all it attends to."""
@@ -126,12 +148,15 @@ def test_a_prefill_reads_through_the_flash_kernel_as_the_float32_path_does(monke
     monkeypatch.setattr(flash, "usable", lambda *a: False)
     expected, reference = _read(model, ids, plan)
     first, reference_first = cache.retrieval_layers[0], reference.retrieval_layers[0]
+    leaving = cache_module.leaving_keys(plan, 0)  # the keys that leave the window: only theirs is needed
+    assert leaving == 96
+    received, expected_received = first.received[:, :leaving], reference_first.received[:, :leaving]
     if plan.true_positions or dtype == torch.float32:  # the same keys and queries: the mass to float32
         # precision, the same blocks
-        torch.testing.assert_close(first.received, reference_first.received, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(received, expected_received, rtol=1e-4, atol=1e-5)
         assert torch.equal(first.blocks.rep_keys, reference_first.blocks.rep_keys)
     else:  # turned queries and re-rotated window keys are rounded to 16 bits, as the model's own are
-        torch.testing.assert_close(first.received, reference_first.received, rtol=3e-2, atol=3e-2)
+        torch.testing.assert_close(received, expected_received, rtol=3e-2, atol=3e-2)
     scale = expected.abs().max()
     # 16-bit hidden states through 2 layers; float32 ones differ by the order of summation
     assert (logits - expected).abs().max() <= (0.05 if dtype == torch.bfloat16 else 1e-4) * scale
@@ -147,13 +172,13 @@ def test_the_mass_of_keys_that_never_leave_the_window_is_not_computed(monkeypatc
                           config=DecoderOnlyConfig(sinks=4, block_size=16, block_representatives=2))
     masses = []
     real = flash.attend
-    monkeypatch.setattr(flash, "attend", lambda q, p, s, mass_part=None: masses.append(mass_part is not None)
-                        or real(q, p, s, mass_part))
+    monkeypatch.setattr(flash, "attend", lambda q, p, s, mass_part=None, mass_keys=None:
+                        masses.append(mass_part is not None) or real(q, p, s, mass_part, mass_keys))
     logits, cache = _read(model, ids, plan)
     # 7 chunks of 16, chunk c's window from max(16 (c - 1), 0): the last one's from 80, which no key leaves;
     # every chunk runs through both layers
     assert masses == [True] * 12 + [False] * 2
-    monkeypatch.setattr(cache_module, "leaves_window", lambda plan, first_local: True)
+    monkeypatch.setattr(cache_module, "leaving_keys", lambda plan, first_local: plan.prompt_tokens)
     everywhere, full = _read(model, ids, plan)
     assert torch.equal(logits, everywhere)
     first, reference = cache.retrieval_layers[0], full.retrieval_layers[0]

@@ -46,12 +46,12 @@ def _gather(stored: torch.Tensor, ids: torch.Tensor, device) -> torch.Tensor:
 WIDENED_WINDOW_TOKENS = 4096
 
 
-def leaves_window(plan: RetrievalPlan, first_local: int) -> bool:
-    """Whether a key of the local window that starts at ``first_local`` leaves the window while the prompt is
-    read: only those need the attention they draw, which chooses their block's representatives. The last
-    chunk's window starts at the latest; no key at or after its start leaves."""
+def leaving_keys(plan: RetrievalPlan, first_local: int) -> int:
+    """How many keys of the local window that starts at ``first_local`` (its first ones) leave the window while
+    the prompt is read: only those need the attention they draw, which chooses their block's representatives.
+    The last chunk's window starts at the latest; no key at or after its start leaves."""
     last_first_local = max((plan.prompt_tokens - 1) // plan.chunk * plan.chunk - plan.window, 0)
-    return first_local < last_first_local
+    return max(0, last_first_local - first_local)
 
 
 class RetrievalLayer(CacheLayerMixin):
@@ -206,9 +206,10 @@ class RetrievalLayer(CacheLayerMixin):
         local_values = torch.cat([store.values[:, first_local:start].to(self.device, dtype), value[0].to(dtype)], dim=1)
         local_part = Part(local_keys, local_values, "shared", causal_tail=n_queries)  # the window, then the chunk
         parts = [sink_part, far_part, local_part]
-        with_mass = self.received is not None and leaves_window(plan, first_local)
-        if fast:
-            out, local_mass = flash.attend(q, parts, scaling, 2 if with_mass else None)
+        leaving = leaving_keys(plan, first_local) if self.received is not None else 0
+        with_mass = leaving > 0
+        if fast:  # the mass of the keys that leave (where the others would cost work of their own)
+            out, local_mass = flash.attend(q, parts, scaling, 2 if with_mass else None, mass_keys=leaving)
         else:
             mass = [] if with_mass else None
             out = attend(q, parts, scaling, softcap, mass)
