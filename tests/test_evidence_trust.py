@@ -16,6 +16,7 @@ from unlimisum.document import Chapter, Document
 from unlimisum.evidence import TokenMass, build
 from unlimisum.summarizer import Summarizer
 from tests.cli_helpers import SAMPLE_TEXT, write_small_books
+from tests.conftest import ALL_FAMILIES
 from tests.test_needle import DIGITS, FIXTURE, GENERATION, INDEX, loaded, filler  # noqa: F401
 
 EXACT = IndexConfig(kind="exact", device="cpu")
@@ -277,7 +278,7 @@ def test_hiding_nothing_gives_exactly_zero_support(filler, dtype, key_store, ker
     from unlimisum.evidence import Source
     from unlimisum.config import ModelConfig
     from unlimisum.models import load_model, projections
-    from unlimisum.unlimiformer.reread import SummaryReader, end_tokens, returned_length, support_of
+    from unlimisum.unlimiformer.reread import SummaryReader, end_tokens, returned_length, support_of, supports_of
 
     if kernel:
         monkeypatch.setenv("UNLIMISUM_SCORE_KERNEL", kernel)
@@ -313,6 +314,60 @@ def test_hiding_nothing_gives_exactly_zero_support(filler, dtype, key_store, ker
                 for rows in sentences] == [0.0] * len(sentences)
         assert any(support_of(reader, reading, store, rows, [somewhere], removal=removal) != 0.0
                    for rows in sentences)
+        # as a summary's are measured: every sentence at once, their readings' output projection one product
+        assert supports_of(reader, reading, store, [(rows, [nothing]) for rows in sentences],
+                           removal=removal) == [0.0] * len(sentences)
+
+
+@pytest.mark.parametrize("model_type", ALL_FAMILIES)
+def test_the_support_readings_log_probabilities_are_the_models_own(tiny_model_dir, model_type, monkeypatch):
+    """Every family: the readings' output projection taken for several sentences in one product (here two at a
+    time), added back to what the model adds after it (a final_logits_bias made nonzero), gives the log-probabilities
+    of the model's own forward, and hiding nothing the same for both rows of a pair, bit for bit."""
+    from unlimisum.config import ModelConfig
+    from unlimisum.models import load_model
+    from unlimisum.unlimiformer import reread
+
+    monkeypatch.setattr(reread, "HEAD_ROWS", 2 * 2 * 3)  # two pairs of 3 rows: a product holds two sentences
+    tiny = load_model(ModelConfig(name=str(tiny_model_dir(model_type)), device="cpu"))
+    bias = getattr(tiny.model, "final_logits_bias", None)
+    if bias is not None:
+        bias.copy_(torch.randn(bias.shape, generator=torch.Generator().manual_seed(3)))
+    summarizer = Summarizer(tiny, generation=GenerationOptions(max_new_tokens=6), retrieval=RetrievalConfig(retrieval_k=8),
+                            index=IndexConfig(kind="exact", device="cpu"))
+    store = summarizer.family.encode(Document.from_text(SAMPLE_TEXT)).store
+    start = tiny.model.config.decoder_start_token_id
+    ids = [start, *range(5, 14), end_token(tiny)]
+    spans = [(1, 4), (4, 7), (7, 10), (10, 11)]
+    nothing = torch.zeros(store.n_tokens, dtype=torch.bool)
+    with reread.SummaryReader(tiny, 8) as reader:
+        reading = reader.read(store, ids, starts=[first - 1 for first, _ in spans])
+        own = [reader.log_probs(reading, store, first, last, nothing) for first, last in spans]
+        pairs = reader.log_probs_pairs(reading, store, [(first, last, nothing) for first, last in spans])
+    for (kept, masked), expected in zip(pairs, own):
+        torch.testing.assert_close(kept, expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(kept, masked)
+    assert bias is None or not torch.allclose(pairs[0][0], _without_bias(tiny, reading, store, spans[0], nothing))
+
+
+def end_token(tiny) -> int:
+    from unlimisum.unlimiformer.reread import end_tokens
+
+    return min(end_tokens(tiny))
+
+
+def _without_bias(tiny, reading, store, span, nothing) -> torch.Tensor:
+    """The first span's log-probabilities with the model's final_logits_bias set to 0: what a projection that
+    left it out would give."""
+    from unlimisum.unlimiformer.reread import SummaryReader
+
+    saved = tiny.model.final_logits_bias.clone()
+    tiny.model.final_logits_bias.zero_()
+    try:
+        with SummaryReader(tiny, 8) as reader:
+            return reader.log_probs(reading, store, span[0], span[1], nothing)
+    finally:
+        tiny.model.final_logits_bias.copy_(saved)
 
 
 def test_support_is_in_the_json_and_not_measured_without_passages(tiny_model_dir, tmp_path):
@@ -336,7 +391,7 @@ def test_a_failed_evidence_pass_keeps_the_summary(tiny_model_dir, tmp_path, monk
     def broken(*args, **kwargs):
         raise RuntimeError("out of memory in the evidence pass")
 
-    monkeypatch.setattr(summarize, "support_of", broken)
+    monkeypatch.setattr(summarize, "supports_of", broken)
     book = tmp_path / "book.txt"
     book.write_text(SAMPLE_TEXT, encoding="utf-8")
     result = CliRunner().invoke(app, ["summarize", "--device", "cpu", "--json", "-m", str(tiny_model_dir("bart")),

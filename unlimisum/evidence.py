@@ -133,7 +133,7 @@ def sentence_rows(text: str, ids: Sequence[int], decode: Callable[[Sequence[int]
     return spans, members
 
 
-Support = Callable[[list[int], tuple["Source", ...]], "float | None"]
+Support = Callable[[list[tuple[list[int], tuple["Source", ...]]]], "list[float | None]"]
 
 
 def build(text: str, ids: Sequence[int], decode: Callable[[Sequence[int]], str], special_ids: set[int],
@@ -144,19 +144,17 @@ def build(text: str, ids: Sequence[int], decode: Callable[[Sequence[int]], str],
     ``ids``: the returned sequence (``token_mass`` row j belongs to ids[j]); ``decode``: ids -> text
     without special tokens; ``token_ends``: each input token's end character in ``document.text`` (None: a
     slow tokenizer, positions mapped in proportion); ``n_tokens``: the document's input tokens.
-    ``support(rows, sources)``: the sentence's support (SentenceEvidence.support) given its summary tokens
-    (indices into ``ids``) and its passages; None: not measured.
+    ``support([(rows, sources), ...])``: each sentence's support (SentenceEvidence.support), in order, given its
+    summary tokens (indices into ``ids``) and its passages (None where it has none); None: not measured.
     """
     spans, members = sentence_rows(text, ids, decode, special_ids, token_mass.positions.shape[0])
     if not spans:
         return ()
     mapper = _Mapper(document, token_ends, n_tokens)
-    records = []
-    for (start, end), rows in zip(spans, members):
-        sources = mapper.passages(token_mass, rows, passages) if rows else ()
-        measured = support(rows, sources) if support is not None and sources else None
-        records.append(SentenceEvidence(text[start:end], start, end, sources, measured))
-    return tuple(records)
+    found = [mapper.passages(token_mass, rows, passages) if rows else () for rows in members]
+    measured = support(list(zip(members, found))) if support is not None else [None] * len(found)
+    return tuple(SentenceEvidence(text[start:end], start, end, sources, value if sources else None)
+                 for (start, end), sources, value in zip(spans, found, measured))
 
 
 def chapter_starts(document: Document) -> list[int | None]:

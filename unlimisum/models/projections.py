@@ -33,8 +33,10 @@ from unlimisum import measurements
 # millisecond at most there (the tiny test models), and a measurement would cost more than it saves.
 MIN_GROUP_ELEMENTS = 1 << 22
 # Row counts are measured at the next power of two, up to this; more rows (a prompt, a long reading) are the
-# matrix products the BLAS is built for and keep F.linear without measuring.
-MAX_MEASURED_ROWS = 64
+# matrix products the BLAS is built for and keep F.linear without measuring. 128: the support readings' output
+# projection, taken for 128 rows at once (reread.HEAD_ROWS), ran as weight @ rows^T in 85 ms and as F.linear in
+# 107 (EPYC Zen 2, bart-base).
+MAX_MEASURED_ROWS = 128
 # What an entry's value means changes with the code that measured it: entries of another version are ignored.
 MEASUREMENT_VERSION = 1
 FORMS = ("linear", "columns")
@@ -174,7 +176,7 @@ def _linears(root: nn.Module, model: nn.Module) -> list[tuple[nn.Module, str, nn
     """(parent, attribute, module) of every plain nn.Linear in ``root`` (``root`` itself included, its parent
     found in ``model``), in the order of ``root.named_modules()``."""
     if type(root) is nn.Linear:
-        located = _locate(model, root)
+        located = locate(model, root)
         return [(*located, root)] if located is not None else []
     found = []
     for name, module in root.named_modules():
@@ -184,7 +186,7 @@ def _linears(root: nn.Module, model: nn.Module) -> list[tuple[nn.Module, str, nn
     return found
 
 
-def _locate(model: nn.Module, module: nn.Module) -> tuple[nn.Module, str] | None:
+def locate(model: nn.Module, module: nn.Module) -> tuple[nn.Module, str] | None:
     """(parent, attribute) holding ``module`` in ``model``, or None."""
     for name, candidate in model.named_modules():
         if candidate is module and name:

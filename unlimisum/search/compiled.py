@@ -188,8 +188,7 @@ def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         return values, ids
     scores = scores.detach().contiguous()
     done = np.empty(rows, np.bool_)
-    _threads()
-    _top_k_rows(scores.numpy(), k, values.numpy(), ids.numpy(), done)
+    _top_k_rows(scores.numpy(), k, min(_threads(), rows), values.numpy(), ids.numpy(), done)
     if not done.all():
         left = torch.from_numpy(~done)
         values[left], ids[left] = scores[left].topk(k, dim=1, sorted=False)

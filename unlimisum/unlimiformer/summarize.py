@@ -32,7 +32,7 @@ from unlimisum.search.keys import key_weights, value_weights
 from unlimisum.unlimiformer.removal import StoreRemoval
 from unlimisum.search.placement import storage_dtype
 from unlimisum.unlimiformer.reread import (GenerationRecorder, Reading, SummaryReader, end_tokens, returned_length,
-                                           support_of)
+                                           supports_of)
 from unlimisum.unlimiformer.retrieval import RetrievalSession, retrieval
 
 # Summary.warnings when the evidence pass failed: the summary is kept, without evidence or coverage.
@@ -359,16 +359,14 @@ class EncoderDecoderSummarizer:
             if part.start:  # a chapter's view numbers its tokens from its own start
                 token_mass = evidence.TokenMass(token_mass.positions + part.start, token_mass.mass)
             support = None
-            if self.retrieval.support:  # reported sentence by sentence: a whole book's take a while
-                sentences, measured = len(members), []
+            if self.retrieval.support:  # reported as sentences are measured: a whole book's take a while
+                sentences = len(members)
                 removal = self._removal(part, store) if self.retrieval.support_by == "removal" else None
                 self.progress(ProgressEvent("support", 0, sentences, name))
 
-                def support(rows, sources):
-                    value = support_of(reader, reading, store, rows, sources, part.start, removal)
-                    measured.append(value)
-                    self.progress(ProgressEvent("support", min(len(measured), sentences), sentences, name))
-                    return value
+                def support(found):
+                    return supports_of(reader, reading, store, found, part.start, removal, on_measured=lambda done:
+                                       self.progress(ProgressEvent("support", min(done, sentences), sentences, name)))
 
             records = evidence.build(text, ids, decode, special_ids, token_mass, part.document,
                                      part.encoded.token_ends, part.encoded.n_tokens,
