@@ -114,8 +114,8 @@ def test_summaries_footnotes_and_logs_show_the_controls(loader, tiny_model_dir, 
     assert "## " in run.stdout  # the chapters' headings, as their titles are, controls shown
 
 
-@pytest.mark.parametrize("form, suffix", [("markdown", ".summary.md"), ("html", ".summary.html"),
-                                          ("json", ".summary.json")])
+@pytest.mark.parametrize("form, suffix", [("markdown", ".summary.md"), ("md", ".summary.md"),
+                                          ("html", ".summary.html"), ("json", ".summary.json")])
 def test_files_written_with_o_hold_no_control_character(loader, tiny_model_dir, library, tmp_path, form, suffix):
     out = tmp_path / "out"
     run = CliRunner().invoke(app, ["summarize", "-m", str(tiny_model_dir("bart")), *FAST, "--per-chapter",
@@ -129,7 +129,7 @@ def test_files_written_with_o_hold_no_control_character(loader, tiny_model_dir, 
         if form == "json":  # the exact titles, escaped as JSON escapes them
             record = json.loads(text)
             assert any(character in ACTED_ON for chapter in record["chapters"] for character in chapter["title"])
-        if form == "markdown" and path.name.startswith("book.txt"):  # escaped: a renderer shows the characters
+        if form in ("markdown", "md") and path.name.startswith("book.txt"):  # escaped: a renderer shows them
             assert "## Chapter 3: \u241b\\]0;PWNED-TITLE\u2407 The end\u2421" in text
             headings = [rendered_text(line) for line in text.splitlines() if line.startswith("## ")]
             assert all(elements == {"h2"} for elements, _ in headings)

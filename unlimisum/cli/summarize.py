@@ -270,9 +270,9 @@ def summarize(
         False, "--json", help="One JSON object per document (JSON Lines on stdout; .summary.json files with -o).",
         rich_help_panel=OUTPUT_PANEL,
     ),
-    output_format: Literal["markdown", "json", "html"] = typer.Option(
+    output_format: Literal["markdown", "md", "json", "html"] = typer.Option(
         "markdown", "--format",
-        help="markdown; json (as --json); html: with -o, a page per input to read each sentence beside the "
+        help="markdown (or md); json (as --json); html: with -o, a page per input to read each sentence beside the "
         "passages of the book it drew on (.summary.html, one file that opens in a browser).",
         rich_help_panel=OUTPUT_PANEL,
     ),
