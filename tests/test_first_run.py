@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -266,3 +267,25 @@ def test_the_encoding_leaves_the_compile_a_core(tiny_loaded, monkeypatch, two_th
         release.set()
     assert threads_seen[:2] == [1, 1] and threads_seen[2:] and set(threads_seen[2:]) == {2}
     assert torch.get_num_threads() == 2
+
+
+def test_the_kernels_folder_is_named_by_every_file_their_code_comes_from():
+    """numba keys a cached kernel on its own module's file alone: the kernels' folder is named by a digest of every
+    module that decorates kernels and every search module they take code from (a change to one is another
+    folder, never machine code of the old source)."""
+    import hashlib
+    import re
+
+    from unlimisum.search import jit
+
+    folder = Path(jit.__file__).parent
+    decorating = {path.name for path in folder.glob("*.py") if "jit.begin_decorations()" in path.read_text()}
+    assert decorating == {"compiled_loops.py", "top_k_loops.py"}
+    for name in decorating:
+        source = (folder / name).read_text()
+        taken = set(re.findall(r"^from unlimisum\.search\.(\w+) import", source, re.MULTILINE))
+        taken |= {module for modules in re.findall(r"^from unlimisum\.search import (.+)$", source, re.MULTILINE)
+                  for module in re.findall(r"\w+", modules)}
+        assert {f"{module}.py" for module in taken} <= set(jit.KERNEL_SOURCES), name
+    digest = hashlib.sha256(b"".join((folder / name).read_bytes() for name in jit.KERNEL_SOURCES)).hexdigest()
+    assert jit.CODE_FOLDER.name == f"code-{digest[:16]}"

@@ -2,14 +2,21 @@
 keeps their machine code.
 
 numba chooses where a function's cache lives when the function is decorated (``numba.config.CACHE_DIR`` then):
-``begin_decorations`` sets ours, the folder kernels/ of unlimisum's cache home (never the installed package, which
-may be read-only or shared), for compiled_loops.py's decorations only, and ``end_decorations`` gives the setting
-back, so other numba code in the process keeps its own. Where the folder cannot be written the kernels are not
-cached at all (numba would fall back to the package) and every process compiles them again.
+``begin_decorations`` sets ours, a folder under kernels/ of unlimisum's cache home (never the installed package,
+which may be read-only or shared), for compiled_loops.py's and top_k_loops.py's decorations only, and
+``end_decorations`` gives the setting back, so other numba code in the process keeps its own. Where the folder
+cannot be written the kernels are not cached at all (numba would fall back to the package) and every process
+compiles them again.
+
+numba keys a cached kernel on its own module's file alone (its time and size): a change to the intrinsics it
+inlines (llvm.py), to a helper of another module, or to the flags here would load machine code of the old
+source, in an editable install or a checkout. So the folder is named by a digest of every file that goes into the
+kernels (``KERNEL_SOURCES``): other code, another folder.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -33,7 +40,20 @@ def _writable(folder: Path) -> bool:
         return False
 
 
-CACHED = _writable(kernel_cache_folder())  # whether the machine code is kept between processes
+# the files whose code numba compiles into the kernels: the decorated modules, the intrinsics and helpers they
+# inline, the flags below
+KERNEL_SOURCES = ("compiled_loops.py", "top_k_loops.py", "llvm.py", "jit.py")
+
+
+def _sources_digest() -> str:
+    digest = hashlib.sha256()
+    for name in KERNEL_SOURCES:
+        digest.update((Path(__file__).with_name(name)).read_bytes())
+    return digest.hexdigest()[:16]
+
+
+CODE_FOLDER = kernel_cache_folder() / f"code-{_sources_digest()}"  # this code's machine code
+CACHED = _writable(CODE_FOLDER)  # whether the machine code is kept between processes
 # the fp32 rules the kernels may bend: reassociation (to sum with vector registers) and fused multiply-adds,
 # never the ones that assume no infinities or NaNs (the threshold starts at -inf)
 FAST = {"reassoc", "contract", "nsz"}
@@ -53,7 +73,7 @@ def parallel_kernel(function: Callable) -> Callable:
 def begin_decorations() -> None:
     """Point numba's cache at ours for the decorations that follow (until ``end_decorations``)."""
     _others_cache_dir.append(numba.config.CACHE_DIR)
-    numba.config.CACHE_DIR = str(kernel_cache_folder()) if CACHED else ""
+    numba.config.CACHE_DIR = str(CODE_FOLDER) if CACHED else ""
 
 
 def end_decorations() -> None:
