@@ -16,8 +16,8 @@ k = 1,024 on two threads (EPYC Zen 4), this 2.9 ms. Per row here:
    falls as it rises); every candidate in a bin above the k-th's is kept, and the k-th's own bin (a few scores)
    is cut with a quickselect.
 
-Counting the candidates first, to size their buffer, and an integer division per sampled column cost a third of
-the time (192 rows of 16,384 scores, EPYC Zen 2: 36 µs a row on one thread, now 31).
+Counting the candidates first, to size their buffer, and an integer division per sampled column cost a seventh
+of the time (384 rows of 16,384 scores, EPYC Zen 2: 36 µs a row on one thread, now 31; 6.6 ms on two, now 5.8).
 
 A row holding a NaN, or fewer than k scores at all, is flagged for the caller instead (``torch.topk`` orders NaN
 above every number; compiled.top_k gives such rows to it). The scan of compiled_loops.py ends each query's
