@@ -34,8 +34,8 @@ from unlimisum import measurements
 MIN_GROUP_ELEMENTS = 1 << 22
 # Row counts are measured at the next power of two, up to this; more rows (a prompt, a long reading) are the
 # matrix products the BLAS is built for and keep F.linear without measuring. 128: the support readings' output
-# projection, taken for 128 rows at once (reread.HEAD_ROWS), ran as weight @ rows^T in 85 ms and as F.linear in
-# 107 (EPYC Zen 2, bart-base).
+# projection takes up to 128 rows at once where a sentence is long (reread.HEAD_ROWS); bart-base's ran as
+# weight @ rows^T in 85 ms and as F.linear in 107 there (EPYC Zen 2).
 MAX_MEASURED_ROWS = 128
 # What an entry's value means changes with the code that measured it: entries of another version are ignored.
 MEASUREMENT_VERSION = 1

@@ -13,8 +13,8 @@ computation (the same forward, kernels, dtype and queries: only the mask differs
 0), the logits the model's own (``final_logits_bias`` included). The drop in the sentence's log-probability per
 token is its support in nats. Each sentence's two rows are a forward of their own, but the output projection (the
 model's largest matrix, streamed from memory for every product) is taken for several sentences' rows at once
-(``_DeferredHead``). Attention says where the model looked; support says how much the sentence
-depended on it (ContextCite measures a source by what removing it does; AT2 found raw attention unreliable as
+(``_DeferredHead``: the pairs' first rows in one product, their second rows in another of the same shape).
+Attention says where the model looked; support says how much the sentence depended on it (ContextCite measures a source by what removing it does; AT2 found raw attention unreliable as
 attribution on its own). Two rows per sentence, whose queries are the sentence's own positions.
 
 The last returned token is never fed: it predicts nothing (and a summary that used every decoder position
@@ -38,9 +38,10 @@ from unlimisum.search.datastore import Datastore
 from unlimisum.unlimiformer.retrieval import EVIDENCE_TOP_POSITIONS, EvidenceCollector, RetrievalSession, retrieval
 
 
-# The support readings' output projection, taken for several sentences' rows in one product: bart-base's (50,265 x
-# 768, float32) took 31 ms for one sentence's 32 rows and 85 ms for 128 (EPYC Zen 2, two threads), 124 ms one by one
-HEAD_ROWS = 128  # rows of readings whose output projection is one product, at least ...
+# The support readings' output projection, taken for several sentences' rows at once (two products: each pair's
+# first rows, then its second): bart-base's (50,265 x 768, float32) took 31 ms for one sentence's 32 rows, 49 ms
+# for 64 (EPYC Zen 2, two threads)
+HEAD_ROWS = 128  # rows of readings whose output projection is taken at once, at least ...
 HEAD_LOGIT_BYTES = 64 * 2**20  # ... unless their float32 logits reach this (a vocabulary of 250,000: 64 rows)
 
 
@@ -141,8 +142,9 @@ class SummaryReader:
     def log_probs_pairs(self, reading: Reading, store: Datastore, spans: Sequence[tuple[int, int, torch.Tensor]],
                         on_read: Callable[[int], None] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """``log_probs_both`` of each (first, last, hidden) of ``spans``, in order: each pair a forward of its own,
-        the output projection of several pairs' rows one product (up to HEAD_ROWS rows; the two rows of a pair
-        always in the same one); ``on_read(done)`` as the pairs' log-probabilities are ready."""
+        the output projection of several pairs' rows taken at once (up to HEAD_ROWS rows: every pair's first rows
+        in one product, its second in another of the same shape); ``on_read(done)`` as the pairs'
+        log-probabilities are ready."""
         found: list[tuple[torch.Tensor, torch.Tensor]] = []
         if self._memory is not None:
             for first, last, hidden in spans:
@@ -288,8 +290,8 @@ class _Prefixes:
 class _DeferredHead(nn.Module):
     """In the model's output projection's place for the support readings: keeps the hidden states it is given and
     returns zero logits, so that what the model adds after it (BART's final_logits_bias) is all its output holds;
-    ``log_probs`` then takes the projection of every kept reading in one product and adds that back, as the model
-    would (x + (0 + bias) is x + bias), for each reading's rows."""
+    ``log_probs`` then takes the projection of every kept reading's rows at once and adds that back, as the model
+    would (x + (0 + bias) is x + bias)."""
 
     def __init__(self, head: nn.Module):
         super().__init__()
@@ -309,15 +311,19 @@ class _DeferredHead(nn.Module):
         self._kept.append((logits, targets))
 
     def log_probs(self) -> list[tuple[torch.Tensor, ...]]:
-        """Every kept reading's log p(target), one [L] float32 CPU tensor a row, in order; forgets them."""
-        width = self._hidden[0].shape[-1]
-        logits = self.head(torch.cat([hidden.reshape(-1, width) for hidden in self._hidden]))  # [all rows, V]
+        """Every kept reading's log p(target), one [L] float32 CPU tensor a row, in order; forgets them.
+
+        Row r of every reading goes into a product of its own: [sum of L, d] for each r, so that the rows of a
+        pair meet the BLAS at the same places of equal products (a BLAS computes a row in one place of a product
+        and an equal row in another to different roundings: MKL here, for 6 and 10 rows)."""
+        rows = self._hidden[0].shape[0]
+        logits = [self.head(torch.cat([hidden[row] for hidden in self._hidden])) for row in range(rows)]  # [ΣL, V]
         found, at = [], 0
         for hidden, (added, targets) in zip(self._hidden, self._kept):
-            rows, length = hidden.shape[0], hidden.shape[1]
-            own = logits[at:at + rows * length].view(rows, length, -1).add_(added)  # [rows, L, V]
-            at += rows * length
-            found.append(tuple(_token_log_probs(own[row], targets).cpu() for row in range(rows)))
+            length = hidden.shape[1]
+            found.append(tuple(_token_log_probs(logits[row][at:at + length].add_(added[row]), targets).cpu()
+                               for row in range(rows)))
+            at += length
         self._hidden, self._kept = [], []
         return found
 
@@ -375,7 +381,7 @@ def supports_of(reader: SummaryReader, reading: Reading, store: Datastore,
                 sentences: Sequence[tuple[list[int], Sequence[evidence.Source]]], offset: int = 0, removal=None,
                 on_measured: Callable[[int], None] | None = None) -> list[float | None]:
     """``support_of`` of each (rows, sources) of ``sentences``, in order: hidden from retrieval, the output
-    projection of several sentences' readings taken in one product (``SummaryReader.log_probs_pairs``); by
+    projection of several sentences' readings taken at once (``SummaryReader.log_probs_pairs``); by
     removal, one after the other. ``on_measured(done)`` as sentences that have passages are measured."""
     found: list[float | None] = [None] * len(sentences)
     spans = []  # (index, rows, hidden) of each sentence that has passages
