@@ -14,8 +14,9 @@ computation (the same forward, kernels, dtype and queries: only the mask differs
 token is its support in nats. Each sentence's two rows are a forward of their own, but the output projection (the
 model's largest matrix, streamed from memory for every product) is taken for several sentences' rows at once
 (``_DeferredHead``: the pairs' first rows in one product, their second rows in another of the same shape).
-Attention says where the model looked; support says how much the sentence depended on it (ContextCite measures a source by what removing it does; AT2 found raw attention unreliable as
-attribution on its own). Two rows per sentence, whose queries are the sentence's own positions.
+Attention says where the model looked; support says how much the sentence depended on it (ContextCite measures a
+source by what removing it does; AT2 found raw attention unreliable as attribution on its own). Two rows per
+sentence, whose queries are the sentence's own positions.
 
 The last returned token is never fed: it predicts nothing (and a summary that used every decoder position
 would need one more). Where generation writes one row per document (greedy search, sampling) with the model's
