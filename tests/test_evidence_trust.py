@@ -333,8 +333,8 @@ def test_the_support_readings_log_probabilities_are_the_models_own(tiny_model_di
     bias = getattr(tiny.model, "final_logits_bias", None)
     if bias is not None:
         bias.copy_(torch.randn(bias.shape, generator=torch.Generator().manual_seed(3)))
-    summarizer = Summarizer(tiny, generation=GenerationOptions(max_new_tokens=6), retrieval=RetrievalConfig(retrieval_k=8),
-                            index=IndexConfig(kind="exact", device="cpu"))
+    summarizer = Summarizer(tiny, generation=GenerationOptions(max_new_tokens=6),
+                            retrieval=RetrievalConfig(retrieval_k=8), index=IndexConfig(kind="exact", device="cpu"))
     store = summarizer.family.encode(Document.from_text(SAMPLE_TEXT)).store
     start = tiny.model.config.decoder_start_token_id
     ids = [start, *range(5, 14), end_token(tiny)]
