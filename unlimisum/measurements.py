@@ -31,9 +31,8 @@ import platform
 import threading
 import time
 import warnings
-import dataclasses
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Callable, Mapping, TypeVar
@@ -335,7 +334,7 @@ def remembered_choice(name: str, measure: Callable[[], _Choice], kind: type[_Cho
     """``remembered`` for a choice that ``measure()`` makes as a dataclass of ``kind`` with a ``reason``: (the
     choice, whether it was kept from an earlier run), or, where the kept entry is another release's (its fields
     are not ``kind``'s), (a choice measured again for this process, None)."""
-    found = remembered(name, lambda: (dataclasses.asdict(choice := measure()), choice.reason))
+    found = remembered(name, lambda: (asdict(choice := measure()), choice.reason))
     try:
         return kind(**found.value), found.kept
     except TypeError:

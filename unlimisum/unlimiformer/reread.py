@@ -156,6 +156,13 @@ class SummaryReader:
                     on_read(len(found))
             return found
         device = store.states().device
+
+        def project() -> int:  # the kept forwards' projection: their pairs' log-probabilities found; rows left 0
+            found.extend(head.log_probs())
+            if on_read is not None:
+                on_read(len(found))
+            return 0
+
         with _deferred_head(self.loaded.model) as head:
             rows = 0
             for first, last, hidden in spans:
@@ -168,14 +175,9 @@ class SummaryReader:
                 head.keep(output.logits, inputs.new_tensor(reading.ids[first:last]))
                 rows += output.logits.shape[0] * output.logits.shape[1]
                 if rows >= HEAD_ROWS or rows * output.logits.shape[2] * 4 >= HEAD_LOGIT_BYTES:
-                    found += head.log_probs()
-                    rows = 0
-                    if on_read is not None:
-                        on_read(len(found))
+                    rows = project()
             if rows:
-                found += head.log_probs()
-                if on_read is not None:
-                    on_read(len(found))
+                project()
         return found
 
     # -- the forward --------------------------------------------------------------------------
