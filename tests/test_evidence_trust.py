@@ -278,6 +278,7 @@ def test_hiding_nothing_gives_exactly_zero_support(filler, dtype, key_store, ker
     from unlimisum.evidence import Source
     from unlimisum.config import ModelConfig
     from unlimisum.models import load_model, projections
+    from unlimisum.unlimiformer import reread
     from unlimisum.unlimiformer.reread import SummaryReader, end_tokens, returned_length, support_of, supports_of
 
     if kernel:
@@ -308,13 +309,18 @@ def test_hiding_nothing_gives_exactly_zero_support(filler, dtype, key_store, ker
     removal = family._removal(part, store) if by == "removal" else None
     with SummaryReader(loaded, 16) as reader:
         reading = run.recorder.reading(0, reader, ids)
-        sentences = [list(range(start, min(start + 4, len(ids)))) for start in range(1, len(ids), 4)]
-        assert len(sentences) >= 3
+        # sentences of 1 to 6 tokens: a pair's rows meet the BLAS in products of 2 to 12 rows
+        sentences = [list(range(start, min(start + length, len(ids))))
+                     for length in range(1, 7) for start in range(1, len(ids), length)]
         assert [support_of(reader, reading, store, rows, [nothing], removal=removal)
                 for rows in sentences] == [0.0] * len(sentences)
         assert any(support_of(reader, reading, store, rows, [somewhere], removal=removal) != 0.0
                    for rows in sentences)
         # as a summary's are measured: every sentence at once, their readings' output projection one product
+        assert supports_of(reader, reading, store, [(rows, [nothing]) for rows in sentences],
+                           removal=removal) == [0.0] * len(sentences)
+        # and a long sentence's readings in pieces, each after the state the last left
+        monkeypatch.setattr(reread, "READING_PIECE_TOKENS", 2)
         assert supports_of(reader, reading, store, [(rows, [nothing]) for rows in sentences],
                            removal=removal) == [0.0] * len(sentences)
 
@@ -344,9 +350,15 @@ def test_the_support_readings_log_probabilities_are_the_models_own(tiny_model_di
         reading = reader.read(store, ids, starts=[first - 1 for first, _ in spans])
         own = [reader.log_probs(reading, store, first, last, nothing) for first, last in spans]
         pairs = reader.log_probs_pairs(reading, store, [(first, last, nothing) for first, last in spans])
-    for (kept, masked), expected in zip(pairs, own):
+        monkeypatch.setattr(reread, "READING_PIECE_TOKENS", 2)  # a sentence's readings in pieces of 2 positions
+        read = []
+        pieces = reader.log_probs_pairs(reading, store, [(first, last, nothing) for first, last in spans],
+                                        on_read=read.append)
+    assert read and read[-1] == len(spans) and read == sorted(read)
+    for (kept, masked), (kept_in_pieces, masked_in_pieces), expected in zip(pairs, pieces, own):
         torch.testing.assert_close(kept, expected, rtol=1e-5, atol=1e-5)
-        assert torch.equal(kept, masked)
+        torch.testing.assert_close(kept_in_pieces, expected, rtol=1e-5, atol=1e-5)
+        assert torch.equal(kept, masked) and torch.equal(kept_in_pieces, masked_in_pieces)
     assert bias is None or not torch.allclose(pairs[0][0], _without_bias(tiny, reading, store, spans[0], nothing))
 
 

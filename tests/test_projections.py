@@ -125,3 +125,39 @@ def test_a_models_decoder_and_output_projection_are_measured_inside_the_context_
     assert [module for module in model.get_decoder().modules() if type(module) is nn.Linear] == decoder_linears
     assert all(tensor is state[name] or torch.equal(tensor, state[name]) for name, tensor in model.state_dict().items())
     torch.testing.assert_close(logits, expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [768, 24], ids=["aligned rows", "unaligned rows"])
+@pytest.mark.parametrize("form", ["linear", "columns", None], ids=["F.linear", "columns", "plain nn.Linear"])
+def test_rows_apart_computes_equal_rows_alike_wherever_they_sit(form, width, dtype):
+    """The support readings' pair: two equal rows of 1 to 6 positions give the same bits in either place (one
+    [2L, in] product computed them apart on MKL for 3 and 5 positions), and the original's product to rounding."""
+    generator = torch.Generator().manual_seed(width)
+    original = nn.Linear(width, 3 * width).to(dtype)
+    module = MeasuredLinear(original, FixedGroup(form)) if form else original
+    wrapped = projections.RowsApartLinear(module)
+    assert wrapped.weight is original.weight and wrapped.bias is original.bias
+    tolerance = {} if dtype == torch.float32 else {"atol": 0.05, "rtol": 0.02}
+    with torch.inference_mode():
+        for length in range(1, 7):
+            row = torch.randn(1, length, width, generator=generator).to(dtype)
+            pair = row.expand(2, -1, -1).contiguous()
+            output = wrapped(pair)
+            assert output.shape == (2, length, 3 * width)
+            assert torch.equal(output[0], output[1]), length
+            torch.testing.assert_close(output, module(pair), **tolerance)
+            assert torch.equal(wrapped(row), module(row))  # one row: the original's call
+
+
+def test_rows_apart_wraps_the_decoders_linear_layers_and_puts_them_back(tiny_loaded):
+    model = tiny_loaded("bart").model
+    decoder_linears = [module for module in model.get_decoder().modules() if type(module) is nn.Linear]
+    head = model.get_output_embeddings()
+    with projections.rows_apart(model):
+        wrapped = [module for module in model.get_decoder().modules() if isinstance(module, nn.Linear)]
+        assert len(wrapped) == len(decoder_linears)
+        assert all(type(module) is projections.RowsApartLinear for module in wrapped)
+        assert [module.original for module in wrapped] == decoder_linears
+        assert model.get_output_embeddings() is head  # the output projection is not the decoder's
+    assert [module for module in model.get_decoder().modules() if type(module) is nn.Linear] == decoder_linears

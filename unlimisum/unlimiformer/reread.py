@@ -11,7 +11,9 @@ as written (the decoder's self-attention state after the tokens before the sente
 reading): once with nothing hidden and once with its passages hidden from retrieval, the two readings the same
 computation (the same forward, kernels, dtype and queries: only the mask differs, so hiding nothing gives exactly
 0), the logits the model's own (``final_logits_bias`` included). The drop in the sentence's log-probability per
-token is its support in nats. Each sentence's two rows are a forward of their own, but the output projection (the
+token is its support in nats. Each sentence's two rows are a forward of their own (a long sentence's, forwards of
+READING_PIECE_TOKENS positions in turn), every linear layer taking each row in a product of its own
+(``projections.rows_apart``: one product of both rows may round equal rows apart), but the output projection (the
 model's largest matrix, streamed from memory for every product) is taken for several sentences' rows at once
 (``_DeferredHead``: the pairs' first rows in one product, their second rows in another of the same shape).
 Attention says where the model looked; support says how much the sentence depended on it (ContextCite measures a
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -44,6 +47,11 @@ from unlimisum.unlimiformer.retrieval import EVIDENCE_TOP_POSITIONS, EvidenceCol
 # for 64 (EPYC Zen 2, two threads)
 HEAD_ROWS = 128  # rows of readings whose output projection is taken at once, at least ...
 HEAD_LOGIT_BYTES = 64 * 2**20  # ... unless their float32 logits reach this (a vocabulary of 250,000: 64 rows)
+# A sentence's two readings go in forwards of at most this many positions, each after the state the last left:
+# read whole, the scores of a 255-token sentence (2 rows x 12 heads x 16,384 keys a position) outgrew what the
+# scores may hold at once (kernels.MAX_SCORE_BYTES), and bart-base's readings took 6.5 s; in pieces of 32, 64 and
+# 128 positions 3.0, 2.9 and 3.0 s (EPYC Zen 2, two threads)
+READING_PIECE_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -142,12 +150,13 @@ class SummaryReader:
 
     def log_probs_pairs(self, reading: Reading, store: Datastore, spans: Sequence[tuple[int, int, torch.Tensor]],
                         on_read: Callable[[int], None] | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """``log_probs_both`` of each (first, last, hidden) of ``spans``, in order: each pair a forward of its own,
-        the output projection of several pairs' rows taken at once (up to HEAD_ROWS rows: every pair's first rows
-        in one product, its second in another of the same shape); ``on_read(done)`` as the pairs'
-        log-probabilities are ready."""
-        found: list[tuple[torch.Tensor, torch.Tensor]] = []
+        """``log_probs_both`` of each (first, last, hidden) of ``spans``, in order: each pair a forward of its own
+        (of READING_PIECE_TOKENS positions at most: more in turns), the two rows computed alike
+        (``projections.rows_apart``), the output projection of several pairs' rows taken at once (up to HEAD_ROWS
+        rows: every pair's first rows in one product, its second in another of the same shape);
+        ``on_read(done)`` as the pairs' log-probabilities are ready."""
         if self._memory is not None:
+            found: list[tuple[torch.Tensor, torch.Tensor]] = []
             for first, last, hidden in spans:
                 nothing = torch.zeros_like(hidden)
                 found.append((self.log_probs(reading, store, first, last, nothing),
@@ -156,28 +165,37 @@ class SummaryReader:
                     on_read(len(found))
             return found
         device = store.states().device
+        pieces: list[tuple[torch.Tensor, torch.Tensor]] = []  # each forward's pair of log-probabilities, in order
+        # per span, the count of forwards read through its last
+        ends = list(accumulate(-(-(last - first) // READING_PIECE_TOKENS) for first, last, _ in spans))
 
         def project() -> int:  # the kept forwards' projection: their pairs' log-probabilities found; rows left 0
-            found.extend(head.log_probs())
+            pieces.extend(head.log_probs())
             if on_read is not None:
-                on_read(len(found))
+                on_read(sum(end <= len(pieces) for end in ends))
             return 0
 
-        with _deferred_head(self.loaded.model) as head:
+        with _deferred_head(self.loaded.model) as head, projections.rows_apart(self.loaded.model):
             rows = 0
             for first, last, hidden in spans:
-                start = first - 1
                 self.session.stores, self.session.evidence = [store, store], None
                 self.session.hidden = [torch.zeros_like(hidden).to(device), hidden.to(device)]
-                cache = reading.prefixes.at(start, copies=2)
-                inputs = torch.tensor(reading.ids[start:last - 1], dtype=torch.long, device=self.loaded.device)
-                output = self._forward(inputs.unsqueeze(0).repeat(2, 1), cache)
-                head.keep(output.logits, inputs.new_tensor(reading.ids[first:last]))
-                rows += output.logits.shape[0] * output.logits.shape[1]
-                if rows >= HEAD_ROWS or rows * output.logits.shape[2] * 4 >= HEAD_LOGIT_BYTES:
-                    rows = project()
+                cache = reading.prefixes.at(first - 1, copies=2)
+                for start in range(first - 1, last - 1, READING_PIECE_TOKENS):  # position start predicts start + 1
+                    stop = min(start + READING_PIECE_TOKENS, last - 1)
+                    inputs = torch.tensor(reading.ids[start:stop], dtype=torch.long, device=self.loaded.device)
+                    output = self._forward(inputs.unsqueeze(0).repeat(2, 1), cache)
+                    cache = output.past_key_values  # both rows' own, for the next piece
+                    head.keep(output.logits, inputs.new_tensor(reading.ids[start + 1:stop + 1]))
+                    rows += output.logits.shape[0] * output.logits.shape[1]
+                    if rows >= HEAD_ROWS or rows * output.logits.shape[2] * 4 >= HEAD_LOGIT_BYTES:
+                        rows = project()
             if rows:
                 project()
+        found, at = [], 0
+        for end in ends:
+            found.append(tuple(torch.cat([piece[row] for piece in pieces[at:end]]) for row in range(2)))
+            at = end
         return found
 
     # -- the forward --------------------------------------------------------------------------

@@ -127,7 +127,6 @@ class RetrievalCrossAttention(wrapping.CrossAttentionWrapper):
 
         q = query_proj(hidden_states).view(rows, steps, heads, head_dim)  # [R, T, H, dh]
         w_k = key_proj.weight.view(heads, head_dim, d_model)  # [H, dh, d]
-        q_hidden = None  # [R, T, H, d], for the stores without per-layer keys
 
         n_docs = len(session.stores)
         if rows % n_docs:
@@ -146,9 +145,10 @@ class RetrievalCrossAttention(wrapping.CrossAttentionWrapper):
                 # [r, T, H, dh] the layer's own values summed, or [r, T, H, d] states to project
                 values[block] = attended if projected else torch.einsum("rthd,hed->rthe", attended.to(w_v.dtype), w_v)
                 continue
-            if q_hidden is None:
-                q_hidden = torch.einsum("rthe,hed->rthd", q, w_k).float()  # [R, T, H, d]
-            queries = q_hidden[block].reshape(-1, d_model) * self.scaling  # [rows_per_doc * T * H, d]
+            # each document's rows a product of their own: a support reading's two rows (two documents of one
+            # store) are computed alike, wherever they sit
+            q_hidden = torch.einsum("rthe,hed->rthd", q[block], w_k).float()  # [r, T, H, d]
+            queries = q_hidden.reshape(-1, d_model) * self.scaling  # [rows_per_doc * T * H, d]
             started = time.perf_counter()
             # one call per layer and document: every head, beam and step of it in one pass over the store
             hidden = session.hidden[doc] if session.hidden is not None else None
@@ -193,7 +193,8 @@ class RetrievalCrossAttention(wrapping.CrossAttentionWrapper):
         attended = attended.view(heads, rows, steps, -1).permute(1, 2, 0, 3)  # [R, T, H, d or dh]
         if values is not None:  # the layer's own values summed
             return attended.to(w_v.dtype)
-        return torch.einsum("rthd,hed->rthe", attended.to(w_v.dtype), w_v)
+        # row by row, products of one shape: the rows are computed alike wherever they sit
+        return torch.stack([torch.einsum("thd,hed->the", row.to(w_v.dtype), w_v) for row in attended.unbind(0)])
 
     def _attend_keys(self, store, q: torch.Tensor, session: RetrievalSession, doc: int) -> tuple[torch.Tensor, bool]:
         """Retrieval attention of one document's queries q [r, T, H, dh] through its store's keys of this layer:
