@@ -1,6 +1,7 @@
-"""A machine's first run: only the compiled kernels a store runs are compiled, none for a short one, in a thread
-while the book is encoded, into unlimisum's cache home; what is left is waited for with a time estimate; long
-stages show the time left; a kept speed choice the live steps find slower is measured again."""
+"""A machine's first run: only the compiled kernels a store runs are compiled (none for a short one, the top-k
+alone for a middling one), in a thread while the book is encoded, into unlimisum's cache home; what is left is
+waited for with a time estimate; long stages show the time left; a kept speed choice the live steps find slower is
+measured again."""
 
 from __future__ import annotations
 
@@ -27,10 +28,16 @@ def widening(monkeypatch, widens: bool) -> None:
     monkeypatch.setattr(kernels, "kernel_for", lambda *args, **options: choice)
 
 
-def test_a_store_under_the_threshold_compiles_nothing(monkeypatch):
+def test_a_store_under_the_threshold_compiles_nothing_but_from_the_top_ks_its_top_k(monkeypatch):
     widening(monkeypatch, True)
     short = kernels.COMPILED_MIN_STATES - 1
-    assert kernels.compiled_kernels_for(short, torch.bfloat16, "cpu", 768, per_layer=True, values=True) == ()
+    assert kernels.compiled_kernels_for(short, torch.bfloat16, "cpu", 768, per_layer=True, values=True) == ("top_k",)
+    top_k_only = kernels.COMPILED_TOP_K_MIN_STATES
+    assert kernels.compiled_kernels_for(top_k_only, torch.float32, "cpu", 768) == ("top_k",)
+    shorter = kernels.COMPILED_TOP_K_MIN_STATES - 1
+    assert kernels.compiled_kernels_for(shorter, torch.bfloat16, "cpu", 768, per_layer=True, values=True) == ()
+    assert kernels.compiled_kernels_for(short, torch.float16, "cpu", 768) == ()  # none reads it
+    assert kernels.compiled_kernels_for(short, torch.bfloat16, "cuda", 768) == ()
     assert not kernels.uses_compiled(short, "cpu") and kernels.uses_compiled(kernels.COMPILED_MIN_STATES, "cpu")
 
 

@@ -35,7 +35,8 @@ def place(tmp_path_factory):
     qwen = build_tiny_decoder_dir(root / "qwen")
     assert (bart / "model.safetensors").is_file() and (qwen / "model.safetensors").is_file()
     (root / "book.txt").write_text(BOOK, encoding="utf-8")
-    # from kernels.COMPILED_MIN_STATES (16,384) tokens a store runs (and first compiles) the compiled kernels
+    # from kernels.COMPILED_MIN_STATES (16,384) tokens a store runs (and first compiles) the compiled kernels (from
+    # COMPILED_TOP_K_MIN_STATES, 8,192, the top-k alone)
     (root / "long.txt").write_text(SAMPLE_TEXT * 400, encoding="utf-8")
     return root
 

@@ -68,6 +68,10 @@ GATHER_ROWS = 2_048
 # the key store's heads may score compiled (head_kernels.py); below, torch's: the first compile (a few seconds per
 # kernel, once per machine) would cost more than a short store saves, and no kernel is compiled for it at all
 COMPILED_MIN_STATES = 16_384
+# ... but the top-k runs compiled from this many (its one kernel compiled, once per machine, while the book is
+# encoded): a support reading's 1,536 rows of 8,192 scores at k = 1,024 took 65 ms with torch.topk and 15 compiled,
+# of 16,114 scores 118 and 20 (EPYC Zen 2, two threads), and a step's 12 rows gain too
+COMPILED_TOP_K_MIN_STATES = 8_192
 # what the measurements of this module are called in the user's cache folder: a new version measures again
 MEASUREMENT_VERSION = 4  # 4: the top-k compiled as a long store runs it (compiled.top_k)
 # top_k: the block-maxima pre-selection runs with blocks of at least this many columns (about sqrt(N / k));
@@ -160,10 +164,13 @@ def compiled_kernels_for(n_tokens: int, dtype: torch.dtype, device: torch.device
     top-k step sums its chosen values with the weighted sums); the weighted sums of the
     chosen states (a reading's many queries sum them compiled whatever the kernel: ``gathered_attention``); and
     the dense sums where its kernel widens them to fp32 (``kernel_for``: the native kernel sums in the storage
-    dtype); none for a store shorter than COMPILED_MIN_STATES, off the CPU, or of a dtype they do not read. What
-    ``compiled.warm`` compiles while a book is encoded, and what ``prepare`` waits for."""
-    if not uses_compiled(n_tokens, device) or dtype not in compiled.SCAN_DTYPES:
+    dtype); the top-k alone for a store from COMPILED_TOP_K_MIN_STATES to COMPILED_MIN_STATES; none for a shorter
+    store, off the CPU, or of a dtype they do not read. What ``compiled.warm`` compiles while a book is encoded,
+    and what ``prepare`` waits for."""
+    if dtype not in compiled.SCAN_DTYPES or torch.device(device).type != "cpu":
         return ()
+    if not uses_compiled(n_tokens, device):
+        return ("top_k",) if n_tokens >= COMPILED_TOP_K_MIN_STATES else ()
     names: tuple[str, ...] = ("top_k",)
     if per_layer:
         names += ("select", "scores") + (("attend_dense", "head_dense_sum") if values else ())
@@ -501,11 +508,12 @@ def top_k(logits: torch.Tensor, k: int, ordered: bool = True) -> tuple[torch.Ten
 
 
 def _compiled_top_k(logits: torch.Tensor, k: int) -> bool:
-    """Whether ``top_k`` runs compiled (compiled.top_k): fp32 rows on a CPU, of COMPILED_MIN_STATES or more (as the
-    other compiled kernels), once the kernel is ready in this process (``compiled_kernels_for`` a long store
-    names it; a short store's run never compiles it)."""
+    """Whether ``top_k`` runs compiled (compiled.top_k): fp32 rows on a CPU, of COMPILED_TOP_K_MIN_STATES or more,
+    once the kernel is ready in this process (``compiled_kernels_for`` a store of that many tokens names it; a
+    shorter store's run never compiles it)."""
     return (logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() == 2
-            and logits.shape[1] >= COMPILED_MIN_STATES and 0 < k <= logits.shape[1] and compiled.is_ready("top_k"))
+            and logits.shape[1] >= COMPILED_TOP_K_MIN_STATES and 0 < k <= logits.shape[1]
+            and compiled.is_ready("top_k"))
 
 
 def top_k_tokens_major(logits: torch.Tensor, k: int, ordered: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
