@@ -530,6 +530,44 @@ def test_cache_clear_kernels_needs_no_cache_folder_and_leaves_other_programs_fil
     assert CliRunner().invoke(app, ["cache", "clear"]).exit_code == 2  # books need their folder, as before
 
 
+def test_cache_list_counts_and_prune_removes_the_kernels_of_other_versions_only(monkeypatch, tmp_path):
+    """Each version of the kernels' code compiles into a folder of its own: after an upgrade the old ones are
+    listed with their size and pruned (also those kept before the folders per version), never this version's or
+    another program's files."""
+    from unlimisum.measurements import kernel_code_folder
+
+    monkeypatch.delenv("UNLIMISUM_CACHE_DIR", raising=False)
+    monkeypatch.delenv("NUMBA_CACHE_DIR", raising=False)
+    monkeypatch.setenv("UNLIMISUM_CACHE_HOME", str(tmp_path))
+    current = kernel_code_folder() / "search_1a"
+    older = tmp_path / "kernels" / "code-0123456789abcdef" / "search_1a"
+    before_folders = tmp_path / "kernels" / "search_2b"
+    for folder in (current, older, before_folders):
+        folder.mkdir(parents=True)
+    (current / "compiled_loops._scan-180.py311.nbi").write_bytes(b"this version")
+    (older / "top_k_loops._top_k_rows-228.py311.nbi").write_bytes(b"index")
+    (older / "top_k_loops._top_k_rows-228.py311.1.nbc").write_bytes(b"code")
+    (before_folders / "compiled._sums_f32-630.py311.nbi").write_bytes(b"older")
+    (before_folders / "mine.solver-12.py311.nbi").write_bytes(b"another program's")
+    books = tmp_path / "books"
+    books.mkdir()
+    listed = CliRunner().invoke(app, ["cache", "list", "--cache-dir", str(books)])
+    assert listed.exit_code == 0, listed.output
+    assert "compiled retrieval kernels: 4 files" in listed.stderr
+    assert ("3 of them, 14 B, compiled from another version of unlimisum: `unlimisum cache prune` removes those"
+            in listed.stderr)
+    pruned = CliRunner().invoke(app, ["cache", "prune"])  # no cache folder: the kernels alone
+    assert pruned.exit_code == 0, pruned.output
+    assert "removed 3 compiled kernel files of other versions, 14 B" in pruned.stderr
+    assert "encoded books left as they are" in pruned.stderr
+    assert [path.name for path in current.iterdir()] == ["compiled_loops._scan-180.py311.nbi"]
+    assert [path.name for path in before_folders.iterdir()] == ["mine.solver-12.py311.nbi"]
+    assert not older.parent.exists()  # emptied: gone
+    again = CliRunner().invoke(app, ["cache", "prune", "--cache-dir", str(books)])
+    assert again.exit_code == 0 and "compiled kernel" not in again.stderr
+    assert "another version" not in CliRunner().invoke(app, ["cache", "list", "--cache-dir", str(books)]).stderr
+
+
 @pytest.mark.parametrize("args, message", [
     (["--cache-max-bytes", "1G"], "--cache-max-bytes needs --cache-dir"),
     (["--cache-dir", "c", "--cache-max-bytes", "lots"], "is not a size"),

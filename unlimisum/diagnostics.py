@@ -69,8 +69,39 @@ def clear_compiled_kernels() -> tuple[int, int]:
     unlimisum's are removed: a $NUMBA_CACHE_DIR shared with other programs keeps theirs."""
     from unlimisum.measurements import kernel_cache_folder
 
+    return _remove(_kernel_files(kernel_cache_folder()))
+
+
+def stale_compiled_kernels() -> list[Path]:
+    """unlimisum's compiled kernel files that this code never loads: those of other versions of the kernels' code
+    (another release, an older checkout), each version in a folder of its own, and those kept before there were
+    such folders; (for a folder of the kernel cache folder) never another program's files."""
+    from unlimisum.measurements import kernel_cache_folder, kernel_code_folder
+
+    current = kernel_code_folder()
+    return [path for path in _kernel_files(kernel_cache_folder()) if current not in path.parents]
+
+
+def clear_stale_compiled_kernels() -> tuple[int, int]:
+    """Remove ``stale_compiled_kernels`` and the folders they leave empty: (files, bytes) removed."""
+    from unlimisum.measurements import kernel_cache_folder
+
+    stale = stale_compiled_kernels()
+    removed = _remove(stale)
+    top = kernel_cache_folder()
+    for folder in sorted({parent for path in stale for parent in path.parents if top in parent.parents},
+                         key=lambda folder: len(folder.parts), reverse=True):  # the deepest first
+        try:
+            folder.rmdir()  # only where empty: another program's files keep their folder
+        except OSError:
+            pass
+    return removed
+
+
+def _remove(paths: list[Path]) -> tuple[int, int]:
+    """Unlink ``paths``: (files, bytes) removed; one that cannot be is left."""
     removed = freed = 0
-    for path in _kernel_files(kernel_cache_folder()):
+    for path in paths:
         try:
             size = path.stat().st_size
             path.unlink()

@@ -83,6 +83,20 @@ def kernel_cache_folder() -> Path:
     return Path(explicit).expanduser() if explicit else cache_home() / KERNEL_FOLDER
 
 
+# the files of unlimisum/search whose code numba compiles into the kernels (search/jit.py): the decorated modules,
+# the intrinsics and helpers they inline, jit.py's flags
+KERNEL_SOURCES = ("compiled_loops.py", "top_k_loops.py", "llvm.py", "jit.py")
+
+
+def kernel_code_folder() -> Path:
+    """Where this code's compiled kernels are kept: the folder of ``kernel_cache_folder()`` named by a digest of
+    KERNEL_SOURCES (numba keys a cached kernel on its own module's file alone: other code, another folder)."""
+    digest = hashlib.sha256()
+    for name in KERNEL_SOURCES:
+        digest.update((Path(__file__).parent / "search" / name).read_bytes())
+    return kernel_cache_folder() / f"code-{digest.hexdigest()[:16]}"
+
+
 def machine_identity() -> dict[str, str]:
     """What a measurement depends on beside the code: the CPU, the torch build, its threads, the instruction
     settings in the environment."""

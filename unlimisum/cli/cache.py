@@ -2,7 +2,7 @@
 retrieval kernels kept in unlimisum's cache home.
 
     unlimisum cache list --cache-dir ~/.cache/unlimisum          # or UNLIMISUM_CACHE_DIR
-    unlimisum cache prune                                        # what interrupted stores left
+    unlimisum cache prune                                        # what interrupted stores and old versions left
     unlimisum cache clear --older-than 30d
     unlimisum cache clear --kernels                              # the compiled kernels (compiled again when needed)
 
@@ -97,20 +97,41 @@ def list_entries(
 
 
 def _kernels_line() -> None:
-    from unlimisum.diagnostics import compiled_kernels_in
+    from unlimisum.diagnostics import compiled_kernels_in, stale_compiled_kernels
     from unlimisum.measurements import kernel_cache_folder
 
     files, size = compiled_kernels_in(kernel_cache_folder())
     if files:
-        typer.echo(f"compiled retrieval kernels: {files} files, {format_bytes(size)} in {kernel_cache_folder()} "
-                   "(`unlimisum cache clear --kernels` removes them)", err=True)
+        typer.echo(visible(f"compiled retrieval kernels: {files} files, {format_bytes(size)} in "
+                           f"{kernel_cache_folder()} (`unlimisum cache clear --kernels` removes them)"), err=True)
+    stale = stale_compiled_kernels()
+    if stale:
+        typer.echo(f"{len(stale)} of them, {format_bytes(sum(_size(path) for path in stale))}, compiled from "
+                   "another version of unlimisum: `unlimisum cache prune` removes those", err=True)
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:  # removed meanwhile
+        return 0
 
 
 @cache_app.command("prune")
 def prune(cache_dir: Optional[Path] = _cache_dir_option()) -> None:
-    """Remove what interrupted stores left (the folders of a killed process's half-written entries) and the
-    entries this release cannot read (an older store format, another release's); stores under way and encoded
-    books it reads are kept."""
+    """Remove what interrupted stores left (the folders of a killed process's half-written entries), the entries
+    this release cannot read (an older store format, another release's) and the compiled kernels of other versions
+    of unlimisum; stores under way, encoded books it reads and this version's kernels are kept. Without a cache
+    folder, only the kernels."""
+    from unlimisum.diagnostics import clear_stale_compiled_kernels
+
+    files, freed = clear_stale_compiled_kernels()
+    if files:
+        typer.echo(f"removed {files} compiled kernel file{'s' if files != 1 else ''} of other versions, "
+                   f"{format_bytes(freed)}", err=True)
+    if cache_dir is None:
+        typer.echo("no cache folder (--cache-dir or UNLIMISUM_CACHE_DIR): encoded books left as they are", err=True)
+        return
     cache = _open(cache_dir)
     removed, freed = cache.remove_leftovers()
     stale, stale_bytes = cache.remove_stale()

@@ -16,7 +16,6 @@ kernels (``KERNEL_SOURCES``): other code, another folder.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -24,7 +23,7 @@ from typing import Callable
 
 import numba
 
-from unlimisum.measurements import kernel_cache_folder
+from unlimisum.measurements import KERNEL_SOURCES, kernel_code_folder  # noqa: F401 (the files the folder is named by)
 
 if "NUMBA_THREADING_LAYER" not in os.environ:
     # OpenMP first: torch's own runtime where torch loaded it (compiled.py); numba's thread pool where it cannot
@@ -40,19 +39,7 @@ def _writable(folder: Path) -> bool:
         return False
 
 
-# the files whose code numba compiles into the kernels: the decorated modules, the intrinsics and helpers they
-# inline, the flags below
-KERNEL_SOURCES = ("compiled_loops.py", "top_k_loops.py", "llvm.py", "jit.py")
-
-
-def _sources_digest() -> str:
-    digest = hashlib.sha256()
-    for name in KERNEL_SOURCES:
-        digest.update((Path(__file__).with_name(name)).read_bytes())
-    return digest.hexdigest()[:16]
-
-
-CODE_FOLDER = kernel_cache_folder() / f"code-{_sources_digest()}"  # this code's machine code
+CODE_FOLDER = kernel_code_folder()  # this code's machine code (named by a digest of KERNEL_SOURCES)
 CACHED = _writable(CODE_FOLDER)  # whether the machine code is kept between processes
 # the fp32 rules the kernels may bend: reassociation (to sum with vector registers) and fused multiply-adds,
 # never the ones that assume no infinities or NaNs (the threshold starts at -inf)
