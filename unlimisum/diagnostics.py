@@ -75,7 +75,7 @@ def clear_compiled_kernels() -> tuple[int, int]:
 def stale_compiled_kernels() -> list[Path]:
     """unlimisum's compiled kernel files that this code never loads: those of other versions of the kernels' code
     (another release, an older checkout), each version in a folder of its own, and those kept before there were
-    such folders; (for a folder of the kernel cache folder) never another program's files."""
+    such folders. Only unlimisum's: a $NUMBA_CACHE_DIR shared with other programs keeps theirs."""
     from unlimisum.measurements import kernel_cache_folder, kernel_code_folder
 
     current = kernel_code_folder()
