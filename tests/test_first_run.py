@@ -28,7 +28,7 @@ def widening(monkeypatch, widens: bool) -> None:
     monkeypatch.setattr(kernels, "kernel_for", lambda *args, **options: choice)
 
 
-def test_a_store_under_the_threshold_compiles_nothing_but_from_the_top_ks_its_top_k(monkeypatch):
+def test_a_short_store_compiles_nothing_and_a_middling_one_its_top_k_alone(monkeypatch):
     widening(monkeypatch, True)
     short = kernels.COMPILED_MIN_STATES - 1
     assert kernels.compiled_kernels_for(short, torch.bfloat16, "cpu", 768, per_layer=True, values=True) == ("top_k",)
