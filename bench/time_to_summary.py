@@ -25,7 +25,7 @@ runs" with the folder the first run filled. ``--python``: run the unlimisum inst
 environment (``pip install .`` in a fresh venv, as a user has it) rather than this tree's source.
 With ``--before REV`` the same commands run the code of git revision REV (a worktree under bench/.cache), in turns
 with this tree's, so the before/after comes from one run. Summaries are forced to ``--new-tokens`` (min = max),
-greedy (the random model's generation config). Inputs: samples/story.epub, the first 16k, 20k and 100k tokens of
+greedy (the random model's generation config). Inputs: samples/story.epub, the first 10k, 16k, 20k and 100k tokens of
 Moby-Dick, and the whole of it (../shared/corpus; skipped when absent). Writes bench/results/time_to_summary.json.
 """
 
@@ -53,8 +53,9 @@ CORPUS = ROOT.parent / "shared" / "corpus"
 MOBY = CORPUS / "txt_moby-dick_pg2701_utf8-bom.txt"
 TRAINING_TEXTS = [MOBY, CORPUS / "txt_pride-and-prejudice_pg1342_utf8.txt", ROOT / "samples" / "story.txt"]
 WINDOW = 1024
-# 20k: past kernels.COMPILED_MIN_STATES, where a first run compiles kernels (the 16k cut is 16,114 tokens)
-CUTS = {"16k": 16_384, "20k": 20_000, "100k": 100_000}
+# 10k: between kernels.COMPILED_TOP_K_MIN_STATES and COMPILED_MIN_STATES, where a first run compiles the top-k
+# alone; 20k: past COMPILED_MIN_STATES, where it compiles the kernels its store runs (the 16k cut is 16,114 tokens)
+CUTS = {"10k": 10_000, "16k": 16_384, "20k": 20_000, "100k": 100_000}
 
 PLAIN = r'''
 import sys, time

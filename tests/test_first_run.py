@@ -102,6 +102,17 @@ def test_torch_leaves_the_compile_a_core_until_it_ends(two_threads):
     assert torch.get_num_threads() == 2
 
 
+def test_a_thread_that_only_loads_the_kernels_is_waited_for_and_torch_keeps_its_threads(two_threads, monkeypatch):
+    """Kernels compiled before load in well under LOADING_SECONDS: torch keeps both threads for the first batch."""
+    monkeypatch.setattr(compiled, "LOADING_SECONDS", 5.0)
+    loading = threading.Thread(target=lambda: threading.Event().wait(0.2), daemon=True)
+    loading.start()
+    with compiled.core_for(loading) as when_compiled:
+        assert not loading.is_alive() and torch.get_num_threads() == 2
+        when_compiled()
+        assert torch.get_num_threads() == 2
+
+
 def test_torch_gets_its_threads_back_when_the_encoding_ends_first(two_threads):
     release = threading.Event()
     compiling = threading.Thread(target=lambda: release.wait(30), daemon=True)

@@ -327,6 +327,10 @@ SCORES_KERNELS = ("top_k",)  # read fp32 scores whatever the store holds: ready 
 COMPILE_SECONDS = {"select": 6.5, "select_grouped": 4.5, "scores": 0.5, "weighted_sum": 3.5, "dense_sum": 1.7,
                    "head_dense_sum": 1.5, "attend_dense": 9.5, "top_k": 6.8}
 
+# warm's thread loads kernels compiled before in about 0.5 s (all seven and numba's import, EPYC Zen 2): one that
+# is alive after this long is compiling
+LOADING_SECONDS = 1.0
+
 _READY: dict[tuple[str, torch.dtype], bool] = {}
 _LOCKS: dict[tuple[str, torch.dtype], threading.Lock] = {}
 _LOCKS_LOCK = threading.Lock()
@@ -402,8 +406,12 @@ def core_for(compiling: threading.Thread | None) -> Iterator[Callable[[], None]]
     compile has a core of its own. Beside a matmul on every core it would stall all of torch's threads in turn
     (measured on the EPYC (Zen 2), 2 cores: 25 s of compiling added 25 s to a 30 s encode, nothing overlapped).
     Yields a function that gives torch its thread back once the compile has ended (call it between batches); on
-    exit torch has its threads back either way. Nothing changes where torch has one thread or nothing compiles."""
+    exit torch has its threads back either way. Nothing changes where torch has one thread or nothing compiles,
+    nor where the thread ends within LOADING_SECONDS (it loaded kernels compiled before: waited for, rather than
+    a whole first batch encoded on one thread, 1.7 s more on a later run of a 10k- or 16k-token book)."""
     threads = torch.get_num_threads()
+    if compiling is not None and threads >= 2:
+        compiling.join(timeout=LOADING_SECONDS)
     if compiling is None or threads < 2 or not compiling.is_alive():
         yield lambda: None
         return
