@@ -11,7 +11,7 @@ compiles them again.
 numba keys a cached kernel on its own module's file alone (its time and size): a change to the intrinsics it
 inlines (llvm.py), to a helper of another module, or to the flags here would load machine code of the old
 source, in an editable install or a checkout. So the folder is named by a digest of every file that goes into the
-kernels (``KERNEL_SOURCES``): other code, another folder.
+kernels (``measurements.KERNEL_SOURCES``): other code, another folder.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Callable
 
 import numba
 
-from unlimisum.measurements import KERNEL_SOURCES, kernel_code_folder  # noqa: F401 (the files the folder is named by)
+from unlimisum.measurements import kernel_code_folder
 
 if "NUMBA_THREADING_LAYER" not in os.environ:
     # OpenMP first: torch's own runtime where torch loaded it (compiled.py); numba's thread pool where it cannot
