@@ -61,7 +61,18 @@ def forget_measurements() -> int:
 def compiled_kernels_in(folder: Path) -> tuple[int, int]:
     """(files, bytes) of unlimisum's compiled kernels numba keeps under ``folder`` (``_kernel_files``)."""
     files = _kernel_files(folder)
-    return len(files), sum(path.stat().st_size for path in files)
+    return len(files), files_bytes(files)
+
+
+def files_bytes(paths: list[Path]) -> int:
+    """The bytes of ``paths``; one removed meanwhile counts 0."""
+    total = 0
+    for path in paths:
+        try:
+            total += path.stat().st_size
+        except OSError:
+            pass
+    return total
 
 
 def clear_compiled_kernels() -> tuple[int, int]:

@@ -97,7 +97,7 @@ def list_entries(
 
 
 def _kernels_line() -> None:
-    from unlimisum.diagnostics import compiled_kernels_in, stale_compiled_kernels
+    from unlimisum.diagnostics import compiled_kernels_in, files_bytes, stale_compiled_kernels
     from unlimisum.measurements import kernel_cache_folder
 
     files, size = compiled_kernels_in(kernel_cache_folder())
@@ -106,15 +106,8 @@ def _kernels_line() -> None:
                            f"{kernel_cache_folder()} (`unlimisum cache clear --kernels` removes them)"), err=True)
     stale = stale_compiled_kernels()
     if stale:
-        typer.echo(f"{len(stale)} of them, {format_bytes(sum(_size(path) for path in stale))}, compiled from "
+        typer.echo(f"{len(stale)} of them, {format_bytes(files_bytes(stale))}, compiled from "
                    "another version of unlimisum: `unlimisum cache prune` removes those", err=True)
-
-
-def _size(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:  # removed meanwhile
-        return 0
 
 
 @cache_app.command("prune")
