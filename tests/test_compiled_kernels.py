@@ -93,9 +93,10 @@ def test_dense_attention_in_one_pass_is_the_softmax_of_the_scores_times_the_valu
         keys = keys.clone()
         keys[1, n - 5] = (query_rows[1, 0] * 3).to(dtype)
     got = compiled.attend_dense(keys, values, query_rows)
-    # fp32 scores of up to ~100 are within ~1e-5 of their fp64 ones, and so are their weights (relative)
+    # fp32 scores of up to ~100 are within ~2e-5 of their fp64 ones (from 8 queries on, bfloat16 keys, each score
+    # one chain of dh products: 1.3e-5 seen), and so are their weights (relative)
     expected = _softmax_values(keys, values, query_rows)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=2e-5)
     coverage = torch.full((n,), 0.5)  # added to, as a generation's running count is
     kept = torch.full((3 * queries * n + 7,), float("nan"))  # a reused buffer, larger than needed
     torch.testing.assert_close(compiled.attend_dense(keys, values, query_rows, coverage, kept), got)

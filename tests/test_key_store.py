@@ -752,7 +752,8 @@ def _assert_the_scan_attends_as_the_kernels_do(scanner: str, keys, queries, ids,
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("queries_per_head", [1, 6, 7, 9])  # 4 at a time, then 2 or 3 at once, or 1 (4 keys at once)
+# 4 at a time, then 2 or 3 at once, or 1 (4 keys at once); from 8, bfloat16 keys in the lanes, 2 queries at a time
+@pytest.mark.parametrize("queries_per_head", [1, 6, 7, 9, 16])
 @pytest.mark.parametrize("head_dim", [16, 24, 80])  # bf16's 8-word vectors: 1, none (12 words: the loop), 5
 def test_the_compiled_scan_gives_the_brute_force_top_k_and_scores(dtype, queries_per_head, head_dim):
     generator = torch.Generator().manual_seed(7)
@@ -773,6 +774,27 @@ def test_the_compiled_scan_gives_the_brute_force_top_k_and_scores(dtype, queries
     assert torch.equal(every_id.sort(dim=2).values, torch.arange(5203).expand(3, queries_per_head, -1))
     torch.testing.assert_close(every_score.sort(dim=2).values, reference.sort(dim=2).values)
     _assert_the_scan_attends_as_the_kernels_do("compiled", keys, queries, expected.indices, generator)
+
+
+@pytest.mark.parametrize("n", [5, 40, 1037, 2600])  # less than a tile of 40 keys, one, tiles and a padded one
+def test_many_queries_score_a_query_alike_wherever_it_sits_among_them(n):
+    """From 8 queries a head, bfloat16 keys are scored in the lanes, two queries at a time and a last one alone:
+    the same query gets the same scores, bit for bit, first or second of a pair or alone, in the scores and in the
+    scan's blocks (a support reading's two rows rely on it)."""
+    generator = torch.Generator().manual_seed(11)
+    book = torch.randn(2, n + 30, 64, generator=generator).to(torch.bfloat16)
+    keys = book[:, 30:]  # a chapter's view at an offset
+    queries = torch.randn(2, 11, 64, generator=generator) * torch.tensor([1.0, 4.0]).view(2, 1, 1)
+    queries[:, 5] = queries[:, 10] = queries[:, 0]  # first of a pair, second of one, the last one alone
+    scores = compiled.scores(keys, queries)
+    reference = torch.einsum("hqd,hnd->hqn", queries.double(), keys.double()).float()
+    torch.testing.assert_close(scores, reference, rtol=1e-5, atol=2e-5)
+    assert torch.equal(scores[:, 5], scores[:, 0]) and torch.equal(scores[:, 10], scores[:, 0])
+    k = min(n, 9)
+    chosen, ids = compiled.select(keys, queries, k)
+    chosen, order = chosen.sort(dim=2, descending=True)
+    assert torch.equal(chosen, scores.topk(k, dim=2).values)  # the scan's blocks sum every score alike
+    assert torch.equal(ids.gather(2, order)[:, 5], ids.gather(2, order)[:, 0])
 
 
 @pytest.mark.parametrize("k", [1, 9, 700])

@@ -8,6 +8,11 @@ each a numba intrinsic written in LLVM IR, each with why:
 - ``_dot_*`` / ``_pair_*`` / ``_quad_one_bf16``: two to four queries against one or two keys, or one query
   against four bfloat16 keys, in explicit 8-lane vectors with fused multiply-adds, four sums reduced together:
   the loops numba generates reduce each sum on its own, a dozen instructions a key each;
+- ``_key_tile_bf16`` / ``_tile_scores_*``: many queries against bfloat16 keys with the keys in the lanes: a tile of
+  TILE_KEYS keys transposed once (8 x 8 blocks of words in registers) and widened into a small fp32 buffer, then
+  every query's numbers broadcast against it, its scores summed in the lanes, one vector store per 8 keys: the
+  per-key reduction of the two- to four-query sums above costs as much as their multiplies, and the tile's
+  transposition is shared by all the queries;
 - ``_sum_*``: one to four queries' weighted sums of a tile of rows kept in 8-lane registers across the rows:
   numba's loop writes each partial sum back to memory between rows;
 - ``_above`` and ``_lowest_bit``: eight scores compared with a threshold in one instruction, the result a bit
@@ -277,6 +282,140 @@ _dot_four_f32, _dot_three_f32, _dot_two_f32 = (_dot_f32_of(count, 1) for count i
 _pair_four_bf16, _pair_three_bf16, _pair_two_bf16 = (_dot_bf16_of(count, 2) for count in (4, 3, 2))
 _pair_four_f32, _pair_three_f32, _pair_two_f32 = (_dot_f32_of(count, 2) for count in (4, 3, 2))
 _quad_one_bf16 = _dot_bf16_of(1, 4)  # one query, four keys (bfloat16 keys: for fp32 ones measured slower)
+
+# --- many queries against a tile of keys in the lanes (``_scores_bf16`` from TILED_MIN_QUERIES queries on)
+
+# keys per tile: five 8-lane vectors of each query's scores, two queries at a time (ten sums in registers), and the
+# tile's transposition shared by all the queries (EPYC Zen 2, 16,384 keys x 12 heads, two threads, against the
+# two-keys-four-queries sums: 8 queries 1.17x, 16 1.25x, 32 1.28x, 64 1.64x, 128 1.80x; tiles of 16 to 64 keys
+# and 1 to 4 queries at a time measured slower, 4 queries 0.8x)
+TILE_KEYS = 40
+_TILE_VECTORS = TILE_KEYS // _LANES
+
+
+def _transposed(builder, rows):
+    """The 8 x 8 transpose of eight 8-lane vectors: result j holds lane j of each row, in row order (three
+    rounds of eight two-vector shuffles, which x86 does as unpack, shuffle and 128-bit permute)."""
+    def shuffle(a, b, lanes):
+        return builder.shuffle_vector(a, b, _llvm.Constant(_WORDS, lanes))
+
+    pairs = []
+    for a in range(0, 8, 2):  # [r_a0, r_b0, r_a1, r_b1 | r_a4, r_b4, r_a5, r_b5] and the 2, 3, 6, 7 lanes
+        pairs += [shuffle(rows[a], rows[a + 1], [0, 8, 1, 9, 4, 12, 5, 13]),
+                  shuffle(rows[a], rows[a + 1], [2, 10, 3, 11, 6, 14, 7, 15])]
+    quads = []
+    for left, right in ((0, 2), (4, 6)):  # four rows' lane j in each 128-bit half
+        for part in (left, left + 1):
+            quads += [shuffle(pairs[part], pairs[right + part - left], [0, 1, 8, 9, 4, 5, 12, 13]),
+                      shuffle(pairs[part], pairs[right + part - left], [2, 3, 10, 11, 6, 7, 14, 15])]
+    columns = [None] * 8
+    for j in range(4):  # rows 0-3's halves beside rows 4-7's
+        columns[j] = shuffle(quads[j], quads[j + 4], [0, 1, 2, 3, 8, 9, 10, 11])
+        columns[j + 4] = shuffle(quads[j], quads[j + 4], [4, 5, 6, 7, 12, 13, 14, 15])
+    return columns
+
+
+@_intrinsic
+def _key_tile_bf16(typingctx, words, row, tile):
+    """tile[2 d + p, i] = dimension 2 d + p of key row + i (p = 0 even, 1 odd), fp32, i < TILE_KEYS: bfloat16
+    ``words`` [n, dh/2] uint32 (``_scores_bf16``'s layout, dh/2 a multiple of 8, rows row .. row + TILE_KEYS - 1
+    there) transposed, each word of 8 keys' 8 words after one 8 x 8 transpose in registers; tile [dh, TILE_KEYS]
+    fp32, rows contiguous."""
+    if not (_rows_of(words, numba.types.uint32) and _rows_of(tile, numba.types.float32)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        words_type, row_type, tile_type = signature.args
+        row = context.cast(builder, args[1], row_type, numba.types.intp)
+        width = _cgutils.unpack_tuple(builder, context.make_array(words_type)(context, builder, args[0]).shape)[1]
+        key_rows = [_row_address(context, builder, words_type, args[0],
+                                 (builder.add(row, _llvm.Constant(row.type, i)), numba.types.intp))
+                    for i in range(TILE_KEYS)]
+        tile = context.make_array(tile_type)(context, builder, args[2])
+        tile_data = builder.bitcast(tile.data, _llvm.IntType(8).as_pointer())
+        tile_pitch = _cgutils.unpack_tuple(builder, tile.strides)[0]
+        shift, upper = _llvm.Constant(_WORDS, [16] * _LANES), _llvm.Constant(_WORDS, [-65536] * _LANES)
+        with _cgutils.for_range(builder, builder.udiv(width, _llvm.Constant(width.type, _LANES))) as chunk:
+            offset = builder.mul(chunk.index, _llvm.Constant(width.type, 4 * _LANES))  # bytes into a key's row
+            for vector in range(_TILE_VECTORS):
+                columns = _transposed(builder, [_load_lanes(builder, key_rows[vector * _LANES + i], offset, _WORDS)
+                                                for i in range(_LANES)])
+                for j, column in enumerate(columns):  # word chunk * 8 + j of the 8 keys
+                    word = builder.add(builder.mul(chunk.index, _llvm.Constant(width.type, _LANES)),
+                                       _llvm.Constant(width.type, j))
+                    widened = (builder.shl(column, shift), builder.and_(column, upper))  # even, odd dimension
+                    for part, lanes in enumerate(widened):
+                        tile_row = builder.add(builder.mul(word, _llvm.Constant(width.type, 2)),
+                                               _llvm.Constant(width.type, part))
+                        at = builder.add(builder.mul(tile_row, tile_pitch),
+                                         _llvm.Constant(tile_pitch.type, 4 * _LANES * vector))
+                        builder.store(builder.bitcast(lanes, _FLOATS),
+                                      builder.bitcast(builder.gep(tile_data, [at]), _FLOATS.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return numba.types.none(words, row, tile), codegen
+
+
+def _tile_scores_codegen(count: int):
+    """The code of ``_tile_scores_of(count)``: each query's TILE_KEYS sums in _TILE_VECTORS registers, every
+    dimension's two numbers (even, then odd) broadcast and multiplied into them in order, so that a score is
+    the same sum whichever query or tile it is computed in."""
+
+    def codegen(context, builder, signature, args):
+        tile_type, even_type, odd_type, first_type, out_type, column_type = signature.args
+        tile_value, even, odd, first, out, column = args
+        tile = context.make_array(tile_type)(context, builder, tile_value)
+        tile_data = builder.bitcast(tile.data, _llvm.IntType(8).as_pointer())
+        tile_pitch = _cgutils.unpack_tuple(builder, tile.strides)[0]
+        half = _cgutils.unpack_tuple(builder, context.make_array(even_type)(context, builder, even).shape)[1]
+        first = context.cast(builder, first, first_type, numba.types.intp)
+        column = context.cast(builder, column, column_type, numba.types.intp)
+        queries = [(builder.add(first, _llvm.Constant(first.type, j)), numba.types.intp) for j in range(count)]
+        numbers = [[builder.bitcast(_row_address(context, builder, part_type, part, query), _FLOAT.as_pointer())
+                    for query in queries] for part_type, part in ((even_type, even), (odd_type, odd))]
+        zero = _llvm.Constant(_FLOATS, [0.0] * _LANES)
+        sums = [[_cgutils.alloca_once_value(builder, zero) for _ in range(_TILE_VECTORS)] for _ in range(count)]
+        with _cgutils.for_range(builder, half) as word:
+            lanes = []  # [part][vector]: the tile's row 2 word + part
+            for part in range(2):
+                tile_row = builder.add(builder.mul(word.index, _llvm.Constant(half.type, 2)),
+                                       _llvm.Constant(half.type, part))
+                start = builder.mul(tile_row, tile_pitch)
+                lanes.append([_load_lanes(builder, tile_data, builder.add(start, _llvm.Constant(
+                    start.type, 4 * _LANES * vector)), _FLOATS) for vector in range(_TILE_VECTORS)])
+            for j in range(count):
+                even_number, odd_number = (_splat(builder, builder.load(builder.gep(numbers[part][j], [word.index])))
+                                           for part in range(2))
+                for vector in range(_TILE_VECTORS):
+                    total = _multiply_add(builder, even_number, lanes[0][vector], builder.load(sums[j][vector]))
+                    builder.store(_multiply_add(builder, odd_number, lanes[1][vector], total), sums[j][vector])
+        for j, query in enumerate(queries):
+            address = _row_address(context, builder, out_type, out, query)
+            for vector in range(_TILE_VECTORS):
+                at = builder.mul(builder.add(column, _llvm.Constant(column.type, _LANES * vector)),
+                                 _llvm.Constant(column.type, 4))  # bytes into the row of out
+                builder.store(builder.load(sums[j][vector]),
+                              builder.bitcast(builder.gep(address, [at]), _FLOATS.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return codegen
+
+
+def _tile_scores_of(count: int):
+    """An intrinsic: out[first + j, column + i] = the fp32 score of the tile's key i (``_key_tile_bf16``) against
+    query first + j of ``even``/``odd`` [nq, dh/2], i < TILE_KEYS, j < ``count``; tile [dh, TILE_KEYS] fp32,
+    rows contiguous."""
+
+    def typer(typingctx, tile, even, odd, first, out, column):
+        if not (_rows_of(tile, numba.types.float32) and _rows_of(even, numba.types.float32)
+                and _rows_of(odd, numba.types.float32) and _rows_of(out, numba.types.float32)):
+            return None
+        return numba.types.none(tile, even, odd, first, out, column), _tile_scores_codegen(count)
+
+    return _intrinsic(typer)
+
+
+_tile_scores_one, _tile_scores_two = (_tile_scores_of(count) for count in (1, 2))
 
 
 @_intrinsic
