@@ -797,6 +797,28 @@ def test_many_queries_score_a_query_alike_wherever_it_sits_among_them(n):
     assert torch.equal(ids.gather(2, order)[:, 5], ids.gather(2, order)[:, 0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("queries_per_head", [1, 9])
+def test_the_compiled_scan_starts_again_where_its_sampled_floor_was_too_high(dtype, queries_per_head):
+    """The scan's thresholds start at a floor from a sample of the keys; keys where only the sampled ones score
+    (the others far below) leave fewer than k at or above it, and the scan goes again from -inf for them."""
+    n, k = 8192, 100
+    spread = 1024  # compiled_loops.SCAN_SAMPLE_KEYS, at most n // 4
+    sampled = [((2 * i + 1) * n) // (2 * spread) for i in range(spread)]
+    keys = torch.zeros(2, n, 16)
+    keys[:, :, 0] = -1000.0
+    keys[:, sampled, 0] = (torch.arange(spread, dtype=torch.float32) - 768).clamp(min=-500)  # the last 256: 0-255
+    keys = keys.to(dtype)
+    queries = torch.zeros(2, queries_per_head, 16)
+    queries[:, :, 0] = 1.0
+    scores, ids = compiled.select(keys, queries, k)
+    best = torch.tensor(sampled[-k:])
+    assert torch.equal(ids.sort(dim=2).values, best.expand(2, queries_per_head, k))
+    assert torch.equal(scores.sort(dim=2).values, keys[:, best, 0].float().unsqueeze(1).expand(-1, queries_per_head, -1))
+    no_floor = compiled.select(keys[:, :200], queries, k)[1]  # too few keys to sample: from -inf at once
+    assert no_floor.shape == (2, queries_per_head, k) and (no_floor < 200).all()
+
+
 @pytest.mark.parametrize("k", [1, 9, 700])
 def test_the_compiled_scan_keeps_the_top_k_when_every_cut_misjudges(k):
     """Scores that grow along the store (every block beats the running floor: a cut at every block), and scores

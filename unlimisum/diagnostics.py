@@ -122,10 +122,10 @@ def _remove(paths: list[Path]) -> tuple[int, int]:
     return removed, freed
 
 
-# the modules of unlimisum/search whose functions numba compiles and caches (jit.py's decorations): compiled_loops.py
-# and top_k_loops.py today; compiled.py held them before the search became one unit, and a cache home may still
-# keep those
-KERNEL_MODULES = ("compiled", "compiled_loops", "top_k_loops")
+# the modules of unlimisum/search whose functions numba compiles and caches (jit.py's decorations): compiled_loops.py,
+# score_loops.py and top_k_loops.py today; compiled.py held them before the search became one unit, and a cache
+# home may still keep those
+KERNEL_MODULES = ("compiled", "compiled_loops", "score_loops", "top_k_loops")
 
 
 def _kernel_files(folder: Path) -> list[Path]:

@@ -11,7 +11,8 @@ never each other.
   layer's own keys (``kernel_for``, ``head_attend``, ``head_retrieve``).
 - ``compiled.py``: the numba kernels' public functions (``select``, ``select_grouped``, ``weighted_sum``,
   ``attend_dense``...), compiled once per machine (``ready``, ``warm``, ``wait_ready``); their loops live in
-  ``compiled_loops.py``, the few LLVM instructions numba does not emit on its own in ``llvm.py``.
+  ``compiled_loops.py`` (the scores of keys in ``score_loops.py``), the few LLVM instructions numba does not emit
+  on its own in ``llvm.py``.
 
 The methods use these modules' public names only (no leading underscore): tests/test_layout.py checks it.
 """

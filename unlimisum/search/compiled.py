@@ -36,7 +36,8 @@ Every loop that reads rows one after another asks for the rows ``llvm.PREFETCH_B
 some cores' own prefetchers keep too few reads in flight to stream at the memory's speed while they compute.
 
 This module holds what each kernel computes (its public function) and which run here; their loops are in
-compiled_loops.py, the instructions numba would not emit in llvm.py, how they are compiled and cached in jit.py.
+compiled_loops.py (their scores in score_loops.py), the instructions numba would not emit in llvm.py, how they
+are compiled and cached in jit.py.
 
 Every score and sum is fp32 arithmetic on the stored numbers, widened exactly (the ``float32`` kernels'
 numbers, summed in another order: within fp32 rounding of them); ties at the k-th score are broken arbitrarily,

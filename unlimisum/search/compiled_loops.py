@@ -1,7 +1,7 @@
 """The loops of the compiled kernels (numba): each kernel's loop for bfloat16 and for fp32 numbers, and the
 drivers that spread them over threads (``numba.prange``): one call for all heads, queries or blocks of states.
-compiled.py says what each kernel computes and calls the drivers; llvm.py has the instructions numba would not
-emit; jit.py how they are compiled and cached.
+The scores they take of blocks of keys come from score_loops.py. compiled.py says what each kernel computes and
+calls the drivers; llvm.py has the instructions numba would not emit; jit.py how they are compiled and cached.
 """
 
 from __future__ import annotations
@@ -15,12 +15,10 @@ from unlimisum.search.jit import CACHED as _CACHED
 from unlimisum.search.jit import FAST as _FAST
 from unlimisum.search.jit import kernel as _compile
 from unlimisum.search.jit import parallel_kernel as _compile_parallel
-from unlimisum.search.llvm import (_LANES, _ONE, _SHIFT, _UPPER, _above, _as_float, _dot_four_bf16, _dot_four_f32,
-    _dot_three_bf16, _dot_three_f32, _dot_two_bf16, _dot_two_f32, _largest, _lowest_bit, _pair_four_bf16,
-    _pair_four_f32, _pair_three_bf16, _pair_three_f32, _pair_two_bf16, _pair_two_f32, _prefetch, _prefetch_row,
-    _quad_one_bf16, _sum_four, _sum_one, _sum_three, _sum_two, TILE_KEYS, _key_tile_bf16, _tile_scores_one,
-    _tile_scores_two)
-from unlimisum.search.top_k_loops import _k_largest, _largest_first
+from unlimisum.search.llvm import (_LANES, _ONE, _SHIFT, _UPPER, _above, _as_float, _largest, _lowest_bit, _prefetch,
+    _prefetch_row, _sum_four, _sum_one, _sum_three, _sum_two)
+from unlimisum.search.score_loops import _scores_bf16, _scores_f32
+from unlimisum.search.top_k_loops import SAMPLE_MIN, _k_largest, _largest_first, _sampled_floor
 
 BLOCK_ROWS = 1024  # rows scored before their scores are filtered: every query's block of scores stays in L1
 # rows of values summed at a time, 8 numbers of each row after another: a tile's rows stay in L1 between them
@@ -29,56 +27,16 @@ SUM_TILE_ROWS = 32
 # states per block of the blocked sums: the sums of a thread's queries meet each block's states while they are in
 # cache (measured at 16k states, 192-384 queries of 1,024: 512 states 6.3/9.7 ms, 1,024 5.7/9.3, 4,096 6.0/10.0)
 SUM_BLOCK_SHIFT = 10
-# queries from which bfloat16 keys are scored with the keys in the lanes (``_scores_tiled_bf16``; measured 0.8x
-# for 4 queries, 1.17x for 8)
-TILED_MIN_QUERIES = 8
+# keys a scan scores first, evenly apart, for a floor that each query's k best reach (as the compiled top-k's
+# sample): its candidates are then about 1.5 k, not the k ln(n / k) a threshold rising from -inf lets through,
+# with a cut at every 2 k (the scan of 100k keys for 128 queries a head spent as long keeping as scoring) ...
+SCAN_SAMPLE_KEYS = 1_024
+# ... at a rank this many deviations above the sample's expected count among the k best: a floor too high, which
+# costs a second pass, about once in 3.5 million queries
+SCAN_SAMPLE_DEVIATIONS = 5.0
 GATHER_AHEAD = 16  # ids ahead whose rows a gathered sum asks for (``_prefetch_row``) while it adds the ones before
 
 jit.begin_decorations()
-
-
-@numba.njit(nogil=True, cache=_CACHED, inline="always")
-def _dot_bf16(words, row, even, odd, first, count, out):
-    """``_dot_bf16_of(count, 1)`` for a count of 2, 3 or 4 (so that one loop serves them)."""
-    if count == 4:
-        _dot_four_bf16(words, row, even, odd, first, out)
-    elif count == 3:
-        _dot_three_bf16(words, row, even, odd, first, out)
-    else:
-        _dot_two_bf16(words, row, even, odd, first, out)
-
-
-@numba.njit(nogil=True, cache=_CACHED, inline="always")
-def _pair_bf16(words, row, even, odd, first, count, out):
-    """``_dot_bf16_of(count, 2)``: keys row and row + 1."""
-    if count == 4:
-        _pair_four_bf16(words, row, even, odd, first, out)
-    elif count == 3:
-        _pair_three_bf16(words, row, even, odd, first, out)
-    else:
-        _pair_two_bf16(words, row, even, odd, first, out)
-
-
-@numba.njit(nogil=True, cache=_CACHED, inline="always")
-def _dot_f32(keys, row, queries, first, count, out):
-    """``_dot_f32_of(count, 1)`` for a count of 2, 3 or 4."""
-    if count == 4:
-        _dot_four_f32(keys, row, queries, first, out)
-    elif count == 3:
-        _dot_three_f32(keys, row, queries, first, out)
-    else:
-        _dot_two_f32(keys, row, queries, first, out)
-
-
-@numba.njit(nogil=True, cache=_CACHED, inline="always")
-def _pair_f32(keys, row, queries, first, count, out):
-    """``_dot_f32_of(count, 2)``: keys row and row + 1."""
-    if count == 4:
-        _pair_four_f32(keys, row, queries, first, out)
-    elif count == 3:
-        _pair_three_f32(keys, row, queries, first, out)
-    else:
-        _pair_two_f32(keys, row, queries, first, out)
 
 
 @numba.njit(nogil=True, cache=_CACHED, inline="always")
@@ -164,134 +122,6 @@ def _finish(kept, kept_ids, held, k, out_scores, out_ids):
 
 
 @numba.njit(nogil=True, cache=_CACHED, inline="always")
-def _tile_scores(tile, even, odd, first, count, out, column):
-    """``_tile_scores_of(count)`` for a count of 1 or 2."""
-    if count == 2:
-        _tile_scores_two(tile, even, odd, first, out, column)
-    else:
-        _tile_scores_one(tile, even, odd, first, out, column)
-
-
-@numba.njit(nogil=True, cache=_CACHED, inline="always")
-def _scores_tiled_bf16(words, even, odd, out):
-    """``_scores_bf16`` with the keys in the lanes: each tile of TILE_KEYS keys transposed once, then met by
-    every query, two at a time; the last keys in a tile of their own padded with zeros (dh/2 a multiple of 8)."""
-    n, half = words.shape
-    queries = even.shape[0]
-    tile = np.empty((2 * half, TILE_KEYS), np.float32)
-    whole = n - n % TILE_KEYS
-    for r in range(0, whole, TILE_KEYS):
-        _prefetch(words, r, TILE_KEYS)
-        _key_tile_bf16(words, r, tile)
-        for first in range(0, queries, 2):
-            _tile_scores(tile, even, odd, first, min(2, queries - first), out, r)
-    if whole < n:
-        padded = np.zeros((TILE_KEYS, half), np.uint32)
-        for r in range(whole, n):
-            for d in range(half):
-                padded[r - whole, d] = words[r, d]
-        last = np.empty((queries, TILE_KEYS), np.float32)
-        _key_tile_bf16(padded, 0, tile)
-        for first in range(0, queries, 2):
-            _tile_scores(tile, even, odd, first, min(2, queries - first), last, 0)
-        for q in range(queries):
-            for r in range(whole, n):
-                out[q, r] = last[q, r - whole]
-
-
-@_compile
-def _scores_bf16(words, even, odd, out):
-    """out [nq, n] = fp32 scores of queries (``even``/``odd`` [nq, dh/2] dimensions) against bfloat16 keys
-    ``words`` [n, dh/2] uint32 (two keys' numbers a word: the even one in the lower half). Each score is the same
-    sum wherever its query sits among the others."""
-    n, half = words.shape
-    queries = even.shape[0]
-    if half % _LANES == 0 and queries >= TILED_MIN_QUERIES:
-        _scores_tiled_bf16(words, even, odd, out)
-        return
-    first = 0
-    # in explicit vectors four at a time, then the two or three after the last four (a group of 7: 4 + 3), or the
-    # one after them against four keys at a time
-    while half % _LANES == 0 and queries - first >= 2:
-        count = min(4, queries - first)
-        for r in range(0, n - 1, 2):  # two keys at a time: each query's lanes loaded once for both
-            if first == 0:  # later queries find the block in cache
-                _prefetch(words, r, 2)
-            _pair_bf16(words, r, even, odd, first, count, out)
-        if n % 2:
-            _dot_bf16(words, n - 1, even, odd, first, count, out)
-        first += count
-    # one query (a greedy step's): four keys at a time (measured 1.26x at 16k keys, as fast at 300k, where memory
-    # bounds it; for fp32 keys 0.8x: those keep the loop numba writes)
-    if half % _LANES == 0 and queries - first == 1:
-        for r in range(0, n - 3, 4):
-            if first == 0:
-                _prefetch(words, r, 4)
-            _quad_one_bf16(words, r, even, odd, first, out)
-        for r in range(n - n % 4, n):
-            total = np.float32(0.0)
-            for d in range(half):
-                word = words[r, d]
-                total += _as_float(word << _SHIFT) * even[first, d] + _as_float(word & _UPPER) * odd[first, d]
-            out[first, r] = total
-        first += 1
-    while first + 4 <= queries:  # four queries at a time: each word widened once for the four
-        for r in range(n):
-            if first == 0:
-                _prefetch(words, r, 1)
-            t0 = np.float32(0.0)
-            t1 = np.float32(0.0)
-            t2 = np.float32(0.0)
-            t3 = np.float32(0.0)
-            for d in range(half):
-                word = words[r, d]
-                low = _as_float(word << _SHIFT)
-                high = _as_float(word & _UPPER)
-                t0 += low * even[first, d] + high * odd[first, d]
-                t1 += low * even[first + 1, d] + high * odd[first + 1, d]
-                t2 += low * even[first + 2, d] + high * odd[first + 2, d]
-                t3 += low * even[first + 3, d] + high * odd[first + 3, d]
-            out[first, r] = t0
-            out[first + 1, r] = t1
-            out[first + 2, r] = t2
-            out[first + 3, r] = t3
-        first += 4
-    for q in range(first, queries):
-        for r in range(n):
-            if q == 0:
-                _prefetch(words, r, 1)
-            total = np.float32(0.0)
-            for d in range(half):
-                word = words[r, d]
-                total += _as_float(word << _SHIFT) * even[q, d] + _as_float(word & _UPPER) * odd[q, d]
-            out[q, r] = total
-
-
-@_compile
-def _scores_f32(keys, queries, out):
-    """out [nq, n] = fp32 scores of queries [nq, dh] against fp32 keys [n, dh]."""
-    n, dim = keys.shape
-    first = 0
-    while dim % _LANES == 0 and queries.shape[0] - first >= 2:  # as ``_scores_bf16``: 4, then 2 or 3
-        count = min(4, queries.shape[0] - first)
-        for r in range(0, n - 1, 2):
-            if first == 0:
-                _prefetch(keys, r, 2)
-            _pair_f32(keys, r, queries, first, count, out)
-        if n % 2:
-            _dot_f32(keys, n - 1, queries, first, count, out)
-        first += count
-    for q in range(first, queries.shape[0]):
-        for r in range(n):
-            if q == 0:
-                _prefetch(keys, r, 1)
-            total = np.float32(0.0)
-            for d in range(dim):
-                total += keys[r, d] * queries[q, d]
-            out[q, r] = total
-
-
-@numba.njit(nogil=True, cache=_CACHED, inline="always")
 def _candidates(queries, k):
     """A block's scores [nq, BLOCK_ROWS], the candidates and their ids [nq, 2 k + BLOCK_ROWS], how many each
     query holds, and each query's threshold (none yet)."""
@@ -300,27 +130,113 @@ def _candidates(queries, k):
             np.full(queries, -np.inf, np.float32))
 
 
-@_compile
-def _select_bf16(words, even, odd, k, out_scores, out_ids):
-    """out_scores/out_ids [nq, k] = each query's k best bfloat16 keys (``_scores_bf16``'s layout), no order."""
+@numba.njit(nogil=True, cache=_CACHED, inline="always")
+def _scan_sample(n, k):
+    """(keys a scan of n keys for each query's k best samples first, the rank among their scores of its floor):
+    (0, 0) where too few keys, or a floor that would keep half of them."""
+    spread = min(SCAN_SAMPLE_KEYS, n // 4)
+    if spread < SAMPLE_MIN:
+        return 0, 0
+    expected = spread * k / n  # about Poisson: the sampled keys among a query's k best
+    rank = min(spread, int(np.ceil(expected + SCAN_SAMPLE_DEVIATIONS * np.sqrt(expected))) + 2)
+    if 2 * rank > spread:
+        return 0, 0
+    return spread, rank
+
+
+@numba.njit(nogil=True, cache=_CACHED, inline="always")
+def _sampled_rows(rows, spread):
+    """rows (2 i + 1) n // (2 spread) of rows [n, w], i < spread: evenly apart, in a [spread, w] copy."""
+    n, width = rows.shape
+    sample = np.empty((spread, width), rows.dtype)
+    for i in range(spread):
+        row = ((2 * i + 1) * n) // (2 * spread)
+        for d in range(width):
+            sample[i, d] = rows[row, d]
+    return sample
+
+
+@numba.njit(nogil=True, cache=_CACHED, inline="always")
+def _sampled_floors(sampled, rank, threshold):
+    """Each query's threshold (its candidates: the scores above it) just below its floor from ``sampled`` [nq,
+    spread] (``top_k_loops._sampled_floor``: at least ``rank`` of them reach it); -> those floors, -inf where
+    the sample gave none."""
+    queries, spread = sampled.shape
+    floors = np.full(queries, -np.inf, np.float32)
+    for q in range(queries):
+        floor = _sampled_floor(sampled[q], spread, rank)
+        if floor > -np.inf:
+            floors[q] = floor
+            threshold[q] = np.nextafter(floor, np.float32(-np.inf))  # a score equal to the floor is kept
+    return floors
+
+
+@numba.njit(nogil=True, cache=_CACHED, inline="always")
+def _misjudged(floors, held, threshold, k):
+    """Whether a sampled floor left a query fewer than k candidates (its k best may lie below it): those start
+    again from -inf, every other query's threshold goes to +inf (it holds its own)."""
+    again = False
+    for q in range(held.shape[0]):
+        if floors[q] > -np.inf and held[q] < k:
+            held[q] = 0
+            threshold[q] = -np.inf
+            again = True
+        else:
+            threshold[q] = np.inf
+    return again
+
+
+@numba.njit(nogil=True, cache=_CACHED, inline="always")
+def _blocks_bf16(words, even, odd, k, block, kept, kept_ids, held, threshold):
     n = words.shape[0]
-    block, kept, kept_ids, held, threshold = _candidates(even.shape[0], k)
     for start in range(0, n, BLOCK_ROWS):
         count = min(BLOCK_ROWS, n - start)
         _scores_bf16(words[start:start + count], even, odd, block[:, :count])
         _keep(block, start, count, kept, kept_ids, held, threshold, k)
+
+
+@numba.njit(nogil=True, cache=_CACHED, inline="always")
+def _blocks_f32(keys, queries, k, block, kept, kept_ids, held, threshold):
+    n = keys.shape[0]
+    for start in range(0, n, BLOCK_ROWS):
+        count = min(BLOCK_ROWS, n - start)
+        _scores_f32(keys[start:start + count], queries, block[:, :count])
+        _keep(block, start, count, kept, kept_ids, held, threshold, k)
+
+
+@_compile
+def _select_bf16(words, even, odd, k, out_scores, out_ids):
+    """out_scores/out_ids [nq, k] = each query's k best bfloat16 keys (``_scores_bf16``'s layout), no order: the
+    thresholds start at a floor from a sample of the keys (``_scan_sample``), the blocks are scored and kept, and
+    the few queries the sample misjudged are scanned again from -inf."""
+    queries = even.shape[0]
+    block, kept, kept_ids, held, threshold = _candidates(queries, k)
+    spread, rank = _scan_sample(words.shape[0], k)
+    floors = np.full(queries, -np.inf, np.float32)
+    if spread:
+        sampled = np.empty((queries, spread), np.float32)
+        _scores_bf16(_sampled_rows(words, spread), even, odd, sampled)
+        floors = _sampled_floors(sampled, rank, threshold)
+    _blocks_bf16(words, even, odd, k, block, kept, kept_ids, held, threshold)
+    if _misjudged(floors, held, threshold, k):
+        _blocks_bf16(words, even, odd, k, block, kept, kept_ids, held, threshold)
     _finish(kept, kept_ids, held, k, out_scores, out_ids)
 
 
 @_compile
 def _select_f32(keys, queries, k, out_scores, out_ids):
     """``_select_bf16`` for fp32 keys [n, dh]."""
-    n = keys.shape[0]
-    block, kept, kept_ids, held, threshold = _candidates(queries.shape[0], k)
-    for start in range(0, n, BLOCK_ROWS):
-        count = min(BLOCK_ROWS, n - start)
-        _scores_f32(keys[start:start + count], queries, block[:, :count])
-        _keep(block, start, count, kept, kept_ids, held, threshold, k)
+    nq = queries.shape[0]
+    block, kept, kept_ids, held, threshold = _candidates(nq, k)
+    spread, rank = _scan_sample(keys.shape[0], k)
+    floors = np.full(nq, -np.inf, np.float32)
+    if spread:
+        sampled = np.empty((nq, spread), np.float32)
+        _scores_f32(_sampled_rows(keys, spread), queries, sampled)
+        floors = _sampled_floors(sampled, rank, threshold)
+    _blocks_f32(keys, queries, k, block, kept, kept_ids, held, threshold)
+    if _misjudged(floors, held, threshold, k):
+        _blocks_f32(keys, queries, k, block, kept, kept_ids, held, threshold)
     _finish(kept, kept_ids, held, k, out_scores, out_ids)
 
 # --- the grouped select (decoder-only generation, grouped-query attention): the g query heads that share a

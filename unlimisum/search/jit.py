@@ -3,7 +3,7 @@ keeps their machine code.
 
 numba chooses where a function's cache lives when the function is decorated (``numba.config.CACHE_DIR`` then):
 ``begin_decorations`` sets ours, a folder under kernels/ of unlimisum's cache home (never the installed package,
-which may be read-only or shared), for compiled_loops.py's and top_k_loops.py's decorations only, and
+which may be read-only or shared), for compiled_loops.py's, score_loops.py's and top_k_loops.py's decorations only, and
 ``end_decorations`` gives the setting back, so other numba code in the process keeps its own. Where the folder
 cannot be written the kernels are not cached at all (numba would fall back to the package) and every process
 compiles them again.
