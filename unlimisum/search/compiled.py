@@ -325,9 +325,9 @@ SCORES_KERNELS = ("top_k",)  # read fp32 scores whatever the store holds: ready 
 # seconds each kernel took to compile from an empty cache (one dtype; a 2-core EPYC Zen 4 at 2.6 GHz, numba 0.68),
 # for the estimate the display shows while a first run waits for them (select and scores share one driver: the
 # first of the two takes the time); loading a compiled one takes ~0.1 s
-# (the scores with the keys in the lanes made select, select_grouped and attend_dense 1.28x, 1.18x and 1.13x as long
-# to compile on an EPYC Zen 2: 8.2 -> 10.5 s, 6.7 -> 7.9 s, 8.4 -> 9.5 s)
-COMPILE_SECONDS = {"select": 8.3, "select_grouped": 5.3, "scores": 0.5, "weighted_sum": 3.5, "dense_sum": 1.7,
+# (the scores with the keys in the lanes and the scan's sampled floor made select, select_grouped and attend_dense
+# 1.55x, 1.19x and 1.14x as long to compile on an EPYC Zen 2: 8.2 -> 12.7 s, 6.7 -> 8.0 s, 8.3 -> 9.5 s)
+COMPILE_SECONDS = {"select": 10.1, "select_grouped": 5.3, "scores": 0.5, "weighted_sum": 3.5, "dense_sum": 1.7,
                    "head_dense_sum": 1.5, "attend_dense": 10.7, "top_k": 6.8}
 
 # warm's thread loads kernels compiled before in about 0.5 s (all seven and numba's import, EPYC Zen 2): one that

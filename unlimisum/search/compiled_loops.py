@@ -215,11 +215,12 @@ def _select_bf16(words, even, odd, k, out_scores, out_ids):
     floors = np.full(queries, -np.inf, np.float32)
     if spread:
         sampled = np.empty((queries, spread), np.float32)
-        _scores_bf16(_sampled_rows(words, spread), even, odd, sampled)
+        _scores_bf16(_sampled_rows(words, spread), even, odd, sampled[:, :spread])  # as the blocks' (one compile)
         floors = _sampled_floors(sampled, rank, threshold)
-    _blocks_bf16(words, even, odd, k, block, kept, kept_ids, held, threshold)
-    if _misjudged(floors, held, threshold, k):
+    for again in range(2):  # again only where the sample misjudged a query (one call: its code compiled once)
         _blocks_bf16(words, even, odd, k, block, kept, kept_ids, held, threshold)
+        if again or not _misjudged(floors, held, threshold, k):
+            break
     _finish(kept, kept_ids, held, k, out_scores, out_ids)
 
 
@@ -232,11 +233,12 @@ def _select_f32(keys, queries, k, out_scores, out_ids):
     floors = np.full(nq, -np.inf, np.float32)
     if spread:
         sampled = np.empty((nq, spread), np.float32)
-        _scores_f32(_sampled_rows(keys, spread), queries, sampled)
+        _scores_f32(_sampled_rows(keys, spread), queries, sampled[:, :spread])
         floors = _sampled_floors(sampled, rank, threshold)
-    _blocks_f32(keys, queries, k, block, kept, kept_ids, held, threshold)
-    if _misjudged(floors, held, threshold, k):
+    for again in range(2):  # again only where the sample misjudged a query (one call: its code compiled once)
         _blocks_f32(keys, queries, k, block, kept, kept_ids, held, threshold)
+        if again or not _misjudged(floors, held, threshold, k):
+            break
     _finish(kept, kept_ids, held, k, out_scores, out_ids)
 
 # --- the grouped select (decoder-only generation, grouped-query attention): the g query heads that share a
