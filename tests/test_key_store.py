@@ -814,7 +814,8 @@ def test_the_compiled_scan_starts_again_where_its_sampled_floor_was_too_high(dty
     scores, ids = compiled.select(keys, queries, k)
     best = torch.tensor(sampled[-k:])
     assert torch.equal(ids.sort(dim=2).values, best.expand(2, queries_per_head, k))
-    assert torch.equal(scores.sort(dim=2).values, keys[:, best, 0].float().unsqueeze(1).expand(-1, queries_per_head, -1))
+    best_scores = keys[:, best, 0].float().unsqueeze(1)  # [2, 1, k]
+    assert torch.equal(scores.sort(dim=2).values, best_scores.expand(-1, queries_per_head, -1))
     no_floor = compiled.select(keys[:, :200], queries, k)[1]  # too few keys to sample: from -inf at once
     assert no_floor.shape == (2, queries_per_head, k) and (no_floor < 200).all()
 

@@ -1,5 +1,5 @@
-"""The LLVM instructions the compiled loops (compiled_loops.py, score_loops.py) use that numba does not emit from Python code,
-each a numba intrinsic written in LLVM IR, each with why:
+"""The LLVM instructions the compiled loops (compiled_loops.py, score_loops.py) use that numba does not emit from
+Python code, each a numba intrinsic written in LLVM IR, each with why:
 
 - ``_as_float``: an fp32 number from the bits of a uint32 (a bfloat16 number widened is its bits shifted):
   nopython mode has no scalar bit cast (``np.float32(bits)`` converts the value);
