@@ -28,10 +28,11 @@ weights in float32 and bfloat16 (``--dtypes``). Writes bench/results/evidence_su
 With ``--real``, instead: what the evidence pass and its support (each sentence read again with its passages
 hidden) cost at real sizes, against generate() on the same store (greedy: the reading recorded while
 generating, whose cost is generation with recording against without; beams: the summary read again):
-bart-base and bart-large shapes (random weights), exact stores of ``--tokens`` synthetic states, summaries forced to ``--new-tokens`` (default 64), greedy
-and 4 beams. The summary is cut into sentences of 16 tokens, each with three 33-token passages, as the pass finds
-them. The store is built directly (encoding costs the same with any weights: bench/time_to_summary.py has it).
-Writes bench/results/evidence_real.json (``--name``: another name).
+bart-base and bart-large shapes (random weights in ``--dtype``, float32 unless asked), exact stores of ``--tokens``
+synthetic states, summaries forced to ``--new-tokens`` (default 64), greedy and 4 beams. The summary is cut into
+sentences of 16 tokens, each with three 33-token passages, as the pass finds them. The store is built directly
+(encoding costs the same with any weights: bench/time_to_summary.py has it). Writes bench/results/evidence_real.json
+(``--name``: another name).
 
 Writes bench/results/evidence.json.
 """
@@ -146,12 +147,14 @@ def decoder_only_cost(n_tokens: int, layers: int, trials: int = 2) -> list[dict]
 
 
 def real_cost(sizes: list[str], n_values: list[int], new_tokens: int, beams: list[int], seed: int = 0,
-              key_stores: tuple[str, ...] = ("shared",)) -> list[dict]:
+              key_stores: tuple[str, ...] = ("shared",), dtype: str = "float32") -> list[dict]:
     """generate(), the evidence pass and its support, in seconds, per model size, store size, key store (the
-    shared store, or per-layer keys built from it as the encoder builds them) and beam count."""
+    shared store, or per-layer keys built from it as the encoder builds them) and beam count, with the weights in
+    ``dtype`` (``auto``: what ``--dtype auto`` chooses on this CPU)."""
     from bench.common import random_model
     from bench.index_choice import synthetic_store
     from unlimisum.evidence import Source
+    from unlimisum.models.loading import resolve_dtype
     from unlimisum.search.keys import build_key_store, key_weights, value_weights
     from unlimisum.unlimiformer.reread import SummaryReader, end_tokens, returned_length, supports_of
 
@@ -159,6 +162,7 @@ def real_cost(sizes: list[str], n_values: list[int], new_tokens: int, beams: lis
     rng = random.Random(seed)
     for size in sizes:
         loaded = random_model(size)
+        loaded.model.to(resolve_dtype(dtype, torch.device("cpu")))
         d = loaded.model.config.d_model
         for n, key_store in [(n, kind) for n in n_values for kind in key_stores]:
             store = synthetic_store(n, d, IndexConfig(kind="exact", device="cpu"))
@@ -188,14 +192,15 @@ def real_cost(sizes: list[str], n_values: list[int], new_tokens: int, beams: lis
                         hidden.append((rows_, [Source(0, "", 0, 1, 1 / 3, "", peak - 16, peak + 17) for peak in peaks]))
                     supports_of(reader, reading, store, hidden)  # as a summary's, all at once
                 finished = time.perf_counter()
-                row = dict(size=size, n_tokens=n, key_store=key_store, num_beams=num_beams, new_tokens=len(ids) - 1,
+                row = dict(size=size, dtype=str(loaded.dtype).removeprefix("torch."), n_tokens=n, key_store=key_store,
+                           num_beams=num_beams, new_tokens=len(ids) - 1,
                            generate_seconds=run.seconds, plain_generate_seconds=plain.seconds,
                            recorded=run.recorder is not None, evidence_seconds=read - started,
                            support_seconds=finished - read, sentences=len(sentences))
                 row["evidence_share"] = row["evidence_seconds"] / row["generate_seconds"]
                 row["with_support_share"] = (row["evidence_seconds"] + row["support_seconds"]) / row["generate_seconds"]
-                print(f"  {size} N={n:,} {key_store} beams={num_beams}: generate {run.seconds:.1f}s (without recording "
-                      f"{plain.seconds:.1f}s), evidence "
+                print(f"  {size} {row['dtype']} N={n:,} {key_store} beams={num_beams}: generate {run.seconds:.1f}s "
+                      f"(without recording {plain.seconds:.1f}s), evidence "
                       f"{row['evidence_seconds']:.2f}s ({row['evidence_share']:.1%}), support "
                       f"{row['support_seconds']:.2f}s (with it {row['with_support_share']:.1%})", flush=True)
                 rows.append(row)
@@ -285,7 +290,8 @@ def report_real(result: dict) -> None:
           f"exact store, {result['threads']} threads):")
     print_table(["model", "tokens", "store", "beams", "generate s", "without recording s", "evidence s",
                  "evidence / generate", "support s", "both / generate"],
-                [[row["size"], f"{row['n_tokens']:,}", row.get("key_store", "shared"), row["num_beams"],
+                [[f"{row['size']} {row.get('dtype', 'float32')}", f"{row['n_tokens']:,}", row.get("key_store", "shared"),
+                  row["num_beams"],
                   f"{row['generate_seconds']:.1f}",
                   f"{row['plain_generate_seconds']:.1f}" if row["recorded"] else "-",
                   f"{row['evidence_seconds']:.2f}" + (" (recorded)" if row["recorded"] else ""),
@@ -346,6 +352,8 @@ def main(argv=None) -> None:
     parser.add_argument("--key-stores", default="shared,per-layer",
                         help="stores of --real: shared (the encoded states), per-layer (keys built from them) and/or "
                              "per-layer+values (each layer's values too, summed at top-k steps)")
+    parser.add_argument("--dtype", default="float32",
+                        help="the weights of --real: float32, bfloat16 or auto (what --dtype auto chooses here)")
     parser.add_argument("--name", default=None, help="the result file's name (bench/results/NAME.json)")
     parser.add_argument("--support", action="store_true",
                         help="instead: support against a random control on the needle, by hiding and by removal "
@@ -370,7 +378,7 @@ def main(argv=None) -> None:
         started = time.perf_counter()
         result = dict(rows=real_cost(args.sizes.split(","), [int(n) for n in args.tokens.split(",")], args.new_tokens,
                                      [int(b) for b in args.beams.split(",")],
-                                     key_stores=tuple(args.key_stores.split(","))),
+                                     key_stores=tuple(args.key_stores.split(",")), dtype=args.dtype),
                       new_tokens=args.new_tokens, threads=threads)
         result["seconds"] = time.perf_counter() - started
         report_real(result)
