@@ -25,7 +25,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import time
+from typing import Iterator
 
 import torch
 
@@ -49,14 +51,36 @@ def exact_store(states: torch.Tensor, device: str = "cpu"):
     return builder.finish()
 
 
+@contextlib.contextmanager
+def step_clock(model: torch.nn.Module) -> Iterator[list[float]]:
+    """The time each forward of ``model``'s decoder starts, within the block: one a step of generate() (all its
+    beams at once), so that a step's time is the gap to the next one's start (``steady_step``)."""
+    starts: list[float] = []
+    hook = model.get_decoder().register_forward_pre_hook(lambda module, args: starts.append(time.perf_counter()))
+    try:
+        yield starts
+    finally:
+        hook.remove()
+
+
+def steady_step(starts: list[float]) -> float:
+    """The median seconds of a step after the first, from ``step_clock``'s starts: every step but the first and
+    the last (whose end no later start marks). A median, not a mean: a moment the machine was busy elsewhere
+    lands on one step, and a total over several steps (or a difference of two totals) would keep it."""
+    gaps = [later - earlier for earlier, later in zip(starts[1:], starts[2:])]
+    if not gaps:
+        raise ValueError(f"{len(starts)} steps timed: a step after the first needs 3")
+    return statistics.median(gaps)
+
+
 def truncated_seconds_per_token(loaded, states: torch.Tensor, new_tokens: int, beams: int = 1,
                                 measured_projections: bool = False, steady: bool = False) -> float:
     """generate() with ordinary cross-attention over the first BASELINE_WINDOW states: seconds per token.
     ``measured_projections``: the decoder's linear layers in the form unlimisum measured faster
-    (unlimisum/models/projections.py, as its own steps run them), else transformers' own. ``steady``: a step
-    after the first, (T(2 new_tokens) - T(new_tokens)) / new_tokens: the first step also projects the window's
-    keys and values for every beam (4 beams x 1,024 states x 6 layers of bart-base: about half a second on 2
-    cores), a one-time cost that would weigh on every step of a short run."""
+    (unlimisum/models/projections.py, as its own steps run them), else transformers' own. ``steady``: the median
+    step after the first (``steady_step``): the first step also projects the window's keys and values for every
+    beam (4 beams x 1,024 states x 6 layers of bart-base: about half a second on 2 cores), a one-time cost that
+    would weigh on every step of a short run."""
     model = loaded.model
     window = states[:BASELINE_WINDOW].to(loaded.device, loaded.dtype).unsqueeze(0)  # [1, W, d] as the model reads
     if measured_projections:
@@ -72,7 +96,9 @@ def truncated_seconds_per_token(loaded, states: torch.Tensor, new_tokens: int, b
     with torch.inference_mode(), faster:
         generate(2)
         if steady:
-            return (generate(2 * new_tokens) - generate(new_tokens)) / new_tokens
+            with step_clock(model) as starts:
+                generate(new_tokens)
+            return steady_step(starts)
         return generate(new_tokens) / new_tokens
 
 

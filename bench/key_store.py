@@ -16,13 +16,16 @@ In the same process:
   just before and just after each row's generation; a row's floor uses the better of its two (a shared machine's
   bandwidth moves by half from minute to minute), ``vs_best_floor`` the best of the whole run;
 - the truncated baseline: the model's own generate() over the first 1,024 states (its own step, after the first:
-  bench/decode_speed.py ``steady``), the best of 3 (once for the run: one slow moment would skew every row's
-  floor), as transformers runs it (the "vs truncated rate" a reader compares with) and with the decoder's linear
-  layers in the form unlimisum measured faster (unlimisum/models/projections.py: as unlimisum's own steps run
-  them; the floor's model step);
+  bench/decode_speed.py ``steady``: the median step), the best of 3 (once for the run: one slow moment would skew
+  every row's floor), as transformers runs it (the "vs truncated rate" a reader compares with) and with the
+  decoder's linear layers in the form unlimisum measured faster (unlimisum/models/projections.py: as unlimisum's
+  own steps run them; the floor's model step);
 - the floor of an exact step: L layers x the bytes one layer reads (the store, or that layer's keys: the same
   count of 16-bit numbers when H x d_head = d; a dense step's keys and values where the policy keeps the values,
   k = N) over the bandwidth, plus the model's own step with those linear layers;
+- unlimisum's step, measured as the floor's model step is: the median step after the first of a generate() of
+  ``--new-tokens`` tokens, each step from the start of one decoder forward to the next; the first step with what
+  a generate() call sets up (wrapping the model, the session) apart, in ``first_step_seconds``;
 - one layer's retrieval alone (scores, top-k and the weighted sum), both stores in turns on the same queries;
 - memory: the store's and the keys' bytes, and the process's peak resident set after each N.
 
@@ -42,7 +45,7 @@ from pathlib import Path
 import torch
 
 from bench.common import RESULTS, machine, print_table, random_model
-from bench.decode_speed import truncated_seconds_per_token
+from bench.decode_speed import steady_step, step_clock, truncated_seconds_per_token
 from bench.index_choice import synthetic_store
 from unlimisum.config import GenerationOptions, IndexConfig, RetrievalConfig
 from unlimisum.results import peak_rss_bytes
@@ -52,7 +55,7 @@ from unlimisum.search.keys import KeyStore, build_key_store, key_store_bytes, ke
 from unlimisum.search.placement import KEY_STORE_MEMORY_FRACTION, IndexPlan, free_memory, plan_key_store
 
 TURNS = 3  # one layer's retrieval: the best of this many turns of each store
-BASELINE_TURNS = 3  # the truncated model's step: the best of this many generations
+BASELINE_TURNS = 3  # the truncated model's step: the best of this many generations' median steps
 
 
 def streaming_bandwidth(mebibytes: int = 1024) -> float:
@@ -77,15 +80,19 @@ def synthetic_keys(layers: int, heads: int, n: int, head_dim: int, dtype: torch.
     return KeyStore(keys)
 
 
-def seconds_per_token(loaded, store, k: int, new_tokens: int, beams: int) -> tuple[float, float]:
-    """(seconds per token, share of them in retrieval) of generate() with retrieval over ``store``."""
-    def summarizer(tokens: int) -> Summarizer:
+def seconds_per_token(loaded, store, k: int, new_tokens: int, beams: int) -> tuple[float, float, float]:
+    """(the median seconds of a step after the first, the share of the run in retrieval, the seconds of the first
+    step with what a generate() call sets up before it) of generate() with retrieval over ``store``: each step
+    timed from the start of one decoder forward to the next (``step_clock``), as the floor's model step is."""
+    def generate(tokens: int):
         generation = GenerationOptions(max_new_tokens=tokens, min_new_tokens=tokens, num_beams=beams, do_sample=False)
-        return Summarizer(loaded, generation=generation, retrieval=RetrievalConfig(retrieval_k=k))
+        return Summarizer(loaded, generation=generation, retrieval=RetrievalConfig(retrieval_k=k)).generate([store])
 
-    summarizer(2).generate([store])  # warm up (and calibrate)
-    run = summarizer(new_tokens).generate([store])
-    return run.seconds / new_tokens, run.search_seconds / run.seconds
+    generate(2)  # warm up (and calibrate)
+    with step_clock(loaded.model) as starts:
+        started = time.perf_counter()
+        run = generate(new_tokens)
+    return steady_step(starts), run.search_seconds / run.seconds, starts[1] - started
 
 
 def one_layer_seconds(loaded, store, keys: KeyStore, k: int, beams: int) -> dict[str, float]:
@@ -188,16 +195,18 @@ def run(n_values: list[int], size: str, new_tokens: int, beams_values: list[int]
                         continue
                     store.keys = row_keys if kind != "shared" else None
                     before = streaming_bandwidth(bandwidth_mib)
-                    seconds, share = seconds_per_token(loaded, store, k, new_tokens, beams)
+                    seconds, share, first = seconds_per_token(loaded, store, k, new_tokens, beams)
                     bandwidths += [before, streaming_bandwidth(bandwidth_mib)]
                     row.update(_floors(row, max(bandwidths[-2:]), layers))
                     floor = row["floor_seconds"]
-                    row.update(seconds_per_token=seconds, retrieval_share=share, vs_floor=seconds / floor,
+                    row.update(seconds_per_token=seconds, first_step_seconds=first, retrieval_share=share,
+                               vs_floor=seconds / floor,
                                vs_baseline_rate=baseline[beams] / seconds, key_build_seconds=build_seconds,
                                value_build_seconds=values_seconds if row["values"] else None)
                     rows.append(row)
                     print(f"  N={n:,} k={k:,} beams={beams} {kind}{' (keys and values)' if row['values'] else ''}: "
-                          f"{seconds:.4f} s/token, floor {floor:.4f} ({seconds / floor:.2f}x), "
+                          f"{seconds:.4f} s/token (the first {first:.3f} s), floor {floor:.4f} "
+                          f"({seconds / floor:.2f}x), "
                           f"{baseline[beams] / seconds:.2f}x the truncated rate", flush=True)
                 store.keys = None
                 if keys is not None:
@@ -226,18 +235,20 @@ def print_result(result: dict) -> None:
     for row in result["runs"]:
         if "skipped" in row:
             table.append([f"{row['n_tokens']:,}", f"{row['k']:,}", row["beams"], row["store"], "skipped", "", "", "",
-                          "", "", "", row["skipped"], ""])
+                          "", "", "", "", row["skipped"], ""])
             continue
         layer = row.get("layer_seconds")
         table.append([f"{row['n_tokens']:,}", f"{row['k']:,}", row["beams"],
                       row["store"] + (" + values" if row.get("values") else ""),
-                      f"{row['seconds_per_token']:.4f}", f"{row['bandwidth_bytes_per_second'] / 1e9:.1f}",
+                      f"{row['seconds_per_token']:.4f}",
+                      f"{row['first_step_seconds']:.3f}" if "first_step_seconds" in row else "-",
+                      f"{row['bandwidth_bytes_per_second'] / 1e9:.1f}",
                       f"{row['floor_seconds']:.4f}", f"{row['vs_floor']:.2f}x", f"{row['vs_best_floor']:.2f}x",
                       f"{layer * 1e3:.1f}" if layer is not None else "-", f"{row['floor_layer_seconds'] * 1e3:.1f}",
                       f"{(row['store_bytes'] + row['key_store_bytes']) / 2**20:,.0f} MiB",
                       f"{row['vs_baseline_rate']:.2f}x"])
-    print_table(["N", "k", "beams", "store", "s/token", "GB/s", "floor", "vs floor", "vs best floor", "layer ms",
-                 "floor layer ms", "memory", "vs truncated rate"], table)
+    print_table(["N", "k", "beams", "store", "s/token", "first s", "GB/s", "floor", "vs floor", "vs best floor",
+                 "layer ms", "floor layer ms", "memory", "vs truncated rate"], table)
     measured = result["bandwidths_measured"]
     print(f"each row's floor at the better of the bandwidths measured just before and after it (GB/s); the run's "
           f"measures {min(measured) / 1e9:.1f}-{max(measured) / 1e9:.1f} GB/s, the best for 'vs best floor'")
@@ -249,7 +260,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--tokens", help="comma-separated N (default 16384,100000,300000,1000000)")
     parser.add_argument("--size", default="bart-base", help="bench/common.py SIZES (default bart-base)")
     parser.add_argument("--beams", help="comma-separated beam counts (default 1,4; --quick 1)")
-    parser.add_argument("--new-tokens", type=int, help="tokens generated per run (default 8; --quick 4)")
+    parser.add_argument("--new-tokens", type=int,
+                        help="tokens generated per run: a step is their median after the first (default 16; --quick 4)")
     parser.add_argument("--bandwidth-mib", type=int, help="MiB summed to measure the bandwidth (default 1024)")
     parser.add_argument("--synthetic-keys-from", type=int, default=300_000,
                         help="above this N the keys are random numbers of their shape (default 300,000)")
@@ -260,7 +272,7 @@ def main(argv=None) -> dict:
     n_values = [int(n) for n in args.tokens.split(",")] if args.tokens else (
         [16_384] if args.quick else [16_384, 100_000, 300_000, 1_000_000])
     beams = [int(b) for b in args.beams.split(",")] if args.beams else ([1] if args.quick else [1, 4])
-    result = run(n_values, args.size, args.new_tokens or (4 if args.quick else 8), beams,
+    result = run(n_values, args.size, args.new_tokens or (4 if args.quick else 16), beams,
                  args.bandwidth_mib or (256 if args.quick else 1024), args.synthetic_keys_from,
                  args.dense_max_tokens)
     result["quick"] = args.quick

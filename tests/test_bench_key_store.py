@@ -11,7 +11,7 @@ from bench import key_store
 
 def test_quick_tiny_run_prints_the_table_and_writes_both_stores_beside_the_floor(tmp_path, capsys):
     path = tmp_path / "key_store.json"
-    result = key_store.main(["--quick", "--size", "bart-tiny", "--tokens", "3000", "--new-tokens", "2",
+    result = key_store.main(["--quick", "--size", "bart-tiny", "--tokens", "3000", "--new-tokens", "4",
                              "--bandwidth-mib", "16", "--json", str(path)])
     written = json.loads(path.read_text())
     assert written["runs"] == json.loads(json.dumps(result["runs"])) and written["quick"] is True
@@ -21,6 +21,7 @@ def test_quick_tiny_run_prints_the_table_and_writes_both_stores_beside_the_floor
         (3000, "per-layer", True)]
     for row in written["runs"]:
         assert row["seconds_per_token"] > 0 and row["floor_seconds"] > row["model_step_seconds"] > 0
+        assert row["first_step_seconds"] > 0  # the first step and a generate() call's setup, apart from the step
         assert row["baseline_seconds_per_token"] > 0  # the plain model's step, for the truncated rate
         assert row["vs_floor"] == row["seconds_per_token"] / row["floor_seconds"]
         assert row["layer_seconds"] > 0 and row["peak_rss_bytes"] > 0
@@ -39,3 +40,13 @@ def test_quick_tiny_run_prints_the_table_and_writes_both_stores_beside_the_floor
     assert written["bandwidth_bytes_per_second"] == max(written["bandwidths_measured"]) > 0 and written["head_kernel"]
     out = capsys.readouterr().out
     assert "vs floor" in out and "per-layer + values" in out and "vs truncated rate" in out and str(path) in out
+
+
+def test_a_step_is_the_median_gap_between_decoder_starts_after_the_first_step():
+    from bench.decode_speed import steady_step
+
+    # the first gap is the first step (it also projects the window), the last start has no end: neither counts;
+    # a busy moment on one step moves the median no further than the next step
+    assert steady_step([0.0, 1.0, 1.5, 2.0, 10.0, 10.5]) == 0.5
+    with pytest.raises(ValueError):
+        steady_step([0.0, 1.0])
