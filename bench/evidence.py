@@ -290,7 +290,7 @@ def report_real(result: dict) -> None:
           f"exact store, {result['threads']} threads):")
     print_table(["model", "tokens", "store", "beams", "generate s", "without recording s", "evidence s",
                  "evidence / generate", "support s", "both / generate"],
-                [[f"{row['size']} {row.get('dtype', 'float32')}", f"{row['n_tokens']:,}", row.get("key_store", "shared"),
+                [[f"{row['size']} {row['dtype']}", f"{row['n_tokens']:,}", row.get("key_store", "shared"),
                   row["num_beams"],
                   f"{row['generate_seconds']:.1f}",
                   f"{row['plain_generate_seconds']:.1f}" if row["recorded"] else "-",

@@ -240,8 +240,7 @@ def print_result(result: dict) -> None:
         layer = row.get("layer_seconds")
         table.append([f"{row['n_tokens']:,}", f"{row['k']:,}", row["beams"],
                       row["store"] + (" + values" if row.get("values") else ""),
-                      f"{row['seconds_per_token']:.4f}",
-                      f"{row['first_step_seconds']:.3f}" if "first_step_seconds" in row else "-",
+                      f"{row['seconds_per_token']:.4f}", f"{row['first_step_seconds']:.3f}",
                       f"{row['bandwidth_bytes_per_second'] / 1e9:.1f}",
                       f"{row['floor_seconds']:.4f}", f"{row['vs_floor']:.2f}x", f"{row['vs_best_floor']:.2f}x",
                       f"{layer * 1e3:.1f}" if layer is not None else "-", f"{row['floor_layer_seconds'] * 1e3:.1f}",
