@@ -33,7 +33,8 @@ import torch
 
 from bench.common import print_table, random_model, write_result
 from bench.index_choice import synthetic_states
-from unlimisum.models import compat, projections
+from unlimisum.models import compat
+from unlimisum.search import projections
 from unlimisum.search import kernels
 from unlimisum.config import GenerationOptions, IndexConfig, RetrievalConfig
 from unlimisum.search.datastore import DatastoreBuilder, IndexPlan
@@ -77,7 +78,7 @@ def truncated_seconds_per_token(loaded, states: torch.Tensor, new_tokens: int, b
                                 measured_projections: bool = False, steady: bool = False) -> float:
     """generate() with ordinary cross-attention over the first BASELINE_WINDOW states: seconds per token.
     ``measured_projections``: the decoder's linear layers in the form unlimisum measured faster
-    (unlimisum/models/projections.py, as its own steps run them), else transformers' own. ``steady``: the median
+    (unlimisum/search/projections.py, as its own steps run them), else transformers' own. ``steady``: the median
     step after the first (``steady_step``): the first step also projects the window's keys and values for every
     beam (4 beams x 1,024 states x 6 layers of bart-base: about half a second on 2 cores), a one-time cost that
     would weigh on every step of a short run."""

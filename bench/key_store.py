@@ -18,7 +18,7 @@ In the same process:
 - the truncated baseline: the model's own generate() over the first 1,024 states (its own step, after the first:
   bench/decode_speed.py ``steady``: the median step), the best of 3 (once for the run: one slow moment would skew
   every row's floor), as transformers runs it (the "vs truncated rate" a reader compares with) and with the
-  decoder's linear layers in the form unlimisum measured faster (unlimisum/models/projections.py: as unlimisum's
+  decoder's linear layers in the form unlimisum measured faster (unlimisum/search/projections.py: as unlimisum's
   own steps run them; the floor's model step);
 - the floor of an exact step: L layers x the bytes one layer reads (the store, or that layer's keys: the same
   count of 16-bit numbers when H x d_head = d; a dense step's keys and values where the policy keeps the values,

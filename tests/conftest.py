@@ -83,3 +83,12 @@ def loader(_cached_loader, monkeypatch, request):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("UNLIMISUM_MODEL", raising=False)
     return _cached_loader
+
+
+@pytest.fixture
+def two_threads():
+    """torch on two threads for the test (the suite runs on one), then as it was."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)

@@ -1,6 +1,7 @@
 """The compiled sums over the states (unlimisum/search/compiled.py): the fp32 sums of the stored numbers,
 as torch takes them from the widened states, for the gather of each query's top-k and for the dense pass (over
-the states, or per head over a layer's values); and the compiled top-k of score rows, as torch.topk takes it."""
+the states, or per head over a layer's values); the compiled top-k of score rows, as torch.topk takes it; and the
+compiled matrix-vector products of a step's linear layers, as F.linear takes them."""
 
 from __future__ import annotations
 
@@ -284,3 +285,40 @@ def test_a_reading_sums_its_many_queries_compiled_and_a_step_its_few_as_measured
                                                                                                        weights))
     bags = torch.nn.functional.embedding_bag(few, states, mode="sum", per_sample_weights=weights[:8].bfloat16())
     assert torch.equal(kernels.gathered_attention(states, few, weights[:8], False), bags.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("count", [1, 2, 3, 8])
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_compiled_linear_product_is_f_linears(dtype, count, bias, two_threads):
+    """Each number summed in fp32 and rounded once to the weight's dtype: in bfloat16 torch's product but where the
+    fp32 sums round apart (the sum's order), in float32 within fp32 rounding; 1001 outputs over two threads."""
+    generator = torch.Generator().manual_seed(count)
+    weight = torch.randn(1001, 96, generator=generator).to(dtype)
+    added = torch.randn(1001, generator=generator).to(dtype) if bias else None
+    rows = torch.randn(count, 2, 96, generator=generator).to(dtype)[:, 1]  # rows of a larger tensor
+    product = compiled.linear(rows, weight, added)
+    assert product.dtype == dtype and product.shape == (count, 1001)
+    exact = (rows.double() @ weight.double().t() + (added.double() if bias else 0.0)).to(dtype)
+    if dtype == torch.bfloat16:
+        assert (product == exact).float().mean() > 0.99  # one rounding of the fp32 sum: rarely across a boundary
+        torch.testing.assert_close(product, torch.nn.functional.linear(rows, weight, added), atol=0.05, rtol=0.02)
+    else:
+        torch.testing.assert_close(product, torch.nn.functional.linear(rows, weight, added))
+    kept = compiled.linear_operands(weight, added)
+    assert torch.equal(compiled.linear(rows, weight, added, kept), product)  # the kept operands read alike
+
+
+def test_the_compiled_linear_product_rounds_to_nearest_even_and_keeps_nan_and_infinity():
+    """bfloat16 sums at a tie round to the even neighbour (as torch rounds), a NaN stays a NaN, inf stays inf."""
+    weight = torch.tensor([[1.0, 0.0], [1.0, 0.0], [1.0, 0.0], [1.0, 0.0]], dtype=torch.bfloat16)
+    bias = torch.tensor([0.0, float("nan"), float("inf"), -float("inf")])
+    rows = torch.tensor([[1.0, 0.0]], dtype=torch.bfloat16)
+    product = compiled.linear(rows, weight, bias.to(torch.bfloat16))
+    assert product[0, 0] == 1 and product[0, 1].isnan() and product[0, 2] == float("inf")
+    assert product[0, 3] == -float("inf")
+    # 1 + 2^-8 lies halfway between bfloat16 1 and 1 + 2^-7: to the even one, 1; 1 + 3 * 2^-8 to 1 + 2^-6
+    words = torch.tensor([[1.0, 1.0]], dtype=torch.bfloat16)
+    for low, expected in ((2.0 ** -8, 1.0), (3 * 2.0 ** -8, 1.0 + 2.0 ** -6)):
+        halves = torch.tensor([[1.0, low]]).to(torch.bfloat16)  # low is exact in bfloat16 (a power of two times 1 or 3)
+        assert compiled.linear(halves, words).item() == expected == torch.tensor(1.0 + low).to(torch.bfloat16).item()

@@ -263,21 +263,26 @@ def test_the_needle_sentence_depends_on_its_passage(loaded, filler):  # noqa: F8
 
 
 @pytest.mark.parametrize("by", ["hiding", "removal"])
-@pytest.mark.parametrize("kernel", [None, "native"], ids=["measured kernel", "native forced"])
+@pytest.mark.parametrize("kernel, projection", [(None, None), ("native", None), (None, "columns"),
+                                                ("native", "columns"), (None, "compiled")],
+                         ids=["measured kernel, own projection", "native forced, own projection",
+                              "measured kernel, columns projection", "native forced, columns projection",
+                              "measured kernel, compiled projection"])
 @pytest.mark.parametrize("key_store", ["shared", "per-layer", "per-layer+values"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("projection", [None, "columns"], ids=["own projection", "columns projection"])
 def test_hiding_nothing_gives_exactly_zero_support(filler, dtype, key_store, kernel, by, projection,  # noqa: F811
                                                    monkeypatch):
     """The baseline and the ablation are one computation with two masks: each sentence read with a passage that
     hides nothing loses exactly 0 nats (before, the baseline was generation's own logits: another kernel for one
     query a head, without BART's final_logits_bias); also where the decoder's linear layers are taken as
-    weight @ rows^T (unlimisum/models/projections.py: the two rows are two columns of one product), and where
-    each layer's values are summed at the top-k steps (per-layer+values)."""
+    weight @ rows^T (unlimisum/search/projections.py: the two rows are two columns of one product) or by the
+    compiled product (a sentence's few positions), and where each layer's values are summed at the top-k steps
+    (per-layer+values)."""
     from tests.test_needle import make_input
     from unlimisum.evidence import Source
     from unlimisum.config import ModelConfig
-    from unlimisum.models import load_model, projections
+    from unlimisum.models import load_model
+    from unlimisum.search import projections
     from unlimisum.unlimiformer import reread
     from unlimisum.unlimiformer.reread import SummaryReader, end_tokens, returned_length, support_of, supports_of
 

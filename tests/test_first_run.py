@@ -78,13 +78,17 @@ def test_warm_compiles_in_a_thread_and_ready_waits_for_it(monkeypatch):
     assert compiled.warm(["weighted_sum"], torch.float32) is None  # nothing left to do
 
 
-@pytest.fixture
-def two_threads():
-    """torch on two threads for the test (the suite runs on one), then as it was."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+def test_warm_compiles_the_kernels_it_is_also_given_each_for_its_dtype(monkeypatch):
+    """A run's retrieval kernels in the store's dtype and its linear layers' product in the model's, one thread."""
+    monkeypatch.setattr(compiled, "_READY", {})
+    calls = []
+    for name in ("weighted_sum", "linear"):
+        monkeypatch.setitem(compiled._CHECKS, name, lambda dtype, name=name: calls.append((name, dtype)) or True)
+    thread = compiled.warm(["weighted_sum"], torch.float32,
+                           also=[("linear", torch.bfloat16), ("weighted_sum", torch.float32)])
+    thread.join(30)
+    assert calls == [("weighted_sum", torch.float32), ("linear", torch.bfloat16)]  # each once
+    assert compiled.warm(["weighted_sum"], torch.float32, also=[("linear", torch.bfloat16)]) is None
 
 
 def test_torch_leaves_the_compile_a_core_until_it_ends(two_threads):
@@ -265,7 +269,7 @@ def test_the_encoding_leaves_the_compile_a_core(tiny_loaded, monkeypatch, two_th
 
     release = threading.Event()
     compiling = threading.Thread(target=lambda: release.wait(30), daemon=True)
-    monkeypatch.setattr(compiled, "warm", lambda kernels, dtype: (compiling.start(), compiling)[1])
+    monkeypatch.setattr(compiled, "warm", lambda kernels, dtype, also=(): (compiling.start(), compiling)[1])
     loaded = tiny_loaded("bart")
     threads_seen = []
 
@@ -298,7 +302,7 @@ def test_the_kernels_folder_is_named_by_every_file_their_code_comes_from():
 
     folder = Path(jit.__file__).parent
     decorating = {path.name for path in folder.glob("*.py") if "jit.begin_decorations()" in path.read_text()}
-    assert decorating == {"compiled_loops.py", "score_loops.py", "top_k_loops.py"}
+    assert decorating == {"compiled_loops.py", "score_loops.py", "top_k_loops.py", "linear_loops.py"}
     for name in decorating:
         source = (folder / name).read_text()
         taken = set(re.findall(r"^from unlimisum\.search\.(\w+) import", source, re.MULTILINE))

@@ -1,7 +1,9 @@
-"""The decoder's linear layers in the form measured faster (unlimisum/models/projections.py): the same products as
+"""The decoder's linear layers in the form measured faster (unlimisum/search/projections.py): the same products as
 the model's own, the form taken from the measurement kept for this machine, the model put back as it was."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -9,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from unlimisum import measurements
-from unlimisum.models import projections
-from unlimisum.models.projections import LinearGroup, MeasuredLinear, columns_product, faster_projections
+from unlimisum.search import projections
+from unlimisum.search.projections import LinearGroup, MeasuredLinear, columns_product, faster_projections
 
 
 @pytest.fixture(autouse=True)
@@ -44,12 +46,15 @@ def test_the_columns_form_is_the_linear_product(rows, dtype):
 
 
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("form", ["linear", "columns"])
+@pytest.mark.parametrize("form", ["linear", "columns", "compiled"])
 @pytest.mark.parametrize("shape", [(1, 1, 32), (3, 1, 32), (2, 7, 32)])
-def test_a_measured_linear_gives_the_originals_product_in_either_form(form, shape, bias, monkeypatch):
-    columns = []
-    product = projections.columns_product
+def test_a_measured_linear_gives_the_originals_product_in_every_form(form, shape, bias, monkeypatch):
+    from unlimisum.search import compiled
+
+    columns, kernel = [], []
+    product, linear = projections.columns_product, compiled.linear
     monkeypatch.setattr(projections, "columns_product", lambda *args: columns.append(1) or product(*args))
+    monkeypatch.setattr(compiled, "linear", lambda *args: kernel.append(1) or linear(*args))
     original = nn.Linear(32, 500, bias=bias)
     group = FixedGroup(form)
     measured = MeasuredLinear(original, group)
@@ -59,6 +64,7 @@ def test_a_measured_linear_gives_the_originals_product_in_either_form(form, shap
     with torch.inference_mode():
         expected, output = original(hidden), measured(hidden)
     assert group.asked == [shape[0] * shape[1]] and len(columns) == (form == "columns")
+    assert len(kernel) == (form == "compiled")
     assert output.shape == expected.shape
     torch.testing.assert_close(output, expected)
 
@@ -71,17 +77,38 @@ def test_the_kept_measurement_chooses_the_form_and_a_stale_entry_is_measured_aga
     assert raced == [4]  # measured at the rows' class
     assert LinearGroup("decoder layers", weights).form(4) == "columns" and raced == [4]  # read back: not raced
     [entry] = measurements.default_store().all()
-    assert entry.name == "decoder layers v1 cpu float32 2 weights of 16x300, 300x16, 4 rows"
+    assert entry.name == "decoder layers v2 cpu float32 2 weights of 16x300, 300x16, 4 rows"
     measurements.default_store().put(measurements.Measurement(entry.name, {"form": "another"}, "then", 0.1, "old"))
     assert LinearGroup("decoder layers", weights).form(4) == "columns" and raced == [4, 4]
 
 
-def test_a_race_times_both_forms_over_the_groups_weights_and_names_the_faster():
-    group = LinearGroup("output projection", [torch.randn(2000, 32), torch.randn(32, 2000)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_race_times_the_forms_over_the_groups_weights_and_names_the_faster(dtype):
+    group = LinearGroup("output projection", [torch.randn(2000, 32).to(dtype), torch.randn(32, 2000).to(dtype)])
     value, reason = group.race(2)
-    assert value["form"] in projections.FORMS
-    assert value[f"{value['form']}_seconds"] == min(value["linear_seconds"], value["columns_seconds"])
+    assert set(value) == {"form", "linear_seconds", "columns_seconds", "compiled_seconds"}
+    assert value[f"{value['form']}_seconds"] == min(value[f"{form}_seconds"] for form in projections.FORMS)
     assert reason.startswith("output projection as ") and "for 2 rows x 2 weights" in reason
+    assert "the compiled product" in reason
+
+
+@pytest.mark.parametrize("weights, rows", [
+    ([torch.randn(40, 32)], projections.COMPILED_MAX_ROWS + 1),  # more rows than it races for
+    ([torch.randn(40, 31).to(torch.bfloat16)], 1),  # bfloat16 words need an even width
+    ([torch.randn(40, 32).to(torch.float16)], 1),  # a dtype it does not read
+], ids=["rows", "odd width", "float16"])
+def test_the_compiled_form_races_only_where_it_runs(weights, rows):
+    assert not projections.compiled_runs(weights, rows)
+    value, _ = LinearGroup("test", weights).race(rows)
+    assert "compiled_seconds" not in value and value["form"] in ("linear", "columns")
+
+
+def test_a_models_compiled_kernels_are_named_for_each_groups_dtype(tiny_loaded, monkeypatch):
+    model = tiny_loaded("bart").model
+    assert projections.compiled_kernels(model) == []  # a tiny model keeps F.linear: nothing to compile
+    monkeypatch.setattr(projections, "MIN_GROUP_ELEMENTS", 0)
+    assert projections.compiled_kernels(model) == [("linear", torch.float32)]
+    assert projections.compiled_kernels(copy.deepcopy(model).to(torch.bfloat16)) == [("linear", torch.bfloat16)]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 33, 64])
@@ -100,7 +127,8 @@ def test_more_rows_than_measured_keep_f_linear_unmeasured(monkeypatch):
     assert group.asked == [] and columns == []
 
 
-def test_a_models_decoder_and_output_projection_are_measured_inside_the_context_and_put_back(tiny_loaded,
+@pytest.mark.parametrize("form", ["columns", "compiled"])
+def test_a_models_decoder_and_output_projection_are_measured_inside_the_context_and_put_back(tiny_loaded, form,
                                                                                           monkeypatch):
     model = tiny_loaded("bart").model
     head = model.get_output_embeddings()
@@ -108,7 +136,7 @@ def test_a_models_decoder_and_output_projection_are_measured_inside_the_context_
     with faster_projections(model) as found:
         assert found == []  # a tiny model keeps F.linear: nothing is measured or replaced
     monkeypatch.setattr(projections, "MIN_GROUP_ELEMENTS", 0)
-    monkeypatch.setattr(LinearGroup, "form", lambda self, rows: "columns")
+    monkeypatch.setattr(LinearGroup, "form", lambda self, rows: form)
     decoder_linears = [module for module in model.get_decoder().modules() if type(module) is nn.Linear]
     inputs = torch.tensor([[2, 10, 11, 12, 13, 2]])
     with torch.inference_mode():
@@ -161,3 +189,23 @@ def test_rows_apart_wraps_the_decoders_linear_layers_and_puts_them_back(tiny_loa
         assert [module.original for module in wrapped] == decoder_linears
         assert model.get_output_embeddings() is head  # the output projection is not the decoder's
     assert [module for module in model.get_decoder().modules() if type(module) is nn.Linear] == decoder_linears
+
+
+def test_a_summary_compiles_the_product_before_generating_and_races_it(tiny_loaded, monkeypatch):
+    """The first run's path: the compiled product named among the kernels generation waits for (compiled while the
+    book is encoded), then raced with the other forms for a step's row."""
+    from unlimisum.config import GenerationOptions
+    from unlimisum.search import compiled
+    from unlimisum.summarizer import Summarizer
+
+    monkeypatch.setattr(projections, "MIN_GROUP_ELEMENTS", 0)  # the tiny model's groups measured too
+    waited, wait = [], compiled.wait_ready
+    monkeypatch.setattr(compiled, "wait_ready", lambda needed, report=None: wait(waited.extend(needed) or needed,
+                                                                                report))
+    summarizer = Summarizer(tiny_loaded("bart"), generation=GenerationOptions(max_new_tokens=3, min_new_tokens=3))
+    assert summarizer.summarize(" ".join(f"word{i}" for i in range(300))).text is not None
+    assert ("linear", torch.float32) in waited
+    raced = {entry.name: entry.value for entry in measurements.default_store().all()
+             if entry.name.startswith(("decoder layers", "output projection"))}
+    assert {name.split(" v")[0] for name in raced} == {"decoder layers", "output projection"}
+    assert all(value["form"] in projections.FORMS and "compiled_seconds" in value for value in raced.values())

@@ -31,8 +31,8 @@ from unlimisum.events import ProgressEvent
 from unlimisum.results import EMPTY_SUMMARY, GenerationProgress, Summary, SummaryStats, peak_rss_bytes
 from unlimisum import coverage, evidence
 from unlimisum.coverage import chapter_token_ranges
-from unlimisum.models import compat, projections
-from unlimisum.search import compiled
+from unlimisum.models import compat
+from unlimisum.search import compiled, projections
 from unlimisum.search.placement import storage_dtype
 
 # summary tokens read at a time by the reread pass at most: each brings its own far tokens ([G, k, D] per layer)

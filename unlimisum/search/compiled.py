@@ -28,6 +28,8 @@ finds), read each number once:
   cache; ``head_dense_sum``: the same per head over its own values [H, N, dh];
 - ``top_k``: each row's k largest of a [rows, N] score matrix a matmul wrote, without sorting
   (top_k_loops.py);
+- ``linear``: a generation step's few rows times a linear layer's weight, the weight streamed once at the
+  memory's speed (linear_loops.py; projections.py races it against torch's forms);
 - ``attend_dense``: softmax(q K^T) V per head over its own keys and values in one pass, each block of keys
   scored, weighed under a running maximum and sum (the online softmax, its exp in vectors) and its values
   summed while in cache.
@@ -76,15 +78,21 @@ try:
         _coverage, _dense_sums_heads_bf16, _dense_sums_heads_f32, _dense_sums_parts_bf16, _dense_sums_parts_f32,
         _scan_heads_bf16, _scan_heads_f32, _select_grouped_heads_bf16, _select_grouped_heads_f32,
         _sums_blocked_parts, _sums_queries_bf16, _sums_queries_f32)
+    from unlimisum.search.linear_loops import _linear_rows_bf16, _linear_rows_f32
     from unlimisum.search.top_k_loops import _top_k_rows
 except ImportError:  # pragma: no cover - numba is a dependency; a broken install leaves the torch kernels
     numba = None
 
 
+_SET_THREADS = threading.local()  # the count this thread last gave numba (its setting is per thread)
+
+
 def _threads() -> int:
     """torch's thread count, as numba may run it (numba's pool is sized once, from the CPU count)."""
     threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    numba.set_num_threads(threads)
+    if getattr(_SET_THREADS, "count", None) != threads:  # a call per step's product: 3 us each
+        numba.set_num_threads(threads)
+        _SET_THREADS.count = threads
     return threads
 
 
@@ -194,6 +202,38 @@ def top_k(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         left = torch.from_numpy(~done)
         values[left], ids[left] = scores[left].topk(k, dim=1, sorted=False)
     return values, ids
+
+
+def linear_operands(weight: torch.Tensor, bias: torch.Tensor | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(weight, bias) as ``linear`` reads them: a bfloat16 weight [out, in] as [out, in / 2] uint32 words, an fp32
+    one as it is (a view where it is contiguous), the bias in fp32 ([0]: none). Keep them for many calls."""
+    weight = weight.detach().contiguous()
+    words = (weight.view(torch.int32).numpy().view(np.uint32) if weight.dtype == torch.bfloat16
+             else weight.numpy())
+    added = (bias.detach().to(torch.float32).contiguous().numpy() if bias is not None
+             else np.empty(0, np.float32))
+    return words, added
+
+
+def linear(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           operands: tuple[np.ndarray, np.ndarray] | None = None) -> torch.Tensor:
+    """``F.linear(rows, weight, bias)`` for rows [R, in] (CPU, of the weight's dtype, one of ``SCAN_DTYPES``;
+    bfloat16 needs an even ``in``): [R, out] in that dtype, each number summed in fp32 from the stored ones (so to
+    fp32 rounding of torch's) and rounded once, the weight's rows spread over the threads (linear_loops.py).
+    ``operands``: ``linear_operands(weight, bias)``, kept from an earlier call."""
+    count, outputs = rows.shape[0], weight.shape[0]
+    out = torch.empty(count, outputs, dtype=weight.dtype)
+    if count == 0 or outputs == 0:
+        return out
+    words, added = operands if operands is not None else linear_operands(weight, bias)
+    parts = min(_threads(), outputs)
+    rows = rows.detach().contiguous()
+    if weight.dtype == torch.bfloat16:
+        _linear_rows_bf16(words, rows.view(torch.int16).numpy().view(np.uint16), added,
+                          out.view(torch.int16).numpy().view(np.uint16), parts)
+    else:
+        _linear_rows_f32(words, rows.numpy(), added, out.numpy(), parts)
+    return out
 
 
 def weighted_sum(states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -320,7 +360,7 @@ def attend_dense(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor
 # --- which kernels run here: each compiled when a run first needs it, and checked against torch -----------------
 
 KERNELS = ("select", "select_grouped", "scores", "weighted_sum", "dense_sum", "head_dense_sum", "attend_dense",
-           "top_k")
+           "top_k", "linear")
 SCORES_KERNELS = ("top_k",)  # read fp32 scores whatever the store holds: ready once, as for a float32 store
 # seconds each kernel took to compile from an empty cache (one dtype; a 2-core EPYC Zen 4 at 2.6 GHz, numba 0.68),
 # for the estimate the display shows while a first run waits for them (select and scores share one driver: the
@@ -328,7 +368,7 @@ SCORES_KERNELS = ("top_k",)  # read fp32 scores whatever the store holds: ready 
 # (the scores with the keys in the lanes and the scan's sampled floor made select, select_grouped and attend_dense
 # 1.55x, 1.19x and 1.14x as long to compile on an EPYC Zen 2: 8.2 -> 12.7 s, 6.7 -> 8.0 s, 8.3 -> 9.5 s)
 COMPILE_SECONDS = {"select": 10.1, "select_grouped": 5.3, "scores": 0.5, "weighted_sum": 3.5, "dense_sum": 1.7,
-                   "head_dense_sum": 1.5, "attend_dense": 10.7, "top_k": 6.8}
+                   "head_dense_sum": 1.5, "attend_dense": 10.7, "top_k": 6.8, "linear": 3.3}
 
 # warm's thread loads kernels compiled before in about 0.5 s (all seven and numba's import, EPYC Zen 2): one that
 # is alive after this long is compiling
@@ -390,14 +430,17 @@ def _key(kernel: str, dtype: torch.dtype) -> tuple[str, torch.dtype]:
     return kernel, torch.float32 if kernel in SCORES_KERNELS else dtype
 
 
-def warm(kernels: Iterable[str], dtype: torch.dtype) -> threading.Thread | None:
-    """Compile (or load) ``kernels`` for ``dtype`` in a thread of their own, so that they are ready when a run first
-    calls them (a book being encoded meanwhile; measured on 2 cores: a 12 s encode took 20 s beside 12 s of
-    compiling, where one after the other take 24 s). The thread, or None when there is nothing to do."""
-    missing = pending(kernels, dtype)
+def warm(kernels: Iterable[str], dtype: torch.dtype,
+         also: Iterable[tuple[str, torch.dtype]] = ()) -> threading.Thread | None:
+    """Compile (or load) ``kernels`` for ``dtype``, and each (kernel, dtype) of ``also``, in a thread of their own,
+    so that they are ready when a run first calls them (a book being encoded meanwhile; measured on 2 cores: a 12 s
+    encode took 20 s beside 12 s of compiling, where one after the other take 24 s). The thread, or None when there
+    is nothing to do."""
+    wanted = [(kernel, dtype) for kernel in kernels] + list(also)
+    missing = [(kernel, of) for kernel, of in dict.fromkeys(wanted) if pending([kernel], of)]
     if not missing:
         return None
-    thread = threading.Thread(target=lambda: [ready(kernel, dtype) for kernel in missing],
+    thread = threading.Thread(target=lambda: [ready(kernel, of) for kernel, of in missing],
                               name="unlimisum-compile", daemon=True)
     thread.start()
     return thread
@@ -542,6 +585,25 @@ def _check_top_k(dtype: torch.dtype) -> bool:
     return all(found)
 
 
+def _check_linear(dtype: torch.dtype) -> bool:
+    """One row and three, with a bias and without, against fp64 products of the same numbers rounded once to
+    ``dtype`` (an output row count not a multiple of the threads', an odd count of words): equal in bfloat16 but
+    where the fp32 sum sits at a rounding boundary, within fp32 rounding in float32."""
+    generator = torch.Generator().manual_seed(3)
+    weight = torch.randn(37, 26, generator=generator).to(dtype)
+    bias = torch.randn(37, generator=generator).to(dtype)
+    found = []
+    for count, added in ((1, None), (3, bias)):
+        rows = torch.randn(count, 26, generator=generator).to(dtype)
+        expected = rows.double() @ weight.double().t() + (added.double() if added is not None else 0.0)
+        product = linear(rows, weight, added)
+        found.append(product.dtype == dtype and torch.allclose(product.double(), expected.to(dtype).double(),
+                                                               rtol=1e-2 if dtype == torch.bfloat16 else 1e-5,
+                                                               atol=1e-5))
+    return all(found)
+
+
 _CHECKS = {"select": _check_select, "select_grouped": _check_select_grouped, "scores": _check_scores,
            "weighted_sum": _check_weighted_sum, "dense_sum": _check_dense_sum,
-           "head_dense_sum": _check_head_dense_sum, "attend_dense": _check_attend_dense, "top_k": _check_top_k}
+           "head_dense_sum": _check_head_dense_sum, "attend_dense": _check_attend_dense, "top_k": _check_top_k,
+           "linear": _check_linear}

@@ -19,7 +19,7 @@ from unlimisum.models import checkpoint
 from unlimisum.models.quantized import int8_linears
 from unlimisum.models.tokens import encode_text, special_ids
 from unlimisum.config import EncodingConfig, IndexConfig
-from unlimisum.search import compiled, kernels
+from unlimisum.search import compiled, kernels, projections
 from unlimisum.search.datastore import DatastoreBuilder, IndexPlan, TorchExactDatastore, plan_index
 from unlimisum.document import Document
 from unlimisum.coverage import chapter_token_ranges, token_char_ends
@@ -123,7 +123,8 @@ class DocumentEncoder:
         if builder.plan.kind == "exact":  # a first run on this machine compiles its kernels while it encodes
             compiling = compiled.warm(kernels.compiled_kernels_for(n_tokens, builder.dtype, builder.plan.device,
                                                                    builder.dim, per_layer=keys_plan.kind == "per-layer",
-                                                                   values=keys_plan.values), builder.dtype)
+                                                                   values=keys_plan.values), builder.dtype,
+                                      also=projections.compiled_kernels(self.loaded.model))
         keys = None
         if keys_plan.kind == "per-layer":  # each window's kept states projected once per layer, as they come
             values = value_weights(self.loaded.model, self.loaded.architecture) if keys_plan.values else None
@@ -221,7 +222,8 @@ class DocumentEncoder:
         if store.kind == "exact":  # a first run on this machine compiles its kernels while the keys are built
             compiled.warm(kernels.compiled_kernels_for(store.n_tokens, store.storage_dtype, store.states().device,
                                                        store.dim, per_layer=keys_plan.kind == "per-layer",
-                                                       values=keys_plan.values), store.storage_dtype)
+                                                       values=keys_plan.values), store.storage_dtype,
+                          also=projections.compiled_kernels(self.loaded.model))
         if store.kind != "exact" or keys_plan.kind != "per-layer":
             return None
         weights = key_weights(self.loaded.model, self.loaded.architecture)

@@ -37,7 +37,8 @@ import torch
 from torch import nn
 
 from unlimisum import evidence
-from unlimisum.models import LoadedModel, compat, projections
+from unlimisum.models import LoadedModel, compat
+from unlimisum.search import projections
 from unlimisum.search.datastore import Datastore
 from unlimisum.unlimiformer.retrieval import EVIDENCE_TOP_POSITIONS, EvidenceCollector, RetrievalSession, retrieval
 

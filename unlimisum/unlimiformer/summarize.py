@@ -20,9 +20,9 @@ from unlimisum.config import DEFAULT_RETRIEVAL_K, EncodingConfig, GenerationOpti
 from unlimisum.document import Document
 from unlimisum.errors import ConfigError, EmptyDocumentError
 from unlimisum.events import ProgressCallback, ProgressEvent
-from unlimisum.models import LoadedModel, compat, projections
+from unlimisum.models import LoadedModel, compat
 from unlimisum.results import EMPTY_SUMMARY, GenerationProgress, Summary, SummaryStats, peak_rss_bytes
-from unlimisum.search import compiled
+from unlimisum.search import compiled, projections
 from unlimisum.unlimiformer.cache import EncodedCache
 from unlimisum.search.datastore import Datastore
 from unlimisum.unlimiformer.encoded import EncodedDocument
@@ -213,7 +213,8 @@ class EncoderDecoderSummarizer:
         preparing = time.perf_counter()
         # a first run on this machine: the kernels the stores run, compiled (most of them while the book was encoded)
         compiled.wait_ready([(kernel, store.storage_dtype) for store in stores
-                             for kernel in store.compiled_kernels(self.retrieval_k())],
+                             for kernel in store.compiled_kernels(self.retrieval_k())]
+                            + projections.compiled_kernels(model),
                             lambda done, total, left: self.progress(ProgressEvent("compile", done, total, name,
                                                                                   {"seconds_left": left})))
         self.progress(ProgressEvent("prepare", 0, batch, name))

@@ -7,15 +7,21 @@ operand; for one row that becomes a matrix-vector product some BLAS runs on one 
 product that reads the weight several times over. On an AMD EPYC Zen 2 (2 cores), bart-base's output projection
 took 14.5 ms for one row and 34 ms for four (the beams), its decoder's linear layers 19 ms and 37 ms; the same
 products taken the other way round, ``weight @ rows^T`` (one row doubled, so that the BLAS runs a matrix
-product over its threads), took 9.6, 9.7, 16 and 16 ms. Neither form wins everywhere, so the choice is
-measured: once per machine (unlimisum/measurements.py keeps it), per group of weights (the decoder's layers,
-timed in turn as a step reads them; the output projection), dtype and count of rows, with the model's own
-weights.
+product over its threads), took 9.6, 9.7, 16 and 16 ms. Neither reads the weight at the memory's speed: on an
+EPYC Zen 4 every torch form of a bfloat16 product of 1 to 32 rows streamed its weight at 8-16 GB/s of the 28 the
+machine had, so bfloat16 weights (half the bytes) gave a step nothing. The third form, ``compiled_product``,
+streams each weight once over the threads, every row met while a weight row is in cache (linear_loops.py):
+27-29 GB/s there, bart-base's greedy step at 16k tokens in bfloat16 1.41x as fast as with the other two forms.
+No form wins everywhere, so the choice is measured: once per machine (unlimisum/measurements.py keeps it), per
+group of weights (the decoder's layers, timed in turn as a step reads them; the output projection), dtype and
+count of rows, with the model's own weights; the compiled form races for at most COMPILED_MAX_ROWS rows, where
+its kernel compiles and checks here (a first run compiles it while the book is encoded: ``compiled_kernels``).
 
 ``faster_projections(model)`` puts a ``MeasuredLinear`` in place of each of those nn.Linear modules for the time
 of a generation or a reading: an nn.Linear holding the same Parameters (the state dict, the weight tying and
-everything that reads ``.weight`` are unchanged), put back on exit. Both forms compute the same product: the
-logits agree to float rounding, not bit for bit (the BLAS sums in another order).
+everything that reads ``.weight`` are unchanged), put back on exit. Every form computes the same product: the
+logits agree to float rounding, not bit for bit (each sums in its own order; the compiled form sums in fp32 and
+rounds once to the weights' dtype, as torch does).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from unlimisum import measurements
+from unlimisum.search import compiled
 
 # Groups of fewer weights than this (16 MB in float32) keep F.linear without measuring: either form takes a
 # millisecond at most there (the tiny test models), and a measurement would cost more than it saves.
@@ -38,8 +45,11 @@ MIN_GROUP_ELEMENTS = 1 << 22
 # weight @ rows^T in 85 ms and as F.linear in 107 there (EPYC Zen 2).
 MAX_MEASURED_ROWS = 128
 # What an entry's value means changes with the code that measured it: entries of another version are ignored.
-MEASUREMENT_VERSION = 1
-FORMS = ("linear", "columns")
+MEASUREMENT_VERSION = 2  # 2: the compiled form races too
+FORMS = ("linear", "columns", "compiled")
+# The compiled form (linear_loops.py: the weight streamed once, every row met while a weight row is in cache)
+# races for at most this many rows: a step's (one a beam); more rows do that many multiply-adds a weight number
+COMPILED_MAX_ROWS = 8
 # Bytes a row's start is aligned to for RowsApartLinear (the allocator's alignment, a cache line): a BLAS may
 # take an operand at another alignment by another path.
 ALIGNMENT = 64
@@ -75,8 +85,9 @@ class LinearGroup:
         return self._forms[counted]
 
     def race(self, rows: int) -> tuple[dict, str]:
-        """({"form", "linear_seconds", "columns_seconds"}, reason): both forms timed in turns (measurements.race),
-        each over every weight of the group in turn, on ``rows`` random rows."""
+        """({"form", "linear_seconds", "columns_seconds"[, "compiled_seconds"]}, reason): the forms timed in turns
+        (measurements.race), each over every weight of the group in turn, on ``rows`` random rows; the compiled
+        one where it runs here for these weights and rows (``compiled_runs``)."""
         width = max(weight.shape[1] for weight in self.weights)
         generator = torch.Generator().manual_seed(0)
         hidden = torch.randn(rows, width, generator=generator).to(self.weights[0].dtype)
@@ -85,13 +96,16 @@ class LinearGroup:
         def each(product):
             return lambda: [product(inputs[weight.shape[1]], weight) for weight in self.weights]
 
+        candidates = {"linear": each(F.linear), "columns": each(columns_product)}
+        if compiled_runs(self.weights, rows):
+            candidates["compiled"] = each(compiled_product)
         with torch.inference_mode():
-            seconds = measurements.race({"linear": each(F.linear), "columns": each(columns_product)})
+            seconds = measurements.race(candidates)
         form = min(seconds, key=seconds.get)
         value = {"form": form, **{f"{name}_seconds": best for name, best in seconds.items()}}
-        reason = (f"{self.name} as {'weight @ rows^T' if form == 'columns' else 'F.linear'}: F.linear "
-                  f"{seconds['linear'] * 1e3:.2f} ms, weight @ rows^T {seconds['columns'] * 1e3:.2f} ms for {rows} "
-                  f"rows x {len(self.weights)} weights ({self.elements / 1e6:.1f}M)")
+        timed = ", ".join(f"{FORM_NAMES[name]} {best * 1e3:.2f} ms" for name, best in seconds.items())
+        reason = (f"{self.name} as {FORM_NAMES[form]}: {timed} for {rows} rows x {len(self.weights)} weights "
+                  f"({self.elements / 1e6:.1f}M)")
         return value, reason
 
 
@@ -106,15 +120,22 @@ class MeasuredLinear(nn.Linear):
         self.register_parameter("bias", original.bias)
         self.group = group
         self.__dict__["original"] = original  # not a child: nothing of the model's state changes names
+        self._operands = None  # the compiled form's views of the weight and bias, made at its first call
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., in] -> [..., out], as ``original(hidden)``."""
         rows = hidden.numel() // hidden.shape[-1] if hidden.shape[-1] else 0
-        if not 0 < rows <= MAX_MEASURED_ROWS or self.group.form(rows) == "linear":
+        form = self.group.form(rows) if 0 < rows <= MAX_MEASURED_ROWS else "linear"
+        if form == "linear" or (form == "compiled" and hidden.dtype != self.weight.dtype):
             return F.linear(hidden, self.weight, self.bias)
-        product = columns_product(hidden.reshape(rows, -1), self.weight)  # [rows, out]
-        if self.bias is not None:
-            product += self.bias
+        if form == "compiled":
+            if self._operands is None:  # the kernel's views of the weight and bias, kept for every step
+                self._operands = compiled.linear_operands(self.weight, self.bias)
+            product = compiled.linear(hidden.reshape(rows, -1), self.weight, self.bias, self._operands)
+        else:
+            product = columns_product(hidden.reshape(rows, -1), self.weight)  # [rows, out]
+            if self.bias is not None:
+                product += self.bias
         return product.view(*hidden.shape[:-1], self.out_features)
 
 
@@ -170,6 +191,32 @@ def columns_product(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # [in, rows or 2] as the transpose of contiguous rows: the BLAS reads it as such (a [in, 2] copy ran 3x slower)
     columns = rows.contiguous().t()
     return torch.mm(weight, columns).t()[:hidden.shape[0]].contiguous()
+
+
+def compiled_product(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """hidden [rows, in] x weight [out, in]^T -> [rows, out] (both of one dtype the kernel reads), by the
+    compiled kernel (linear_loops.py): summed in fp32 from the stored numbers, the weight read once."""
+    return compiled.linear(hidden, weight)
+
+
+def compiled_runs(weights: Sequence[torch.Tensor], rows: int) -> bool:
+    """Whether the compiled form runs for ``rows`` rows times ``weights``: at most COMPILED_MAX_ROWS rows, weights
+    on the CPU in a dtype the kernel reads (bfloat16 of an even width), the kernel compiled and checked here (it is
+    compiled now where it is not yet: ``compiled_kernels`` names it for a run to compile beforehand)."""
+    return (0 < rows <= COMPILED_MAX_ROWS and bool(weights)
+            and all(weight.device.type == "cpu" and weight.dtype in compiled.SCAN_DTYPES
+                    and (weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0) for weight in weights)
+            and compiled.ready("linear", weights[0].dtype))
+
+
+def compiled_kernels(model: nn.Module) -> list[tuple[str, torch.dtype]]:
+    """The compiled kernels (compiled.KERNELS, with their dtype) the measured forms of ``model``'s groups may run:
+    what a first run compiles while its book is encoded."""
+    dtypes = {group.weights[0].dtype for group, _ in groups(model)}
+    return [("linear", dtype) for dtype in sorted(dtypes, key=str) if dtype in compiled.SCAN_DTYPES]
+
+
+FORM_NAMES = {"linear": "F.linear", "columns": "weight @ rows^T", "compiled": "the compiled product"}
 
 
 def rows_class(rows: int) -> int:
