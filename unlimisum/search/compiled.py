@@ -84,15 +84,10 @@ except ImportError:  # pragma: no cover - numba is a dependency; a broken instal
     numba = None
 
 
-_SET_THREADS = threading.local()  # the count this thread last gave numba (its setting is per thread)
-
-
 def _threads() -> int:
     """torch's thread count, as numba may run it (numba's pool is sized once, from the CPU count)."""
     threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
-    if getattr(_SET_THREADS, "count", None) != threads:  # a call per step's product: 3 us each
-        numba.set_num_threads(threads)
-        _SET_THREADS.count = threads
+    numba.set_num_threads(threads)
     return threads
 
 
