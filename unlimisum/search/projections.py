@@ -11,7 +11,7 @@ product over its threads), took 9.6, 9.7, 16 and 16 ms. Neither reads the weight
 EPYC Zen 4 every torch form of a bfloat16 product of 1 to 32 rows streamed its weight at 8-16 GB/s of the 28 the
 machine had, so bfloat16 weights (half the bytes) gave a step nothing. The third form, ``compiled_product``,
 streams each weight once over the threads, every row met while a weight row is in cache (linear_loops.py):
-27-29 GB/s there, bart-base's greedy step at 16k tokens in bfloat16 1.41x as fast as with the other two forms.
+27-33 GB/s there, bart-base's greedy step at 16k tokens in bfloat16 1.33-1.45x as fast as with the other two forms.
 No form wins everywhere, so the choice is measured: once per machine (unlimisum/measurements.py keeps it), per
 group of weights (the decoder's layers, timed in turn as a step reads them; the output projection), dtype and
 count of rows, with the model's own weights; the compiled form races for at most COMPILED_MAX_ROWS rows, where
@@ -75,8 +75,8 @@ class LinearGroup:
                 f"{len(self.weights)} weights of {listed}, {rows} rows")
 
     def form(self, rows: int) -> str:
-        """``"linear"`` or ``"columns"``: the form measured faster for ``rows`` rows (their class), raced once per
-        machine with these weights, kept in the user's cache folder, memoised per process."""
+        """``"linear"``, ``"columns"`` or ``"compiled"``: the form measured faster for ``rows`` rows (their class),
+        raced once per machine with these weights, kept in the user's cache folder, memoised per process."""
         counted = rows_class(rows)
         if counted not in self._forms:
             found = measurements.remembered(self.measurement_name(counted), lambda: self.race(counted))
