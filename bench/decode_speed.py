@@ -34,8 +34,7 @@ import torch
 from bench.common import print_table, random_model, write_result
 from bench.index_choice import synthetic_states
 from unlimisum.models import compat
-from unlimisum.search import projections
-from unlimisum.search import kernels
+from unlimisum.search import kernels, projections
 from unlimisum.config import GenerationOptions, IndexConfig, RetrievalConfig
 from unlimisum.search.datastore import DatastoreBuilder, IndexPlan
 from unlimisum.summarizer import Summarizer

@@ -375,7 +375,8 @@ _LOCKS_LOCK = threading.Lock()
 
 
 def usable_states(states: torch.Tensor, kernel: str = "weighted_sum") -> bool:
-    """Whether ``kernel`` (``weighted_sum`` or ``dense_sum``) can read these states [N, d] here."""
+    """Whether ``kernel`` (``weighted_sum``, ``dense_sum`` or ``linear``) can read these states [N, d] (or a
+    weight [out, in]) here."""
     return usable(states.unsqueeze(0), kernel)
 
 

@@ -9,7 +9,7 @@ at 11-24, so that bfloat16 weights, half the bytes, gave a step nothing. Here ea
 share of the weight's rows and meets each row with every input row while it is in cache; the inner loop is one
 fused multiply-add per number, vectorised by LLVM (its sum reassociated, ``jit.FAST``), a bfloat16 weight read as
 32-bit words of two numbers (compiled.py: the word shifted left by 16 bits is the even one, the word with its
-lower half cleared the odd one). That loop read bart-base's weights at 27-29 GB/s in bfloat16 there.
+lower half cleared the odd one). That loop read bart-base's weights at 27-33 GB/s in bfloat16 there.
 
 compiled.py's ``linear`` says what runs; projections.py races it against torch's forms per machine.
 """

@@ -200,13 +200,12 @@ def compiled_product(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
 
 
 def compiled_runs(weights: Sequence[torch.Tensor], rows: int) -> bool:
-    """Whether the compiled form runs for ``rows`` rows times ``weights``: at most COMPILED_MAX_ROWS rows, weights
-    on the CPU in a dtype the kernel reads (bfloat16 of an even width), the kernel compiled and checked here (it is
-    compiled now where it is not yet: ``compiled_kernels`` names it for a run to compile beforehand)."""
+    """Whether the compiled form runs for ``rows`` rows times ``weights``: at most COMPILED_MAX_ROWS rows, each weight
+    one the kernel reads here (``compiled.usable_states``: on the CPU, in a dtype it reads, bfloat16 of an even
+    width, the kernel compiled and checked; it is compiled now where it is not yet: ``compiled_kernels`` names it
+    for a run to compile beforehand)."""
     return (0 < rows <= COMPILED_MAX_ROWS and bool(weights)
-            and all(weight.device.type == "cpu" and weight.dtype in compiled.SCAN_DTYPES
-                    and (weight.dtype != torch.bfloat16 or weight.shape[1] % 2 == 0) for weight in weights)
-            and compiled.ready("linear", weights[0].dtype))
+            and all(compiled.usable_states(weight, "linear") for weight in weights))
 
 
 def compiled_kernels(model: nn.Module) -> list[tuple[str, torch.dtype]]:
