@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from unlimisum import measurements
 from unlimisum.search import compiled, kernels
 
 
@@ -285,6 +286,71 @@ def test_a_reading_sums_its_many_queries_compiled_and_a_step_its_few_as_measured
                                                                                                        weights))
     bags = torch.nn.functional.embedding_bag(few, states, mode="sum", per_sample_weights=weights[:8].bfloat16())
     assert torch.equal(kernels.gathered_attention(states, few, weights[:8], False), bags.float())
+
+
+class _RacedScan:
+    """compiled._scan_heads_bf16 in a race of where the keys go into the lanes, timed by a clock of our own: four
+    queries at a time cost 0.25 a query, the keys in the lanes 5 whatever the count (so the lanes win from 32)."""
+
+    def __init__(self):
+        self.calls = 0
+        self.lanes = None
+        self.signatures = ["compiled"]  # as numba's dispatcher says of a kernel compiled in this process
+
+    def __call__(self, rows, heads, pitch, n, even, odd, tiled_from, *rest):
+        self.calls += 1
+        self.count = even.shape[1]
+        self.lanes = tiled_from <= self.count
+
+    def timer(self, run) -> float:
+        run()
+        return 5.0 if self.lanes else 0.25 * self.count
+
+
+@pytest.fixture
+def raced(monkeypatch, tmp_path):
+    assert compiled.ready("select", torch.bfloat16)  # checked on the real scan, before it is replaced
+    monkeypatch.setenv("UNLIMISUM_CACHE_HOME", str(tmp_path))  # this test's own measurements
+    monkeypatch.setattr(compiled, "_TILED_FROM", {})
+    scan = _RacedScan()
+    monkeypatch.setattr(compiled, "_scan_heads_bf16", scan)
+    measure = compiled.measure_tiled_from
+    monkeypatch.setattr(compiled, "measure_tiled_from",
+                        lambda head_dim: measure(head_dim, timer=scan.timer, n=compiled.TILED_KEYS // 8))
+    return scan
+
+
+def test_where_many_queries_put_the_keys_in_the_lanes_is_measured_once_per_machine_and_kept(raced):
+    assert compiled.tiled_from(64) == 32  # 8 and 16 queries: four at a time faster; 32: the lanes
+    calls = raced.calls
+    assert compiled.tiled_from(64) == 32 and raced.calls == calls  # this process's answer
+    compiled._TILED_FROM.clear()  # a later process: the kept measurement, nothing raced
+    assert compiled.tiled_from(64) == 32 and raced.calls == calls
+    kept = measurements.default_store().get("scan keys in the lanes, dh=64")
+    assert kept.value == 32 and "8 queries: in the lanes 5000.00 ms, four at a time 2000.00 ms" in kept.reason
+    compiled.tiled_from(128)  # another head width, measured on its own
+    assert raced.calls > calls
+
+
+def test_until_the_scan_runs_no_measurement_compiles_it(raced, monkeypatch):
+    monkeypatch.setattr(compiled, "_READY", {})
+    raced.signatures = []  # not compiled in this process
+    assert compiled.tiled_from(64) == compiled.TILED_MIN_QUERIES and raced.calls == 0
+    assert measurements.default_store().get("scan keys in the lanes, dh=64") is None
+
+
+def test_where_the_lanes_never_win_the_raced_counts_many_queries_sum_four_at_a_time(raced, monkeypatch):
+    monkeypatch.setattr(raced, "timer", lambda run: (run(), 5.0 if raced.lanes else 0.01)[1])
+    assert compiled.tiled_from(64) == compiled.TILED_ALWAYS
+
+
+def test_the_measurement_races_the_real_scan_both_ways():
+    """On this machine, a small store: an answer among the counts raced, with what each way took."""
+    assert compiled.ready("select", torch.bfloat16)
+    found, reason = compiled.measure_tiled_from(64, n=2048)
+    assert found in (*compiled.TILED_RACED_QUERIES, compiled.TILED_ALWAYS)
+    raced = [count for count in compiled.TILED_RACED_QUERIES if count <= found]
+    assert all(f"{count} queries: in the lanes" in reason for count in raced)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -751,11 +751,21 @@ def _assert_the_scan_attends_as_the_kernels_do(scanner: str, keys, queries, ids,
     torch.testing.assert_close(got[2], want[2], **tolerance)
 
 
+@pytest.fixture(params=["lanes", "sums"])
+def many_queries(request, monkeypatch):
+    """Each way of scoring many queries against bfloat16 keys, where a machine takes one of them from a count it
+    measured (compiled.tiled_from): the keys in the lanes from 8 queries a head, or four queries at a time up to
+    TILED_ALWAYS."""
+    tiled_from = 8 if request.param == "lanes" else compiled.TILED_ALWAYS
+    monkeypatch.setattr(compiled, "tiled_from", lambda head_dim: tiled_from)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# 4 at a time, then 2 or 3 at once, or 1 (4 keys at once); from 8, bfloat16 keys in the lanes, 2 queries at a time
+# 4 at a time, then 2 or 3 at once, or 1 (4 keys at once); from a measured count, bfloat16 keys in the lanes
 @pytest.mark.parametrize("queries_per_head", [1, 6, 7, 9, 16])
 @pytest.mark.parametrize("head_dim", [16, 24, 80])  # bf16's 8-word vectors: 1, none (12 words: the loop), 5
-def test_the_compiled_scan_gives_the_brute_force_top_k_and_scores(dtype, queries_per_head, head_dim):
+def test_the_compiled_scan_gives_the_brute_force_top_k_and_scores(dtype, queries_per_head, head_dim, many_queries):
     generator = torch.Generator().manual_seed(7)
     book = torch.randn(3, 6000, head_dim, generator=generator).to(dtype)  # [H, N, dh]
     # a chapter's view at an offset: 5,203 rows, several blocks and many cuts at k=9, the last block's 83 scores
@@ -777,10 +787,10 @@ def test_the_compiled_scan_gives_the_brute_force_top_k_and_scores(dtype, queries
 
 
 @pytest.mark.parametrize("n", [5, 40, 1037, 2600])  # less than a tile of 40 keys, one, tiles and a padded one
-def test_many_queries_score_a_query_alike_wherever_it_sits_among_them(n):
-    """From 8 queries a head, bfloat16 keys are scored in the lanes, two queries at a time and a last one alone:
-    the same query gets the same scores, bit for bit, first or second of a pair or alone, in the scores and in the
-    scan's blocks (a support reading's two rows rely on it)."""
+def test_many_queries_score_a_query_alike_wherever_it_sits_among_them(n, many_queries):
+    """Many queries a head are scored with bfloat16 keys in the lanes, two queries at a time and a last one
+    alone, or four at a time and the three after: either way the same query gets the same scores, bit for bit,
+    wherever it sits, in the scores and in the scan's blocks (a support reading's two rows rely on it)."""
     generator = torch.Generator().manual_seed(11)
     book = torch.randn(2, n + 30, 64, generator=generator).to(torch.bfloat16)
     keys = book[:, 30:]  # a chapter's view at an offset
@@ -799,7 +809,8 @@ def test_many_queries_score_a_query_alike_wherever_it_sits_among_them(n):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("queries_per_head", [1, 9])
-def test_the_compiled_scan_starts_again_where_its_sampled_floor_was_too_high(dtype, queries_per_head):
+def test_the_compiled_scan_starts_again_where_its_sampled_floor_was_too_high(dtype, queries_per_head,
+                                                                             many_queries):
     """The scan's thresholds start at a floor from a sample of the keys; keys where only the sampled ones score
     (the others far below) leave fewer than k at or above it, and the scan goes again from -inf for them."""
     n, k = 8192, 100

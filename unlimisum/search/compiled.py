@@ -13,11 +13,12 @@ finds), read each number once:
   beams; four queries and two keys at a time in explicit 8-lane vectors (``_pair_four_bf16``: each key's words
   loaded and widened once, each query's lanes loaded once for both keys, a key's four sums reduced together),
   and the two or three after the last four the same way (a group of 7 query heads: 4 + 3), where a key's
-  words (or fp32 numbers) are a multiple of 8; the top-k of each query is kept as it goes: a block's scores
-  are compared with the current threshold 8 at a time (``_above``), those above it appended to a buffer of
-  ``2 k`` candidates, and a full buffer is cut to little more than its k largest (``_cut``: a sample says
-  where, one branch-free pass keeps them), which raises the threshold; ``scores``: the same pass, every
-  score written;
+  words (or fp32 numbers) are a multiple of 8; from a count of queries a head this machine measured
+  (``tiled_from``), bfloat16 keys go into the lanes instead (a tile transposed once for all of them); the top-k
+  of each query is kept as it goes: a block's scores are compared with the current threshold 8 at a time
+  (``_above``), those above it appended to a buffer of ``2 k`` candidates, and a full buffer is cut to little
+  more than its k largest (``_cut``: a sample says where, one branch-free pass keeps them), which raises the
+  threshold; ``scores``: the same pass, every score written;
 - ``select_grouped``: ``select`` for grouped-query attention (decoder-only generation): every query head of a
   key-value head scores each block of its keys, and each row's (beam's) g scores of a key are reduced to their
   largest before the running top-k keeps them: one selection per row and key-value head, one pass;
@@ -65,6 +66,8 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
+from unlimisum import measurements
+
 SCAN_DTYPES = (torch.bfloat16, torch.float32)  # float16 keys keep the torch kernels and faiss
 # the weighted sum runs blocked where its queries read each state this many times or more on average: against the
 # per-query sums (bfloat16, d=768, k=1,024, 2 threads, EPYC Zen 4) 24 reads 2.0x as fast, 12 reads 1.8x, 3.9 reads
@@ -79,6 +82,7 @@ try:
         _scan_heads_bf16, _scan_heads_f32, _select_grouped_heads_bf16, _select_grouped_heads_f32,
         _sums_blocked_parts, _sums_queries_bf16, _sums_queries_f32)
     from unlimisum.search.linear_loops import _linear_rows_bf16, _linear_rows_f32
+    from unlimisum.search.score_loops import TILED_MIN_QUERIES
     from unlimisum.search.top_k_loops import _top_k_rows
 except ImportError:  # pragma: no cover - numba is a dependency; a broken install leaves the torch kernels
     numba = None
@@ -122,6 +126,15 @@ def _split_queries(queries: torch.Tensor, dtype: torch.dtype) -> tuple[np.ndarra
     return (queries.contiguous().numpy(),)
 
 
+def _query_args(queries: torch.Tensor, dtype: torch.dtype) -> tuple:
+    """A driver's arguments for queries [H, nq, dh]: ``_split_queries``'s, and for bfloat16 keys the count of
+    queries a head from which their scores put the keys in the lanes (``tiled_from``)."""
+    split = _split_queries(queries, dtype)
+    if dtype != torch.bfloat16:
+        return split
+    return (*split, tiled_from(queries.shape[2]) if TILED_MIN_QUERIES <= queries.shape[1] < TILED_ALWAYS else 0)
+
+
 def select(keys: torch.Tensor, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(scores [H, nq, k'] fp32, ids [H, nq, k'] int64) of each head's top-k, k' = min(k, n), in no order:
     keys [H, n, dh] (CPU, ``SCAN_DTYPES``; bfloat16 needs an even dh) scanned once for every query [H, nq, dh].
@@ -136,7 +149,7 @@ def select(keys: torch.Tensor, queries: torch.Tensor, k: int) -> tuple[torch.Ten
     rows, pitch = _head_rows(keys)
     kernel = _scan_heads_bf16 if keys.dtype == torch.bfloat16 else _scan_heads_f32
     _threads()
-    kernel(rows, heads, pitch, n, *_split_queries(queries, keys.dtype), k, scores.numpy(), ids.numpy(),
+    kernel(rows, heads, pitch, n, *_query_args(queries, keys.dtype), k, scores.numpy(), ids.numpy(),
            np.empty((heads, nq, 0), np.float32))
     return scores, ids
 
@@ -157,7 +170,7 @@ def select_grouped(keys: torch.Tensor, queries: torch.Tensor, k: int) -> tuple[t
     key_rows, pitch = _head_rows(keys)
     kernel = _select_grouped_heads_bf16 if keys.dtype == torch.bfloat16 else _select_grouped_heads_f32
     _threads()
-    kernel(key_rows, heads, pitch, n, *_split_queries(per_head, keys.dtype), group, k, scores.numpy(), ids.numpy())
+    kernel(key_rows, heads, pitch, n, *_query_args(per_head, keys.dtype), group, k, scores.numpy(), ids.numpy())
     return scores.transpose(0, 1), ids.transpose(0, 1)  # [B, G, k]
 
 
@@ -175,7 +188,7 @@ def scores(keys: torch.Tensor, queries: torch.Tensor, out: torch.Tensor | None =
     kernel = _scan_heads_bf16 if keys.dtype == torch.bfloat16 else _scan_heads_f32
     nq = queries.shape[1]
     _threads()
-    kernel(rows, heads, pitch, n, *_split_queries(queries, keys.dtype), 0, np.empty((heads, nq, 0), np.float32),
+    kernel(rows, heads, pitch, n, *_query_args(queries, keys.dtype), 0, np.empty((heads, nq, 0), np.float32),
            np.empty((heads, nq, 0), np.int64), out.numpy())
     return out
 
@@ -339,7 +352,7 @@ def attend_dense(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor
     _threads()
     if keys.dtype == torch.bfloat16:
         _attend_dense_heads_bf16(key_rows, value_rows, heads, key_pitch, value_pitch, n,
-                                 *_split_queries(queries, keys.dtype), weights, block_peaks, peak, total, out)
+                                 *_query_args(queries, keys.dtype), weights, block_peaks, peak, total, out)
         halves = out.reshape(heads, nq, 2, value_dim // 2)
         out = np.ascontiguousarray(halves.transpose(0, 1, 3, 2)).reshape(heads, nq, value_dim)
     else:
@@ -350,6 +363,67 @@ def attend_dense(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor
         _coverage(weights, block_peaks, peak, total, added)
         coverage += torch.from_numpy(added).to(coverage.dtype)
     return torch.from_numpy(out)
+
+
+# --- where the bfloat16 scores put the keys in the lanes: measured once per machine ----------------------------
+
+# the counts of queries a head raced each way (``measure_tiled_from``); from TILED_ALWAYS on the keys go into the
+# lanes on every machine (32 queries a head measured 1.28x on an EPYC Zen 2 and 1.3-1.4x on a Zen 4, 64 1.64x)
+TILED_RACED_QUERIES = (8, 16, 32)
+TILED_ALWAYS = 64
+TILED_KEYS = 16_384  # the store raced on: 12 heads (bart-base's), k = 1,024
+_TILED_FROM: dict[int, int] = {}  # this process's answers, by head width
+
+
+def tiled_from(head_dim: int) -> int:
+    """Queries a head from which the bfloat16 scores of keys ``head_dim`` numbers wide put the keys in the lanes
+    (score_loops.py: a tile of keys transposed once for all the queries) rather than summing four queries at a
+    time: measured once per machine (``measure_tiled_from``) and kept (unlimisum/measurements.py), since where
+    the two ways cross differs from CPU to CPU (8 queries on an EPYC Zen 2, 32 on a Zen 4). Until the scan runs
+    in this process (checked or called once: no measurement compiles it), score_loops.TILED_MIN_QUERIES."""
+    found = _TILED_FROM.get(head_dim)
+    if found is not None:
+        return found
+    if not (_READY.get(_key("select", torch.bfloat16), False) or _scan_heads_bf16.signatures):
+        return TILED_MIN_QUERIES
+    measured = measurements.remembered(f"scan keys in the lanes, dh={head_dim}",
+                                       lambda: measure_tiled_from(head_dim))
+    try:
+        found = int(measured.value)
+    except (TypeError, ValueError):  # a damaged entry: measured again, for this process
+        found = measure_tiled_from(head_dim)[0]
+    _TILED_FROM[head_dim] = found
+    return found
+
+
+def measure_tiled_from(head_dim: int, *, timer: Callable[[Callable[[], object]], float] | None = None,
+                       n: int = TILED_KEYS) -> tuple[int, str]:
+    """(the fewest of TILED_RACED_QUERIES queries a head from which the keys in the lanes select faster than the
+    four-query sums, else TILED_ALWAYS; what was measured): the compiled scan of ``n`` random bfloat16 keys of
+    12 heads, k = 1,024, both ways raced in turns for each count (``measurements.race``; ``timer``: seconds of one
+    call, for tests)."""
+    generator = torch.Generator().manual_seed(11)
+    heads, k = 12, min(1024, n)
+    keys = torch.randn(heads, n, head_dim, generator=generator).to(torch.bfloat16)
+    rows, pitch = _head_rows(keys)
+    _threads()
+    said = []
+    for count in TILED_RACED_QUERIES:
+        even, odd = _split_queries(torch.randn(heads, count, head_dim, generator=generator) * head_dim ** -0.5,
+                                   torch.bfloat16)
+        scores = np.empty((heads, count, k), np.float32)
+        ids = np.empty((heads, count, k), np.int64)
+
+        def scan(from_count: int, even=even, odd=odd, scores=scores, ids=ids, count=count) -> None:
+            _scan_heads_bf16(rows, heads, pitch, n, even, odd, from_count, k, scores, ids,
+                             np.empty((heads, count, 0), np.float32))
+
+        best = measurements.race({"lanes": lambda: scan(count), "sums": lambda: scan(count + 1)}, timer=timer)
+        said.append(f"{count} queries: in the lanes {best['lanes'] * 1e3:.2f} ms, four at a time "
+                    f"{best['sums'] * 1e3:.2f} ms")
+        if best["lanes"] < best["sums"]:
+            return count, f"keys in the lanes from {count} queries a head ({'; '.join(said)}; {n:,} keys)"
+    return TILED_ALWAYS, f"keys in the lanes from {TILED_ALWAYS} queries a head ({'; '.join(said)}; {n:,} keys)"
 
 
 # --- which kernels run here: each compiled when a run first needs it, and checked against torch -----------------

@@ -187,11 +187,11 @@ def _misjudged(floors, held, threshold, k):
 
 
 @numba.njit(nogil=True, cache=_CACHED, inline="always")
-def _blocks_bf16(words, even, odd, k, block, kept, kept_ids, held, threshold):
+def _blocks_bf16(words, even, odd, k, tiled_from, block, kept, kept_ids, held, threshold):
     n = words.shape[0]
     for start in range(0, n, BLOCK_ROWS):
         count = min(BLOCK_ROWS, n - start)
-        _scores_bf16(words[start:start + count], even, odd, block[:, :count])
+        _scores_bf16(words[start:start + count], even, odd, block[:, :count], tiled_from)
         _keep(block, start, count, kept, kept_ids, held, threshold, k)
 
 
@@ -205,7 +205,7 @@ def _blocks_f32(keys, queries, k, block, kept, kept_ids, held, threshold):
 
 
 @_compile
-def _select_bf16(words, even, odd, k, out_scores, out_ids):
+def _select_bf16(words, even, odd, k, tiled_from, out_scores, out_ids):
     """out_scores/out_ids [nq, k] = each query's k best bfloat16 keys (``_scores_bf16``'s layout), no order: the
     thresholds start at a floor from a sample of the keys (``_scan_sample``), the blocks are scored and kept, and
     the few queries the sample misjudged are scanned again from -inf."""
@@ -215,10 +215,10 @@ def _select_bf16(words, even, odd, k, out_scores, out_ids):
     floors = np.full(queries, -np.inf, np.float32)
     if spread:
         sampled = np.empty((queries, spread), np.float32)
-        _scores_bf16(_sampled_rows(words, spread), even, odd, sampled[:, :spread])  # as the blocks' (one compile)
+        _scores_bf16(_sampled_rows(words, spread), even, odd, sampled[:, :spread], tiled_from)  # as the blocks'
         floors = _sampled_floors(sampled, rank, threshold)
     for again in range(2):  # again only where the sample misjudged a query (one call: its code compiled once)
-        _blocks_bf16(words, even, odd, k, block, kept, kept_ids, held, threshold)
+        _blocks_bf16(words, even, odd, k, tiled_from, block, kept, kept_ids, held, threshold)
         if again or not _misjudged(floors, held, threshold, k):
             break
     _finish(kept, kept_ids, held, k, out_scores, out_ids)
@@ -259,7 +259,7 @@ def _group_max(scored, group, count, out):
 
 
 @_compile
-def _select_grouped_bf16(words, even, odd, group, k, out_scores, out_ids):
+def _select_grouped_bf16(words, even, odd, group, k, tiled_from, out_scores, out_ids):
     """out_scores/out_ids [B, k] = each row's k best bfloat16 keys (``_scores_bf16``'s layout) by the largest
     score of its ``group`` queries (``even``/``odd`` [B * group, dh/2], ``_group_max``'s order), no order."""
     n = words.shape[0]
@@ -267,7 +267,7 @@ def _select_grouped_bf16(words, even, odd, group, k, out_scores, out_ids):
     block, kept, kept_ids, held, threshold = _candidates(even.shape[0] // group, k)
     for start in range(0, n, BLOCK_ROWS):
         count = min(BLOCK_ROWS, n - start)
-        _scores_bf16(words[start:start + count], even, odd, scored[:, :count])
+        _scores_bf16(words[start:start + count], even, odd, scored[:, :count], tiled_from)
         _group_max(scored, group, count, block)
         _keep(block, start, count, kept, kept_ids, held, threshold, k)
     _finish(kept, kept_ids, held, k, out_scores, out_ids)
@@ -580,7 +580,7 @@ def _normalise(total, sums):
 
 
 @_compile
-def _attend_dense_bf16(key_words, value_words, even, odd, kept, block_peaks, peak, total, out):
+def _attend_dense_bf16(key_words, value_words, even, odd, tiled_from, kept, block_peaks, peak, total, out):
     """out [nq, dv] = softmax(queries K^T) V, its even dimensions then its odd ones: bfloat16 keys and
     values ``key_words`` [n, dh/2], ``value_words`` [n, dv/2] uint32 (``_scores_bf16``'s layout), queries
     ``even``/``odd`` [nq, dh/2]; a block of BLOCK_ROWS keys at a time, scored, weighed and summed in cache.
@@ -599,7 +599,7 @@ def _attend_dense_bf16(key_words, value_words, even, odd, kept, block_peaks, pea
         count = min(BLOCK_ROWS, n - start)
         scores, first = (kept, start) if keep else (block, 0)
         weights = scores[:, first:first + count]
-        _scores_bf16(key_words[start:start + count], even, odd, weights)
+        _scores_bf16(key_words[start:start + count], even, odd, weights, tiled_from)
         _softmax_block(scores, first, count, peak, total, out)
         if keep:
             block_peaks[:, start // BLOCK_ROWS] = peak
@@ -638,11 +638,11 @@ def _attend_dense_f32(keys, values, queries, kept, block_peaks, peak, total, out
 
 
 @_compile_parallel
-def _attend_dense_heads_bf16(key_words, value_words, heads, key_pitch, value_pitch, n, even, odd, kept,
-                             block_peaks, peak, total, out):
+def _attend_dense_heads_bf16(key_words, value_words, heads, key_pitch, value_pitch, n, even, odd, tiled_from,
+                             kept, block_peaks, peak, total, out):
     for h in numba.prange(heads):
         _attend_dense_bf16(key_words[h * key_pitch:h * key_pitch + n],
-                           value_words[h * value_pitch:h * value_pitch + n], even[h], odd[h], kept[h],
+                           value_words[h * value_pitch:h * value_pitch + n], even[h], odd[h], tiled_from, kept[h],
                            block_peaks[h], peak[h], total[h], out[h])
 
 
@@ -672,20 +672,21 @@ def _coverage(kept, block_peaks, peak, total, coverage):
                         coverage[j] += kept[h, q, j] * scale
 
 # the drivers: one call for all heads (or queries, or blocks of states), spread over the threads by prange;
-# head h's keys are rows[h * pitch:h * pitch + n] (``_head_rows``)
+# head h's keys are rows[h * pitch:h * pitch + n] (``_head_rows``); a bfloat16 driver's queries (even, odd) are
+# followed by the count of them a head from which its scores put the keys in the lanes (compiled.tiled_from)
 
 # one driver scores (k == 0: every score into ``out``) or selects (each query's top k) per head: one parallel
 # function to compile for both, and ``_scores_*`` with one signature (``out`` as the select's blocks, 'A')
 
 
 @_compile_parallel
-def _scan_heads_bf16(words, heads, pitch, n, even, odd, k, out_scores, out_ids, out):
+def _scan_heads_bf16(words, heads, pitch, n, even, odd, tiled_from, k, out_scores, out_ids, out):
     for h in numba.prange(heads):
         rows = words[h * pitch:h * pitch + n]
         if k == 0:
-            _scores_bf16(rows, even[h], odd[h], out[h][:, :n])
+            _scores_bf16(rows, even[h], odd[h], out[h][:, :n], tiled_from)
         else:
-            _select_bf16(rows, even[h], odd[h], k, out_scores[h], out_ids[h])
+            _select_bf16(rows, even[h], odd[h], k, tiled_from, out_scores[h], out_ids[h])
 
 
 @_compile_parallel
@@ -738,9 +739,9 @@ def _dense_sums_parts_f32(states, weights, bounds, out):
 
 
 @_compile_parallel
-def _select_grouped_heads_bf16(words, heads, pitch, n, even, odd, group, k, out_scores, out_ids):
+def _select_grouped_heads_bf16(words, heads, pitch, n, even, odd, tiled_from, group, k, out_scores, out_ids):
     for h in numba.prange(heads):
-        _select_grouped_bf16(words[h * pitch:h * pitch + n], even[h], odd[h], group, k, out_scores[h],
+        _select_grouped_bf16(words[h * pitch:h * pitch + n], even[h], odd[h], group, k, tiled_from, out_scores[h],
                              out_ids[h])
 
 

@@ -283,7 +283,7 @@ _pair_four_bf16, _pair_three_bf16, _pair_two_bf16 = (_dot_bf16_of(count, 2) for 
 _pair_four_f32, _pair_three_f32, _pair_two_f32 = (_dot_f32_of(count, 2) for count in (4, 3, 2))
 _quad_one_bf16 = _dot_bf16_of(1, 4)  # one query, four keys (bfloat16 keys: for fp32 ones measured slower)
 
-# --- many queries against a tile of keys in the lanes (``_scores_bf16`` from TILED_MIN_QUERIES queries on)
+# --- many queries against a tile of keys in the lanes (``_scores_bf16`` from the count compiled.tiled_from measured)
 
 # keys per tile: five 8-lane vectors of each query's scores, two queries at a time (ten sums in registers), and the
 # tile's transposition shared by all the queries (EPYC Zen 2, 16,384 keys x 12 heads, two threads, against the

@@ -1,8 +1,8 @@
 """The loops that score queries against keys (numba): fp32 scores of bfloat16 keys (two numbers a 32-bit word,
-widened in registers) or fp32 ones, a few queries at a time against one, two or four keys, or, from
-TILED_MIN_QUERIES queries, many against a tile of keys in the lanes. The scan, the dense attention and the
-grouped select of compiled_loops.py score their blocks with these; llvm.py has the instructions numba would not
-emit; jit.py how they are compiled and cached.
+widened in registers) or fp32 ones, a few queries at a time against one, two or four keys, or, from a count of
+queries this machine measured (compiled.tiled_from), many against a tile of keys in the lanes. The scan, the
+dense attention and the grouped select of compiled_loops.py score their blocks with these; llvm.py has the
+instructions numba would not emit; jit.py how they are compiled and cached.
 """
 
 from __future__ import annotations
@@ -18,8 +18,10 @@ from unlimisum.search.llvm import (_LANES, _SHIFT, _UPPER, TILE_KEYS, _as_float,
     _pair_three_bf16, _pair_three_f32, _pair_two_bf16, _pair_two_f32, _prefetch, _quad_one_bf16, _tile_scores_one,
     _tile_scores_two)
 
-# queries from which bfloat16 keys are scored with the keys in the lanes (``_scores_tiled_bf16``; measured 0.8x
-# for 4 queries, 1.17x for 8)
+# queries from which bfloat16 keys are scored with the keys in the lanes (``_scores_tiled_bf16``) where nothing
+# else is asked: fewer keep the few-query sums below on every machine (4 queries measured 0.8x on an EPYC Zen 2);
+# from here on, where the keys go into the lanes is measured per machine (compiled.tiled_from: from 8 queries on
+# the EPYC Zen 2, 1.17x; from 32 on a Zen 4, 64 as AVX2, where 8 queries ran 1.3-1.7x slower in the lanes)
 TILED_MIN_QUERIES = 8
 
 jit.begin_decorations()
@@ -106,13 +108,13 @@ def _scores_tiled_bf16(words, even, odd, out):
 
 
 @_compile
-def _scores_bf16(words, even, odd, out):
+def _scores_bf16(words, even, odd, out, tiled_from):
     """out [nq, n] = fp32 scores of queries (``even``/``odd`` [nq, dh/2] dimensions) against bfloat16 keys
-    ``words`` [n, dh/2] uint32 (two keys' numbers a word: the even one in the lower half). Each score is the same
-    sum wherever its query sits among the others."""
+    ``words`` [n, dh/2] uint32 (two keys' numbers a word: the even one in the lower half), with the keys in the
+    lanes from ``tiled_from`` queries on. Each score is the same sum wherever its query sits among the others."""
     n, half = words.shape
     queries = even.shape[0]
-    if half % _LANES == 0 and queries >= TILED_MIN_QUERIES:
+    if half % _LANES == 0 and queries >= max(tiled_from, TILED_MIN_QUERIES):
         _scores_tiled_bf16(words, even, odd, out)
         return
     first = 0
