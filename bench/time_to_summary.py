@@ -21,8 +21,10 @@ generate, evidence and support, beside:
 
 Each input is summarized twice: "first run" with an empty cache folder (this machine's speed choices measured,
 unlimisum/measurements.py, and the retrieval kernels compiled into it: numba's cache lives there too) and "later
-runs" with the folder the first run filled. ``--python``: run the unlimisum installed in that interpreter's
-environment (``pip install .`` in a fresh venv, as a user has it) rather than this tree's source.
+runs" with the folder the first run filled (``--variants later`` alone fills it by an unreported first run of the
+same input and options: a later run of a long input is not one after a short text, which compiles no scan kernel).
+``--python``: run the unlimisum installed in that interpreter's environment (``pip install .`` in a fresh venv, as
+a user has it) rather than this tree's source.
 With ``--before REV`` the same commands run the code of git revision REV (a worktree under bench/.cache), in turns
 with this tree's, so the before/after comes from one run. Summaries are forced to ``--new-tokens`` (min = max),
 greedy (the random model's generation config). Inputs: samples/story.epub, the first 10k, 16k, 20k and 100k tokens of
@@ -237,7 +239,8 @@ def main(argv=None) -> None:
     parser.add_argument("--before", default=None, help="a git revision to run beside this tree, in turns")
     parser.add_argument("--quick", action="store_true", help="bart-base, the story only")
     parser.add_argument("--variants", default="first,later",
-                        help="first: an empty cache folder (speed choices measured); later: the folder filled")
+                        help="first: an empty cache folder (speed choices measured); later: the folder a first "
+                             "run of the same input filled")
     parser.add_argument("--extra", default="", help="more summarize options for every run, e.g. --encode-int8")
     parser.add_argument("--name", default="time_to_summary", help="the result file's name (bench/results/NAME.json)")
     parser.add_argument("--python", default=None,
@@ -262,8 +265,9 @@ def main(argv=None) -> None:
                 home = Path(tempfile.mkdtemp(prefix="unlimisum-bench-home-"))
                 try:
                     wanted = args.variants.split(",")
-                    if "first" not in wanted:  # the speed choices measured beforehand, as a reader's earlier run did
-                        run_unlimisum(folder, ROOT / "samples" / "story.txt", 4, home, code)
+                    if "first" not in wanted:  # what a reader's earlier run of this job left: the same input and
+                        # options, unreported (a short text would leave the long input's kernels uncompiled)
+                        run_unlimisum(folder, document, args.new_tokens, home, code, args.extra.split())
                     for variant in [v for v in ("first run", "later runs") if v.split()[0] in wanted]:
                         run = run_unlimisum(folder, document, args.new_tokens, home, code, args.extra.split())
                         run.update(size=size, input=name, tree=tree + (f" {args.extra}" if args.extra else ""),
