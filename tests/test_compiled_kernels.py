@@ -344,6 +344,15 @@ def test_where_the_lanes_never_win_the_raced_counts_many_queries_sum_four_at_a_t
     assert compiled.tiled_from(64) == compiled.TILED_ALWAYS
 
 
+def test_a_race_of_kernels_takes_the_measurement_first_only_where_it_will_be_asked(raced):
+    for keys, queries in ((torch.zeros(2, 10, 64), 8), (torch.zeros(2, 10, 64, dtype=torch.bfloat16), 4),
+                          (torch.zeros(2, 10, 64, dtype=torch.bfloat16), compiled.TILED_ALWAYS)):
+        compiled.measure_before_timing(keys, queries)  # float32 keys; fewer queries; the lanes whatever it says
+    assert raced.calls == 0 and compiled._TILED_FROM == {}
+    compiled.measure_before_timing(torch.zeros(2, 10, 64, dtype=torch.bfloat16), 8)
+    assert raced.calls > 0 and compiled._TILED_FROM == {64: 32}
+
+
 def test_the_measurement_races_the_real_scan_both_ways():
     """On this machine, a small store: an answer among the counts raced, with what each way took."""
     assert compiled.ready("select", torch.bfloat16)

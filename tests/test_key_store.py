@@ -642,6 +642,22 @@ def test_a_scan_takes_over_from_the_length_where_it_is_measured_faster(monkeypat
                                                    and 2000 >= expected_from)
 
 
+def test_where_the_keys_go_into_the_lanes_is_measured_before_the_race_times_the_scan(monkeypatch):
+    """A first call of the scan for 8 queries a head takes this machine's compiled.tiled_from (a quarter of a
+    second, once): taken inside a timed call, it would make the compiled kernels lose the race."""
+    monkeypatch.delenv("UNLIMISUM_SCORE_KERNEL", raising=False)
+    _scanners_available(monkeypatch, "compiled")
+    events = []
+    monkeypatch.setattr(compiled, "measure_before_timing",
+                        lambda keys, queries_per_head: events.append(("tiled_from", keys.shape, queries_per_head)))
+    seconds = {"shared": 0.030, "float32/256": 0.020, "float32/1024": 0.010, "float32/4096": 0.015, "native": 0.5,
+               "compiled": 0.006, "compiled scan": 0.004}
+    shared = kernels.KernelChoice("float32", 512, False, 1e-9, 1e-9)
+    head_kernels.calibrate_heads("cpu", torch.bfloat16, 32, 4, 8, queries_per_head=8, rows=512, long_rows=4096,
+                                 shared=shared, time_one=lambda name, run: events.append(name) or seconds[name])
+    assert events[0] == ("tiled_from", (4, 512, 8), 8) and len(events) > 1
+
+
 def test_the_faster_of_the_two_scans_is_raced(monkeypatch):
     monkeypatch.delenv("UNLIMISUM_SCORE_KERNEL", raising=False)
     _scanners_available(monkeypatch, "faiss", "compiled")

@@ -396,6 +396,14 @@ def tiled_from(head_dim: int) -> int:
     return found
 
 
+def measure_before_timing(keys: torch.Tensor, queries_per_head: int) -> None:
+    """Take this machine's ``tiled_from`` for keys like ``keys`` [H, n, dh] now, where that many queries a head
+    would ask for it, so that a race timing the scan's first call does not time the measurement with it."""
+    if (keys.device.type == "cpu" and keys.dtype == torch.bfloat16
+            and TILED_MIN_QUERIES <= queries_per_head < TILED_ALWAYS and usable(keys, "select")):
+        tiled_from(keys.shape[2])
+
+
 def measure_tiled_from(head_dim: int, *, timer: Callable[[Callable[[], object]], float] | None = None,
                        n: int = TILED_KEYS) -> tuple[int, str]:
     """(the fewest of TILED_RACED_QUERIES queries a head from which the keys in the lanes select faster than the
