@@ -265,11 +265,12 @@ def main(argv=None) -> None:
                 home = Path(tempfile.mkdtemp(prefix="unlimisum-bench-home-"))
                 try:
                     wanted = args.variants.split(",")
+                    extra = args.extra.split()
                     if "first" not in wanted:  # what a reader's earlier run of this job left: the same input and
                         # options, unreported (a short text would leave the long input's kernels uncompiled)
-                        run_unlimisum(folder, document, args.new_tokens, home, code, args.extra.split())
+                        run_unlimisum(folder, document, args.new_tokens, home, code, extra)
                     for variant in [v for v in ("first run", "later runs") if v.split()[0] in wanted]:
-                        run = run_unlimisum(folder, document, args.new_tokens, home, code, args.extra.split())
+                        run = run_unlimisum(folder, document, args.new_tokens, home, code, extra)
                         run.update(size=size, input=name, tree=tree + (f" {args.extra}" if args.extra else ""),
                                    variant=variant, plain=plain)
                         run["encoder_floor"] = encoder_floor(folder, run["windows"], run["dtype"])

@@ -132,7 +132,7 @@ def _query_args(queries: torch.Tensor, dtype: torch.dtype) -> tuple:
     split = _split_queries(queries, dtype)
     if dtype != torch.bfloat16:
         return split
-    return (*split, tiled_from(queries.shape[2]) if TILED_MIN_QUERIES <= queries.shape[1] < TILED_ALWAYS else 0)
+    return (*split, tiled_from(queries.shape[2]) if _asks_tiled_from(queries.shape[1]) else TILED_MIN_QUERIES)
 
 
 def select(keys: torch.Tensor, queries: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -396,11 +396,17 @@ def tiled_from(head_dim: int) -> int:
     return found
 
 
+def _asks_tiled_from(queries_per_head: int) -> bool:
+    """Whether the scores of ``queries_per_head`` queries a head go by the count this machine measured: from
+    TILED_MIN_QUERIES, below TILED_ALWAYS (elsewhere every machine sums them the same way)."""
+    return TILED_MIN_QUERIES <= queries_per_head < TILED_ALWAYS
+
+
 def measure_before_timing(keys: torch.Tensor, queries_per_head: int) -> None:
     """Take this machine's ``tiled_from`` for keys like ``keys`` [H, n, dh] now, where that many queries a head
     would ask for it, so that a race timing the scan's first call does not time the measurement with it."""
-    if (keys.device.type == "cpu" and keys.dtype == torch.bfloat16
-            and TILED_MIN_QUERIES <= queries_per_head < TILED_ALWAYS and usable(keys, "select")):
+    if (keys.device.type == "cpu" and keys.dtype == torch.bfloat16 and _asks_tiled_from(queries_per_head)
+            and usable(keys, "select")):
         tiled_from(keys.shape[2])
 
 
