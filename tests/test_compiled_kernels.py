@@ -288,9 +288,13 @@ def test_a_reading_sums_its_many_queries_compiled_and_a_step_its_few_as_measured
     assert torch.equal(kernels.gathered_attention(states, few, weights[:8], False), bags.float())
 
 
+_MEASURE_TILED_FROM = compiled.measure_tiled_from  # the real one, as tests find it before they replace it
+
+
 class _RacedScan:
-    """compiled._scan_heads_bf16 in a race of where the keys go into the lanes, timed by a clock of our own: four
-    queries at a time cost 0.25 a query, the keys in the lanes 5 whatever the count (so the lanes win from 32)."""
+    """compiled._scan_heads_bf16 (or _select_grouped_heads_bf16) in a race of where the keys go into the lanes,
+    timed by a clock of our own: four queries at a time cost 0.25 a query, the keys in the lanes 5 whatever the
+    count (so the lanes win from 32)."""
 
     def __init__(self):
         self.calls = 0
@@ -335,8 +339,24 @@ def test_where_many_queries_put_the_keys_in_the_lanes_is_measured_once_per_machi
 def test_until_the_scan_runs_no_measurement_compiles_it(raced, monkeypatch):
     monkeypatch.setattr(compiled, "_READY", {})
     raced.signatures = []  # not compiled in this process
-    assert compiled.tiled_from(64) == compiled.TILED_MIN_QUERIES and raced.calls == 0
+    grouped = _RacedScan()
+    grouped.signatures = []
+    monkeypatch.setattr(compiled, "_select_grouped_heads_bf16", grouped)
+    assert compiled.tiled_from(64) == compiled.TILED_MIN_QUERIES and raced.calls == grouped.calls == 0
     assert measurements.default_store().get("scan keys in the lanes, dh=64") is None
+
+
+def test_where_only_the_grouped_select_runs_it_is_raced_in_groups_of_one(raced, monkeypatch):
+    """Decoder-only generation compiles the grouped select alone: the race times it, a group of one a row."""
+    monkeypatch.setattr(compiled, "_READY", {})
+    raced.signatures = []
+    grouped = _RacedScan()
+    monkeypatch.setattr(compiled, "_select_grouped_heads_bf16", grouped)
+    monkeypatch.setattr(compiled, "measure_tiled_from",
+                        lambda head_dim: _MEASURE_TILED_FROM(head_dim, timer=grouped.timer,
+                                                             n=compiled.TILED_KEYS // 8))
+    assert compiled.tiled_from(64) == 32 and raced.calls == 0 and grouped.calls > 0
+    assert "the grouped select's" in measurements.default_store().get("scan keys in the lanes, dh=64").reason
 
 
 def test_where_the_lanes_never_win_the_raced_counts_many_queries_sum_four_at_a_time(raced, monkeypatch):

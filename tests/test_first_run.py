@@ -302,7 +302,8 @@ def test_the_kernels_folder_is_named_by_every_file_their_code_comes_from():
 
     folder = Path(jit.__file__).parent
     decorating = {path.name for path in folder.glob("*.py") if "jit.begin_decorations()" in path.read_text()}
-    assert decorating == {"compiled_loops.py", "score_loops.py", "top_k_loops.py", "linear_loops.py"}
+    assert decorating == {"compiled_loops.py", "score_loops.py", "top_k_loops.py", "linear_loops.py",
+                          "grouped_loops.py"}
     for name in decorating:
         source = (folder / name).read_text()
         taken = set(re.findall(r"^from unlimisum\.search\.(\w+) import", source, re.MULTILINE))

@@ -10,7 +10,7 @@ import torch
 
 from unlimisum import measurements
 from unlimisum.decoder_only import selection
-from unlimisum.search import compiled, kernels
+from unlimisum.search import compiled, grouped_loops, kernels
 
 
 def grouped_scores(keys: torch.Tensor, queries: torch.Tensor) -> torch.Tensor:
@@ -69,6 +69,66 @@ def test_a_view_of_a_larger_store_is_read_where_it_lies(dtype):
     store[:, :300] = 1e3  # keys outside the view: never read, never selected
     store[:, 2_900:] = 1e3
     assert_equals_reference(far, queries, 700)
+
+
+def in_parts(keys: torch.Tensor, queries: torch.Tensor, k: int, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scores, ids) [B, G, k'] of ``select_grouped`` with each head's keys scanned in ``parts`` parts, in the
+    order of the ids (and of the scores for one id: the -inf with id 0 where fewer than k' are finite)."""
+    rows, heads, group, dim = queries.shape
+    k = min(k, keys.shape[1])
+    scores, ids = torch.empty(heads, rows, k), torch.empty(heads, rows, k, dtype=torch.long)
+    compiled._select_grouped_in(keys, queries.transpose(0, 1).reshape(heads, rows * group, dim), group, k, scores,
+                                ids, parts)
+    order = scores.sort(dim=2, descending=True, stable=True).indices
+    scores, ids = scores.gather(2, order), ids.gather(2, order)
+    order = ids.sort(dim=2, stable=True).indices
+    return scores.gather(2, order).transpose(0, 1), ids.gather(2, order).transpose(0, 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("parts", [2, 3, 7])
+@pytest.mark.parametrize("k", [1, 700, 2_500])
+def test_a_head_scanned_in_parts_selects_what_the_whole_scan_selects(dtype, parts, k):
+    """Each part on a thread of its own (grouped_loops.py), starting at a multiple of the block (some parts empty:
+    7 parts of 6,100 keys), the parts' candidates merged: the very scores and ids of one pass over the head, and
+    no key beyond those that are finite (a key of NaN scores NaN, one of -inf scores -inf: never selected)."""
+    generator = torch.Generator().manual_seed(8)
+    store = torch.randn(2, 6_500, 32, generator=generator)  # [G, capacity, D]
+    store[0, 1_000:5_500] = float("nan")  # head 0: 900 keys of the view score a number, fewer than k = 2,500
+    store[0, 5_500:] = float("-inf")
+    keys = store.to(dtype)[:, 100:6_200]  # a view, at an offset into each head's rows
+    queries = torch.randn(3, 2, 4, 32, generator=generator).abs()  # [B, G, g, D]: -inf keys score -inf
+    whole_scores, whole_ids = in_parts(keys, queries, k, 1)
+    scores, ids = in_parts(keys, queries, k, parts)
+    assert torch.equal(ids, whole_ids) and torch.equal(scores, whole_scores)
+    expected = reference(keys[1:], queries[:, 1:], k)  # head 1: every key a number
+    assert_same_ids(ids[:, 1:], expected.indices)
+    finite = scores[:, 0].isfinite()  # head 0: its 900 keys that score a number, then -inf with id 0
+    assert bool((finite.sum(dim=1) == min(k, 900)).all()) and bool((ids[:, 0][~finite] == 0).all())
+    assert bool((ids[:, 0][finite] < 900).all())
+
+
+@pytest.mark.parametrize("heads, n, threads, parts", [
+    (1, 100_000, 2, 2), (1, 100_000, 8, 8), (2, 100_000, 8, 4), (3, 100_000, 8, 3), (2, 100_000, 2, 1),
+    (12, 100_000, 8, 1), (1, 3 * grouped_loops.PART_MIN_KEYS - 1, 8, 2), (1, grouped_loops.PART_MIN_KEYS, 8, 1)])
+def test_the_parts_give_each_thread_one_and_none_shorter_than_the_least(heads, n, threads, parts):
+    assert grouped_loops.parts_of(heads, n, threads) == parts
+
+
+def test_a_store_with_fewer_key_value_heads_than_threads_is_scanned_in_parts(monkeypatch):
+    """select_grouped asks for a part a thread (the machine's threads: as torch runs them) where the heads are
+    fewer, and finds the reference's top-k so."""
+    monkeypatch.setattr(grouped_loops, "PART_MIN_KEYS", 1_024)  # parts of a small store
+    asked = []
+    parts_of = grouped_loops.parts_of
+    monkeypatch.setattr(compiled, "parts_of", lambda *shape: (asked.append(parts_of(*shape)), asked[-1])[1])
+    monkeypatch.setattr(compiled, "_threads", lambda: 4)
+    generator = torch.Generator().manual_seed(9)
+    keys = torch.randn(1, 5_000, 16, generator=generator).to(torch.bfloat16)  # [G, n, D]: one key-value head
+    queries = torch.randn(2, 1, 7, 16, generator=generator)  # [B, G, g, D]
+    assert_equals_reference(keys, queries, 300)
+    assert_equals_reference(keys.expand(4, -1, -1), queries.expand(-1, 4, -1, -1), 300)  # a head a thread
+    assert asked == [4, 1]
 
 
 def test_nothing_to_select_gives_empty_results():

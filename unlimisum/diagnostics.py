@@ -123,9 +123,9 @@ def _remove(paths: list[Path]) -> tuple[int, int]:
 
 
 # the modules of unlimisum/search whose functions numba compiles and caches (jit.py's decorations): compiled_loops.py,
-# score_loops.py and top_k_loops.py today; compiled.py held them before the search became one unit, and a cache
-# home may still keep those
-KERNEL_MODULES = ("compiled", "compiled_loops", "score_loops", "top_k_loops")
+# score_loops.py, top_k_loops.py, linear_loops.py and grouped_loops.py today; compiled.py held them before the search
+# became one unit, and a cache home may still keep those
+KERNEL_MODULES = ("compiled", "compiled_loops", "score_loops", "top_k_loops", "linear_loops", "grouped_loops")
 
 
 def _kernel_files(folder: Path) -> list[Path]:

@@ -85,7 +85,8 @@ def kernel_cache_folder() -> Path:
 
 # the files of unlimisum/search whose code numba compiles into the kernels (search/jit.py): the decorated modules,
 # the intrinsics and helpers they inline, jit.py's flags
-KERNEL_SOURCES = ("compiled_loops.py", "score_loops.py", "top_k_loops.py", "linear_loops.py", "llvm.py", "jit.py")
+KERNEL_SOURCES = ("compiled_loops.py", "score_loops.py", "top_k_loops.py", "linear_loops.py", "grouped_loops.py",
+                  "llvm.py", "jit.py")
 
 
 def kernel_code_folder() -> Path:

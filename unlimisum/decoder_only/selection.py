@@ -38,7 +38,9 @@ GROUPED_SCAN_MIN_KEYS = kernels.COMPILED_MIN_STATES
 GROUPED_SCAN_MAX_ROWS = 64
 GROUPED_MEASURE_KEYS = 65_536  # keys per key-value head of the measurement's synthetic store
 # what the measurement is called in the user's cache folder: a new version measures again
-GROUPED_MEASUREMENT_VERSION = 2  # 2: the compiled scan asks for the rows ahead of it (llvm.PREFETCH_BYTES)
+# 2: the compiled scan asks for the rows ahead of it (llvm.PREFETCH_BYTES); 3: a head's keys in parts on threads of
+# their own where the key-value heads are fewer than the threads (search/grouped_loops.py)
+GROUPED_MEASUREMENT_VERSION = 3
 
 
 def token_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -97,6 +99,7 @@ def _race_grouped_scan(dtype: torch.dtype, kv_heads: int, rows: int, group: int,
         keys[head] = torch.randn(GROUPED_MEASURE_KEYS, head_dim, generator=generator)
     queries = torch.randn(rows, kv_heads, group, head_dim, generator=generator)  # [B, G, g, D]
     choice = kernels.kernel_for(torch.device("cpu"), dtype, head_dim)
+    compiled.measure_before_timing(keys, rows * group, "select_grouped")  # not timed in the compiled one's first call
     seconds = measurements.race({"compiled": lambda: _compiled_decode_ids(keys, queries, k),
                                  "torch": lambda: _torch_decode_ids(keys, queries, k, choice)})
     wins = seconds["compiled"] < seconds["torch"]

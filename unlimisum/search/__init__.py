@@ -14,8 +14,8 @@ never each other.
 - ``compiled.py``: the numba kernels' public functions (``select``, ``select_grouped``, ``weighted_sum``,
   ``attend_dense``, ``linear``...), compiled once per machine (``ready``, ``warm``, ``wait_ready``); their loops
   live in ``compiled_loops.py`` (the scores of keys in ``score_loops.py``, the top-k in ``top_k_loops.py``, the
-  linear layers' products in ``linear_loops.py``), the few LLVM instructions numba does not emit on its own in
-  ``llvm.py``.
+  linear layers' products in ``linear_loops.py``, the grouped select's in ``grouped_loops.py``), the few LLVM
+  instructions numba does not emit on its own in ``llvm.py``.
 
 The methods use these modules' public names only (no leading underscore): tests/test_layout.py checks it.
 """

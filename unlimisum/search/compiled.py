@@ -21,7 +21,8 @@ finds), read each number once:
   threshold; ``scores``: the same pass, every score written;
 - ``select_grouped``: ``select`` for grouped-query attention (decoder-only generation): every query head of a
   key-value head scores each block of its keys, and each row's (beam's) g scores of a key are reduced to their
-  largest before the running top-k keeps them: one selection per row and key-value head, one pass;
+  largest before the running top-k keeps them: one selection per row and key-value head, one pass; with fewer
+  key-value heads than threads, each head's keys in parts on threads of their own, merged (grouped_loops.py);
 - ``weighted_sum``: each query's chosen states read once (four at a time, their reads in flight together) and
   summed in fp32, no gathered copy; where many queries choose the same states (a reading's positions), block by
   block of the states, each query's share of a block summed while the block is in cache;
@@ -79,8 +80,8 @@ try:
 
     from unlimisum.search.compiled_loops import (BLOCK_ROWS, _attend_dense_heads_bf16, _attend_dense_heads_f32,
         _coverage, _dense_sums_heads_bf16, _dense_sums_heads_f32, _dense_sums_parts_bf16, _dense_sums_parts_f32,
-        _scan_heads_bf16, _scan_heads_f32, _select_grouped_heads_bf16, _select_grouped_heads_f32,
-        _sums_blocked_parts, _sums_queries_bf16, _sums_queries_f32)
+        _scan_heads_bf16, _scan_heads_f32, _sums_blocked_parts, _sums_queries_bf16, _sums_queries_f32)
+    from unlimisum.search.grouped_loops import _select_grouped_heads_bf16, _select_grouped_heads_f32, parts_of
     from unlimisum.search.linear_loops import _linear_rows_bf16, _linear_rows_f32
     from unlimisum.search.score_loops import TILED_MIN_QUERIES
     from unlimisum.search.top_k_loops import _top_k_rows
@@ -167,11 +168,22 @@ def select_grouped(keys: torch.Tensor, queries: torch.Tensor, k: int) -> tuple[t
     if k == 0 or rows == 0 or group == 0:
         return scores.transpose(0, 1), ids.transpose(0, 1)
     per_head = queries.transpose(0, 1).reshape(heads, rows * group, dim)  # [G, B * g, D]: row b's g together
-    key_rows, pitch = _head_rows(keys)
-    kernel = _select_grouped_heads_bf16 if keys.dtype == torch.bfloat16 else _select_grouped_heads_f32
-    _threads()
-    kernel(key_rows, heads, pitch, n, *_query_args(per_head, keys.dtype), group, k, scores.numpy(), ids.numpy())
+    _select_grouped_in(keys, per_head, group, k, scores, ids)
     return scores.transpose(0, 1), ids.transpose(0, 1)  # [B, G, k]
+
+
+def _select_grouped_in(keys: torch.Tensor, per_head: torch.Tensor, group: int, k: int, scores: torch.Tensor,
+                       ids: torch.Tensor, parts: int | None = None) -> None:
+    """scores/ids [G, B, k] of ``select_grouped`` from queries [G, B * g, D], each head's keys scanned in
+    ``parts`` parts (grouped_loops.py; 1: a thread a head; None: ``parts_of`` for the threads that run it)."""
+    key_rows, pitch = _head_rows(keys)
+    heads, n, _ = keys.shape
+    threads = _threads()
+    if parts is None:
+        parts = parts_of(heads, n, threads)
+    kernel = _select_grouped_heads_bf16 if keys.dtype == torch.bfloat16 else _select_grouped_heads_f32
+    kernel(key_rows, heads, pitch, n, *_query_args(per_head, keys.dtype), group, k, parts, scores.numpy(),
+           ids.numpy())
 
 
 def scores(keys: torch.Tensor, queries: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -379,12 +391,13 @@ def tiled_from(head_dim: int) -> int:
     """Queries a head from which the bfloat16 scores of keys ``head_dim`` numbers wide put the keys in the lanes
     (score_loops.py: a tile of keys transposed once for all the queries) rather than summing four queries at a
     time: measured once per machine (``measure_tiled_from``) and kept (unlimisum/measurements.py), since where
-    the two ways cross differs from CPU to CPU (8 queries on an EPYC Zen 2, 32 on a Zen 4). Until the scan runs
-    in this process (checked or called once: no measurement compiles it), score_loops.TILED_MIN_QUERIES."""
+    the two ways cross differs from CPU to CPU (8 queries on an EPYC Zen 2, 32 on a Zen 4). Until the scan or the
+    grouped select runs in this process (checked or called once: no measurement compiles one),
+    score_loops.TILED_MIN_QUERIES."""
     found = _TILED_FROM.get(head_dim)
     if found is not None:
         return found
-    if not (_READY.get(_key("select", torch.bfloat16), False) or _scan_heads_bf16.signatures):
+    if _tiled_race_driver() is None:
         return TILED_MIN_QUERIES
     measured = measurements.remembered(f"scan keys in the lanes, dh={head_dim}",
                                        lambda: measure_tiled_from(head_dim))
@@ -396,31 +409,44 @@ def tiled_from(head_dim: int) -> int:
     return found
 
 
+def _tiled_race_driver() -> str | None:
+    """Which compiled driver ``measure_tiled_from`` times: "scan" (``select``'s) where it runs in this process,
+    else "grouped" (``select_grouped``'s, a group of one: decoder-only generation), else None."""
+    if _READY.get(_key("select", torch.bfloat16), False) or _scan_heads_bf16.signatures:
+        return "scan"
+    if _READY.get(_key("select_grouped", torch.bfloat16), False) or _select_grouped_heads_bf16.signatures:
+        return "grouped"
+    return None
+
+
 def _asks_tiled_from(queries_per_head: int) -> bool:
     """Whether the scores of ``queries_per_head`` queries a head go by the count this machine measured: from
     TILED_MIN_QUERIES, below TILED_ALWAYS (elsewhere every machine sums them the same way)."""
     return TILED_MIN_QUERIES <= queries_per_head < TILED_ALWAYS
 
 
-def measure_before_timing(keys: torch.Tensor, queries_per_head: int) -> None:
+def measure_before_timing(keys: torch.Tensor, queries_per_head: int, kernel: str = "select") -> None:
     """Take this machine's ``tiled_from`` for keys like ``keys`` [H, n, dh] now, where that many queries a head
-    would ask for it, so that a race timing the scan's first call does not time the measurement with it."""
+    would ask for it, so that a race timing the first call of ``kernel`` (``select`` or ``select_grouped``) does
+    not time the measurement with it."""
     if (keys.device.type == "cpu" and keys.dtype == torch.bfloat16 and _asks_tiled_from(queries_per_head)
-            and usable(keys, "select")):
+            and usable(keys, kernel)):
         tiled_from(keys.shape[2])
 
 
 def measure_tiled_from(head_dim: int, *, timer: Callable[[Callable[[], object]], float] | None = None,
                        n: int = TILED_KEYS) -> tuple[int, str]:
     """(the fewest of TILED_RACED_QUERIES queries a head from which the keys in the lanes select faster than the
-    four-query sums, else TILED_ALWAYS; what was measured): the compiled scan of ``n`` random bfloat16 keys of
-    12 heads, k = 1,024, both ways raced in turns for each count (``measurements.race``; ``timer``: seconds of one
-    call, for tests)."""
+    four-query sums, else TILED_ALWAYS; what was measured): the compiled scan (``_tiled_race_driver``: or the
+    grouped select, groups of one) of ``n`` random bfloat16 keys of 12 heads, k = 1,024, both ways raced in turns
+    for each count (``measurements.race``; ``timer``: seconds of one call, for tests)."""
     generator = torch.Generator().manual_seed(11)
     heads, k = 12, min(1024, n)
     keys = torch.randn(heads, n, head_dim, generator=generator).to(torch.bfloat16)
     rows, pitch = _head_rows(keys)
     _threads()
+    grouped = _tiled_race_driver() == "grouped"
+    by = ", the grouped select's" if grouped else ""
     said = []
     for count in TILED_RACED_QUERIES:
         even, odd = _split_queries(torch.randn(heads, count, head_dim, generator=generator) * head_dim ** -0.5,
@@ -429,15 +455,18 @@ def measure_tiled_from(head_dim: int, *, timer: Callable[[Callable[[], object]],
         ids = np.empty((heads, count, k), np.int64)
 
         def scan(from_count: int, even=even, odd=odd, scores=scores, ids=ids, count=count) -> None:
-            _scan_heads_bf16(rows, heads, pitch, n, even, odd, from_count, k, scores, ids,
-                             np.empty((heads, count, 0), np.float32))
+            if grouped:
+                _select_grouped_heads_bf16(rows, heads, pitch, n, even, odd, from_count, 1, k, 1, scores, ids)
+            else:
+                _scan_heads_bf16(rows, heads, pitch, n, even, odd, from_count, k, scores, ids,
+                                 np.empty((heads, count, 0), np.float32))
 
         best = measurements.race({"lanes": lambda: scan(count), "sums": lambda: scan(count + 1)}, timer=timer)
         said.append(f"{count} queries: in the lanes {best['lanes'] * 1e3:.2f} ms, four at a time "
                     f"{best['sums'] * 1e3:.2f} ms")
         if best["lanes"] < best["sums"]:
-            return count, f"keys in the lanes from {count} queries a head ({'; '.join(said)}; {n:,} keys)"
-    return TILED_ALWAYS, f"keys in the lanes from {TILED_ALWAYS} queries a head ({'; '.join(said)}; {n:,} keys)"
+            return count, f"keys in the lanes from {count} queries a head ({'; '.join(said)}; {n:,} keys{by})"
+    return TILED_ALWAYS, f"keys in the lanes from {TILED_ALWAYS} queries a head ({'; '.join(said)}; {n:,} keys{by})"
 
 
 # --- which kernels run here: each compiled when a run first needs it, and checked against torch -----------------
@@ -605,11 +634,17 @@ def _check_select(dtype: torch.dtype) -> bool:
 
 def _check_select_grouped(dtype: torch.dtype) -> bool:
     keys, queries, _, _ = _small_keys(dtype)
-    scores, ids = select_grouped(keys, queries.unsqueeze(0), 5)  # [1, 3, 5]: 3 KV heads of 2 query heads each
-    expected = _scores_of(keys, queries).amax(dim=1).topk(5, dim=1)  # [3, 5]: the largest of each head's 2 scores
-    scores, order = scores[0].sort(dim=1, descending=True)
-    return torch.equal(ids[0].gather(1, order), expected.indices) and torch.allclose(scores, expected.values,
-                                                                                     atol=1e-4)
+    long_keys = torch.randn(1, 2_500, 8, generator=torch.Generator().manual_seed(1)).to(dtype)
+    found = []
+    # 3 KV heads of 2 query heads each; one head of 2,500 keys in 3 parts (none, 1,024 keys, the rest) and whole
+    for k, q, parts in ((keys, queries, 1), (long_keys, queries[:1], 3), (long_keys, queries[:1], 1)):
+        scores, ids = torch.empty(k.shape[0], 1, 5), torch.empty(k.shape[0], 1, 5, dtype=torch.long)
+        _select_grouped_in(k, q, 2, 5, scores, ids, parts)  # [G, 1, 5]
+        expected = _scores_of(k, q).amax(dim=1).topk(5, dim=1)  # [G, 5]: the largest of each head's 2 scores
+        scores, order = scores[:, 0].sort(dim=1, descending=True)
+        found.append(torch.equal(ids[:, 0].gather(1, order), expected.indices)
+                     and torch.allclose(scores, expected.values, atol=1e-4))
+    return all(found)
 
 
 def _check_scores(dtype: torch.dtype) -> bool:

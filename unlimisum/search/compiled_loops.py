@@ -241,51 +241,6 @@ def _select_f32(keys, queries, k, out_scores, out_ids):
             break
     _finish(kept, kept_ids, held, k, out_scores, out_ids)
 
-# --- the grouped select (decoder-only generation, grouped-query attention): the g query heads that share a
-# key-value head make one selection for it, each key scored by the largest of their g scores
-
-
-@numba.njit(nogil=True, cache=_CACHED, inline="always")
-def _group_max(scored, group, count, out):
-    """out [B, :count] = the largest of each row's ``group`` scores: scored [B * group, :count], row b's
-    queries b * group .. b * group + group - 1."""
-    for b in range(out.shape[0]):
-        first = b * group
-        for r in range(count):
-            out[b, r] = scored[first, r]
-        for j in range(first + 1, first + group):
-            for r in range(count):
-                out[b, r] = max(out[b, r], scored[j, r])
-
-
-@_compile
-def _select_grouped_bf16(words, even, odd, group, k, tiled_from, out_scores, out_ids):
-    """out_scores/out_ids [B, k] = each row's k best bfloat16 keys (``_scores_bf16``'s layout) by the largest
-    score of its ``group`` queries (``even``/``odd`` [B * group, dh/2], ``_group_max``'s order), no order."""
-    n = words.shape[0]
-    scored = np.empty((even.shape[0], BLOCK_ROWS), np.float32)  # [B * group, BLOCK_ROWS]
-    block, kept, kept_ids, held, threshold = _candidates(even.shape[0] // group, k)
-    for start in range(0, n, BLOCK_ROWS):
-        count = min(BLOCK_ROWS, n - start)
-        _scores_bf16(words[start:start + count], even, odd, scored[:, :count], tiled_from)
-        _group_max(scored, group, count, block)
-        _keep(block, start, count, kept, kept_ids, held, threshold, k)
-    _finish(kept, kept_ids, held, k, out_scores, out_ids)
-
-
-@_compile
-def _select_grouped_f32(keys, queries, group, k, out_scores, out_ids):
-    """``_select_grouped_bf16`` for fp32 keys [n, dh], queries [B * group, dh]."""
-    n = keys.shape[0]
-    scored = np.empty((queries.shape[0], BLOCK_ROWS), np.float32)  # [B * group, BLOCK_ROWS]
-    block, kept, kept_ids, held, threshold = _candidates(queries.shape[0] // group, k)
-    for start in range(0, n, BLOCK_ROWS):
-        count = min(BLOCK_ROWS, n - start)
-        _scores_f32(keys[start:start + count], queries, scored[:, :count])
-        _group_max(scored, group, count, block)
-        _keep(block, start, count, kept, kept_ids, held, threshold, k)
-    _finish(kept, kept_ids, held, k, out_scores, out_ids)
-
 
 @numba.njit(nogil=True, cache=_CACHED, inline="always", fastmath=_FAST)
 def _add_four_bf16(total_even, total_odd, w0, w1, w2, w3, r0, r1, r2, r3):
@@ -734,21 +689,6 @@ def _dense_sums_parts_f32(states, weights, bounds, out):
     for part in numba.prange(len(bounds) - 1):
         rows = slice(bounds[part], bounds[part + 1])
         _dense_sums_f32(states[rows], weights[:, rows], out[part])
-
-# the grouped select's drivers: out_scores/out_ids [G, B, k], each key-value head's on a thread
-
-
-@_compile_parallel
-def _select_grouped_heads_bf16(words, heads, pitch, n, even, odd, tiled_from, group, k, out_scores, out_ids):
-    for h in numba.prange(heads):
-        _select_grouped_bf16(words[h * pitch:h * pitch + n], even[h], odd[h], group, k, tiled_from, out_scores[h],
-                             out_ids[h])
-
-
-@_compile_parallel
-def _select_grouped_heads_f32(keys, heads, pitch, n, queries, group, k, out_scores, out_ids):
-    for h in numba.prange(heads):
-        _select_grouped_f32(keys[h * pitch:h * pitch + n], queries[h], group, k, out_scores[h], out_ids[h])
 
 
 jit.end_decorations()
