@@ -318,9 +318,8 @@ def raced(monkeypatch, tmp_path):
     monkeypatch.setattr(compiled, "_TILED_FROM", {})
     scan = _RacedScan()
     monkeypatch.setattr(compiled, "_scan_heads_bf16", scan)
-    measure = compiled.measure_tiled_from
     monkeypatch.setattr(compiled, "measure_tiled_from",
-                        lambda head_dim: measure(head_dim, timer=scan.timer, n=compiled.TILED_KEYS // 8))
+                        lambda head_dim: _MEASURE_TILED_FROM(head_dim, timer=scan.timer, n=compiled.TILED_KEYS // 8))
     return scan
 
 
