@@ -10,7 +10,7 @@ from bench import common, grouped_parts
 from unlimisum.search import grouped_loops
 
 
-def test_small_run_times_whole_heads_against_parts(tmp_path, monkeypatch, capsys):
+def test_small_run_times_whole_heads_against_parts(tmp_path, monkeypatch, capsys, two_threads):
     monkeypatch.setattr(common, "RESULTS", tmp_path)
     monkeypatch.setenv("UNLIMISUM_CACHE_HOME", str(tmp_path / "cache"))
     monkeypatch.setattr(grouped_loops, "PART_MIN_KEYS", 1_024)  # parts of a small store
@@ -22,6 +22,7 @@ def test_small_run_times_whole_heads_against_parts(tmp_path, monkeypatch, capsys
     assert [(row["shape"], row["dtype"]) for row in written["rows"]] == [
         (shape, dtype) for shape in ("one-head", "two-heads") for dtype in ("bfloat16", "float32")]
     threads = result["threads"]
+    assert threads == 2 and [row["parts"] for row in written["rows"]] == [2, 2, 1, 1]  # a part a thread: 1 head
     for row in written["rows"]:
         assert row["parts"] == grouped_loops.parts_of(row["kv_heads"], 3000, threads)
         assert row["speedup"] == pytest.approx(row["whole_seconds"] / row["parts_seconds"])

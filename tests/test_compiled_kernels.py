@@ -5,6 +5,11 @@ compiled matrix-vector products of a step's linear layers, as F.linear takes the
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +25,26 @@ def test_the_compiled_kernels_run_here(dtype):
     assert [kernel for kernel in compiled.KERNELS if not compiled.ready(kernel, dtype)] == []
     assert compiled.pending(compiled.KERNELS, dtype) == []
     assert not compiled.ready("select", torch.float16)  # float16 keys keep the torch kernels and faiss
+
+
+def test_a_compiled_kernel_leaves_torch_the_threads_it_was_given():
+    """numba's OpenMP pool, started by the first compiled call of a process, set the calling thread's OpenMP
+    thread count to the pool's size (the CPU count), which torch read as its own: a process set to 1 thread ran
+    torch on every core after its first compiled kernel on that thread (the suite's own 1 thread, conftest.py,
+    became 2 after the first compiled test). In a process of its own, where the pool has not started."""
+    script = textwrap.dedent("""
+        import torch
+        torch.set_num_threads(1)
+        torch.ones(64, 64) @ torch.ones(64, 64)  # torch has run on this thread, as a worker's encoding has
+        from unlimisum.search import compiled
+        assert compiled.ready("top_k", torch.float32)
+        compiled.top_k(torch.randn(2, 20_000), 100)
+        print(torch.get_num_threads())
+    """)
+    env = dict(os.environ, NUMBA_NUM_THREADS="2")  # a pool larger than torch's 1 on any machine
+    found = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert found.returncode == 0, found.stderr
+    assert found.stdout.split() == ["1"]
 
 
 def test_an_unknown_kernel_is_an_error_naming_the_known_ones():

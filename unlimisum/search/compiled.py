@@ -90,9 +90,15 @@ except ImportError:  # pragma: no cover - numba is a dependency; a broken instal
 
 
 def _threads() -> int:
-    """torch's thread count, as numba may run it (numba's pool is sized once, from the CPU count)."""
-    threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
+    """torch's thread count, as numba may run it (numba's pool is sized once, from the CPU count). torch keeps
+    its count: numba's OpenMP layer, started by its first call, sets the calling thread's OpenMP thread count to
+    the pool's size, which torch then reads as its own (a process set to 1 thread ran torch on 2 of 2 CPUs
+    after its first compiled kernel, where that kernel ran on the thread that had set it)."""
+    torch_threads = torch.get_num_threads()
+    threads = max(1, min(torch_threads, numba.config.NUMBA_NUM_THREADS))
     numba.set_num_threads(threads)
+    if torch.get_num_threads() != torch_threads:
+        torch.set_num_threads(torch_threads)
     return threads
 
 
