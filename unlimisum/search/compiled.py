@@ -480,13 +480,14 @@ def measure_tiled_from(head_dim: int, *, timer: Callable[[Callable[[], object]],
 KERNELS = ("select", "select_grouped", "scores", "weighted_sum", "dense_sum", "head_dense_sum", "attend_dense",
            "top_k", "linear")
 SCORES_KERNELS = ("top_k",)  # read fp32 scores whatever the store holds: ready once, as for a float32 store
-# seconds each kernel took to compile from an empty cache (one dtype; a 2-core EPYC Zen 4 at 2.6 GHz, numba 0.68),
-# for the estimate the display shows while a first run waits for them (select and scores share one driver: the
-# first of the two takes the time); loading a compiled one takes ~0.1 s
-# (the scores with the keys in the lanes and the scan's sampled floor made select, select_grouped and attend_dense
-# 1.55x, 1.19x and 1.14x as long to compile on an EPYC Zen 2: 8.2 -> 12.7 s, 6.7 -> 8.0 s, 8.3 -> 9.5 s)
-COMPILE_SECONDS = {"select": 10.1, "select_grouped": 5.3, "scores": 0.5, "weighted_sum": 3.5, "dense_sum": 1.7,
-                   "head_dense_sum": 1.5, "attend_dense": 10.7, "top_k": 6.8, "linear": 3.3}
+# seconds each kernel took to compile from an empty cache, for the estimate the display shows while a first run
+# waits for them (one dtype, bfloat16 but the top-k's; a 2-core EPYC Zen 4, numba 0.68; in one process each after
+# those before it: select after select_grouped, select_grouped after select, top_k, weighted_sum, attend_dense and
+# linear after both; dense_sum and head_dense_sum alone, numba's own start included). select and scores share one
+# driver: the first of the two takes the time. The grouped select first in a process (a decoder-only run's) took
+# 21.0 s; loading a compiled kernel takes ~0.1 s.
+COMPILE_SECONDS = {"select": 13.7, "select_grouped": 15.7, "scores": 0.5, "weighted_sum": 4.9, "dense_sum": 1.7,
+                   "head_dense_sum": 1.7, "attend_dense": 12.5, "top_k": 8.1, "linear": 2.7}
 
 # warm's thread loads kernels compiled before in about 0.5 s (all seven and numba's import, EPYC Zen 2): one that
 # is alive after this long is compiling
