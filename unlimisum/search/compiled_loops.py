@@ -122,11 +122,17 @@ def _finish(kept, kept_ids, held, k, out_scores, out_ids):
 
 
 @numba.njit(nogil=True, cache=_CACHED, inline="always")
+def _capacity(k):
+    """Candidates a query's buffer holds: 2 k, and a full block more (``_keep`` cuts it where a block might not fit)."""
+    return 2 * k + BLOCK_ROWS
+
+
+@numba.njit(nogil=True, cache=_CACHED, inline="always")
 def _candidates(queries, k):
-    """A block's scores [nq, BLOCK_ROWS], the candidates and their ids [nq, 2 k + BLOCK_ROWS], how many each
+    """A block's scores [nq, BLOCK_ROWS], the candidates and their ids [nq, ``_capacity(k)``], how many each
     query holds, and each query's threshold (none yet)."""
-    return (np.empty((queries, BLOCK_ROWS), np.float32), np.empty((queries, 2 * k + BLOCK_ROWS), np.float32),
-            np.empty((queries, 2 * k + BLOCK_ROWS), np.int64), np.zeros(queries, np.int64),
+    return (np.empty((queries, BLOCK_ROWS), np.float32), np.empty((queries, _capacity(k)), np.float32),
+            np.empty((queries, _capacity(k)), np.int64), np.zeros(queries, np.int64),
             np.full(queries, -np.inf, np.float32))
 
 

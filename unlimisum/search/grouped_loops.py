@@ -19,7 +19,7 @@ import numba
 import numpy as np
 
 from unlimisum.search import jit
-from unlimisum.search.compiled_loops import BLOCK_ROWS, _finish, _keep
+from unlimisum.search.compiled_loops import BLOCK_ROWS, _capacity, _finish, _keep
 from unlimisum.search.jit import CACHED as _CACHED
 from unlimisum.search.jit import kernel as _compile
 from unlimisum.search.jit import parallel_kernel as _compile_parallel
@@ -59,7 +59,7 @@ def _group_max(scored, group, count, out):
 def _grouped_part_bf16(words, even, odd, group, k, tiled_from, first, kept, kept_ids, held):
     """Each row's candidates among bfloat16 keys ``words`` [n, dh/2] (``_scores_bf16``'s layout), numbered from
     ``first``, by the largest score of its ``group`` queries (``even``/``odd`` [B * group, dh/2], ``_group_max``'s
-    order): appended to kept/kept_ids [B, 2 k + BLOCK_ROWS], ``held`` [B] of them each, cut as they fill."""
+    order): appended to kept/kept_ids [B, ``_capacity(k)``], ``held`` [B] of them each, cut as they fill."""
     n = words.shape[0]
     rows = kept.shape[0]
     scored = np.empty((even.shape[0], BLOCK_ROWS), np.float32)  # [B * group, BLOCK_ROWS]
@@ -125,9 +125,9 @@ def _part_start(n, parts, part):
 
 @numba.njit(nogil=True, cache=_CACHED, inline="always")
 def _part_buffers(units, rows, k):
-    """Every unit's candidates, their ids [units, B, 2 k + BLOCK_ROWS] and how many each row holds [units, B]
+    """Every unit's candidates, their ids [units, B, ``_capacity(k)``] and how many each row holds [units, B]
     (compiled_loops.py ``_candidates``' buffers, one set a unit)."""
-    capacity = 2 * k + BLOCK_ROWS
+    capacity = _capacity(k)
     return (np.empty((units, rows, capacity), np.float32), np.empty((units, rows, capacity), np.int64),
             np.zeros((units, rows), np.int64))
 
