@@ -563,7 +563,8 @@ def _attend_dense_bf16(key_words, value_words, even, odd, tiled_from, kept, bloc
         _scores_bf16(key_words[start:start + count], even, odd, weights, tiled_from)
         _softmax_block(scores, first, count, peak, total, out)
         if keep:
-            block_peaks[:, start // BLOCK_ROWS] = peak
+            for q in range(queries):  # not a slice: numba would compile its shape error's message
+                block_peaks[q, start // BLOCK_ROWS] = peak[q]
         rows = value_words[start:start + count]
         if half % _LANES == 0:
             _sum_rows(rows, weights, count, out)
@@ -589,7 +590,8 @@ def _attend_dense_f32(keys, values, queries, kept, block_peaks, peak, total, out
         _scores_f32(keys[start:start + count], queries, weights)
         _softmax_block(scores, first, count, peak, total, out)
         if keep:
-            block_peaks[:, start // BLOCK_ROWS] = peak
+            for q in range(count_queries):
+                block_peaks[q, start // BLOCK_ROWS] = peak[q]
         rows = values[start:start + count]
         if values.shape[1] % _LANES == 0:
             _sum_rows(rows, weights, count, out)

@@ -92,27 +92,26 @@ def _merged(kept, kept_ids, held, k, out_scores, out_ids):
     """out_scores/out_ids [B, k] = each row's k best of its parts' candidates ``kept``/``kept_ids`` [P, B, c],
     ``held`` [P, B] of them each, in no order (``_finish``: -inf with id 0 where fewer than k)."""
     parts, rows, _ = kept.shape
-    if parts == 1:
-        _finish(kept[0], kept_ids[0], held[0], k, out_scores, out_ids)
-        return
-    width = 0
-    for b in range(rows):
-        total = 0
-        for p in range(parts):
-            total += held[p, b]
-        width = max(width, total)
-    values = np.empty((rows, width), np.float32)
-    ids = np.empty((rows, width), np.int64)
-    count = np.zeros(rows, np.int64)
-    for b in range(rows):
-        n = 0
-        for p in range(parts):
-            for j in range(held[p, b]):
-                values[b, n] = kept[p, b, j]
-                ids[b, n] = kept_ids[p, b, j]
-                n += 1
-        count[b] = n
-    _finish(values, ids, count, k, out_scores, out_ids)
+    values, ids, count = kept[0], kept_ids[0], held[0]
+    if parts > 1:
+        width = 0
+        for b in range(rows):
+            total = 0
+            for p in range(parts):
+                total += held[p, b]
+            width = max(width, total)
+        values = np.empty((rows, width), np.float32)
+        ids = np.empty((rows, width), np.int64)
+        count = np.zeros(rows, np.int64)
+        for b in range(rows):
+            n = 0
+            for p in range(parts):
+                for j in range(held[p, b]):
+                    values[b, n] = kept[p, b, j]
+                    ids[b, n] = kept_ids[p, b, j]
+                    n += 1
+            count[b] = n
+    _finish(values, ids, count, k, out_scores, out_ids)  # one call: its inlined code compiled once
 
 
 @numba.njit(nogil=True, cache=_CACHED, inline="always")

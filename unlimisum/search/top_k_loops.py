@@ -209,16 +209,20 @@ def _at_least(row, floor, values, ids):
     return held
 
 
-@numba.njit(nogil=True, cache=_CACHED, inline="always")
+# not inlined into _top_k_rows' parallel loop: numba's parallel passes over the inlined body added 5 s to the
+# kernel's compile (python -m bench.compile_time); a call a row costs nothing measurable
+@numba.njit(nogil=True, cache=_CACHED)
 def _row_top_k(row, k, spread, rank, values, ids, out_values, out_ids):
     """The row's k largest scores and their columns into out_values/out_ids [k], in no order (values/ids: the
     candidates' buffer, the row's length and one more); -> False (nothing written) where the row holds a NaN or
     fewer than k scores."""
     floor = _sampled_floor(row, spread, rank) if spread else np.float32(-np.inf)
-    count = _at_least(row, floor, values, ids)
-    if count < k and floor > -np.inf:  # the sample misjudged: from -inf
-        floor = np.float32(-np.inf)
+    count = 0
+    for _ in range(2):  # again only where the sample misjudged (one call: its code compiled once)
         count = _at_least(row, floor, values, ids)
+        if count >= k or not floor > -np.inf:
+            break
+        floor = np.float32(-np.inf)
     if count < k:
         return False
     for i in range(count):  # a NaN is never below the floor: among the candidates if in the row
