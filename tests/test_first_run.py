@@ -17,6 +17,7 @@ import torch
 
 from tests.test_cli_output import FakeClock, FakeMemory, terminal
 from unlimisum import measurements
+from unlimisum.cli import progress
 from unlimisum.cli.progress import ProgressDisplay
 from unlimisum.events import ProgressEvent
 from unlimisum.search import compiled, kernels
@@ -174,16 +175,19 @@ def test_the_wait_reports_what_is_left_and_an_estimate(monkeypatch):
     assert reports == []  # nothing to wait for: nothing said
 
 
-def test_the_display_says_it_compiles_and_how_long_is_left():
-    console, clock = terminal(), FakeClock()
+@pytest.mark.parametrize("width", [80, 100, 160])
+def test_the_display_says_it_compiles_and_how_long_is_left(width):
+    """The whole row in a terminal of a reader's width: what it waits for, that it is once, how long."""
+    console, clock = terminal(width), FakeClock()
     display = ProgressDisplay(console, clock=clock, memory=FakeMemory(), auto_refresh=False)
     with display:
         display.begin_document(1, 1, "book.txt")
-        display(ProgressEvent("compile", 0, 2, "Book", {"seconds_left": 8.5}))
+        display(ProgressEvent("compile", 0, 5, "Book", {"seconds_left": 24.4}))
         display.refresh()
         shown = console.file.getvalue()
-    assert "compiling retrieval kernels for this machine (once)" in shown and "about 8.5 s left" in shown
-    assert "0/2" in shown
+    row = next(line for line in shown.splitlines() if "compiling" in line)
+    assert progress.COMPILE_STAGE in row and "about 24.4 s left" in row and "0/5" in row
+    assert "kernels" in progress.COMPILE_STAGE and "once" in progress.COMPILE_STAGE
 
 
 @pytest.mark.parametrize("stage, info, units", [("encode", {"tokens": 40_000}, "tokens/s"), ("support", {}, ""),

@@ -28,6 +28,8 @@ if TYPE_CHECKING:  # results imports torch; keep `unlimisum --help` and completi
     from unlimisum.events import ProgressEvent
     from unlimisum.results import Summary
 
+# within LABEL_CELLS: whole beside the bar, the counts and "about 24.4 s left" in an 80-column terminal
+COMPILE_STAGE = "compiling kernels (once per machine)"
 EVIDENCE_STAGE = "finding evidence (reading the summary again, each sentence without its passages)"
 MEMORY_SAMPLE_SECONDS = 0.25  # how often the live display reads RSS/GPU memory (psutil is cheap, not free)
 CHAPTER_TITLE_CELLS = 40  # chapter titles are cut to this many characters in the live display
@@ -353,7 +355,7 @@ class ProgressDisplay(DrawnOnLiveArea):
         while the book was encoded): how many are left, and about how long."""
         left = event.info.get("seconds_left", 0.0)
         if event.completed == 0:
-            self._stage("compiling retrieval kernels for this machine (once)", total=event.total)
+            self._stage(COMPILE_STAGE, total=event.total)
             self.log(f"compiling {event.total} retrieval kernel{'s' if event.total != 1 else ''} for this machine, "
                      f"about {format_seconds(left)} (once: later runs load them)")
         self._progress.update(self._task, completed=event.completed,
