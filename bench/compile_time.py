@@ -25,11 +25,10 @@ import tempfile
 from pathlib import Path
 
 from bench.common import print_table, worktree, write_result
+from unlimisum.search.compiled import KERNELS, SCORES_KERNELS
 
 ROOT = Path(__file__).resolve().parent.parent
 CACHE = ROOT / "bench" / ".cache" / "compile_time"
-KERNELS = ("select", "select_grouped", "scores", "weighted_sum", "dense_sum", "head_dense_sum", "attend_dense",
-           "top_k", "linear")
 # the kernels compiled before each in its process (untimed): those a run compiles before it, or that share its
 # helpers (select and scores share a driver: scores is timed after it, so the figure is what scores adds)
 AFTER = {"select": ("select_grouped",), "select_grouped": ("select",), "scores": ("select",),
@@ -37,7 +36,6 @@ AFTER = {"select": ("select_grouped",), "select_grouped": ("select",), "scores":
          "attend_dense": ("select", "select_grouped"), "linear": ("select", "select_grouped"),
          "dense_sum": (), "head_dense_sum": ()}
 ALONE = ("select_grouped",)  # also timed first in a process (numba's own start included)
-SCORES_KERNELS = ("top_k",)  # compiled.SCORES_KERNELS: one dtype, float32
 
 # what one process runs: the kernels before (untimed), then the kernel timed; one JSON line on stdout
 CHILD = """

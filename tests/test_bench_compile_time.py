@@ -10,8 +10,7 @@ from unlimisum.search import compiled
 
 
 def test_every_kernel_is_timed_after_those_before_it_and_the_top_k_as_float32():
-    assert set(compile_time.KERNELS) == set(compiled.KERNELS) == set(compile_time.AFTER)
-    assert compile_time.SCORES_KERNELS == compiled.SCORES_KERNELS
+    assert set(compile_time.AFTER) == set(compiled.KERNELS)  # every kernel, and only kernels, has its order
     found = compile_time.cases(["top_k", "select_grouped", "dense_sum"], ["bfloat16", "float32"])
     assert found == [("top_k", "float32", ("select", "select_grouped")),
                      ("select_grouped", "bfloat16", ("select",)), ("select_grouped", "bfloat16", ()),
