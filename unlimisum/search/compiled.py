@@ -80,7 +80,8 @@ try:
 
     from unlimisum.search.compiled_loops import (BLOCK_ROWS, _attend_dense_heads_bf16, _attend_dense_heads_f32,
         _coverage, _dense_sums_heads_bf16, _dense_sums_heads_f32, _dense_sums_parts_bf16, _dense_sums_parts_f32,
-        _scan_heads_bf16, _scan_heads_f32, _sums_blocked_parts, _sums_queries_bf16, _sums_queries_f32)
+        _scan_heads_bf16, _scan_heads_f32, _sums_blocked_parts_bf16, _sums_blocked_parts_f32, _sums_queries_bf16,
+        _sums_queries_f32)
     from unlimisum.search.grouped_loops import _select_grouped_heads_bf16, _select_grouped_heads_f32, parts_of
     from unlimisum.search.linear_loops import _linear_rows_bf16, _linear_rows_f32
     from unlimisum.search.score_loops import TILED_MIN_QUERIES
@@ -280,13 +281,14 @@ def weighted_sum(states: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor)
         even = np.empty((nq, dim // 2), np.float32)
         odd = np.empty((nq, dim // 2), np.float32)
         if blocked:
-            _sums_blocked_parts(words, ids, weights, even, odd, parts)
+            _sums_blocked_parts_bf16(words, ids, weights, even, odd, parts)
         else:
             _sums_queries_bf16(words, ids, weights, even, odd)
         return torch.from_numpy(np.stack((even, odd), axis=2).reshape(nq, dim))
     out = np.empty((nq, dim), np.float32)
     if blocked:
-        _sums_blocked_parts(states.contiguous().numpy(), ids, weights, out, np.empty((nq, 0), np.float32), parts)
+        _sums_blocked_parts_f32(states.contiguous().numpy(), ids, weights, out, np.empty((nq, 0), np.float32),
+                                parts)
     else:
         _sums_queries_f32(states.contiguous().numpy(), ids, weights, out)
     return torch.from_numpy(out)

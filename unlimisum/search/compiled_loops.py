@@ -15,6 +15,8 @@ from unlimisum.search.jit import CACHED as _CACHED
 from unlimisum.search.jit import FAST as _FAST
 from unlimisum.search.jit import kernel as _compile
 from unlimisum.search.jit import parallel_kernel as _compile_parallel
+from unlimisum.search.jit import callee as _callee
+from unlimisum.search.jit import parallel_driver as _parallel_driver
 from unlimisum.search.llvm import (_LANES, _ONE, _SHIFT, _UPPER, _above, _as_float, _largest, _lowest_bit, _prefetch,
     _prefetch_row, _sum_four, _sum_one, _sum_three, _sum_two)
 from unlimisum.search.score_loops import _scores_bf16, _scores_f32
@@ -432,21 +434,6 @@ def _dense_sums_f32(states, weights, out):
     _add_dense_sums_f32(states, weights, out)
 
 
-@_compile_parallel
-def _dense_sums_heads_bf16(words, heads, pitch, n, weights, even, odd):
-    """even, odd [H, nq, dh/2] = weights [H, nq, n] @ each head's bfloat16 values (head h's are
-    words[h * pitch:h * pitch + n], ``_head_rows``), the heads spread over the threads."""
-    for h in numba.prange(heads):
-        _dense_sums_bf16(words[h * pitch:h * pitch + n], weights[h], even[h], odd[h])
-
-
-@_compile_parallel
-def _dense_sums_heads_f32(values, heads, pitch, n, weights, out):
-    """``_dense_sums_heads_bf16`` for fp32 values: out [H, nq, dh]."""
-    for h in numba.prange(heads):
-        _dense_sums_f32(values[h * pitch:h * pitch + n], weights[h], out[h])
-
-
 # --- dense attention in one pass (``attend_dense``): each block of a head's keys scored, its softmax weights
 # taken under running maxima and sums (flash attention's online softmax), and its values summed, while the
 # block's scores are in cache: no [nq, N] scores written, no softmax pass of their own
@@ -601,23 +588,6 @@ def _attend_dense_f32(keys, values, queries, kept, block_peaks, peak, total, out
 
 
 @_compile_parallel
-def _attend_dense_heads_bf16(key_words, value_words, heads, key_pitch, value_pitch, n, even, odd, tiled_from,
-                             kept, block_peaks, peak, total, out):
-    for h in numba.prange(heads):
-        _attend_dense_bf16(key_words[h * key_pitch:h * key_pitch + n],
-                           value_words[h * value_pitch:h * value_pitch + n], even[h], odd[h], tiled_from, kept[h],
-                           block_peaks[h], peak[h], total[h], out[h])
-
-
-@_compile_parallel
-def _attend_dense_heads_f32(keys, values, heads, key_pitch, value_pitch, n, queries, kept, block_peaks, peak,
-                            total, out):
-    for h in numba.prange(heads):
-        _attend_dense_f32(keys[h * key_pitch:h * key_pitch + n], values[h * value_pitch:h * value_pitch + n],
-                          queries[h], kept[h], block_peaks[h], peak[h], total[h], out[h])
-
-
-@_compile_parallel
 def _coverage(kept, block_peaks, peak, total, coverage):
     """coverage [n] = the sum of every head's and query's softmax weights: ``kept`` [H, nq, n], each block's
     relative to its block_peaks [H, nq, blocks], rescaled to the query's peak and divided by its total [H, nq]
@@ -634,69 +604,130 @@ def _coverage(kept, block_peaks, peak, total, coverage):
                     for j in range(start, start + count):
                         coverage[j] += kept[h, q, j] * scale
 
+
 # the drivers: one call for all heads (or queries, or blocks of states), spread over the threads by prange;
 # head h's keys are rows[h * pitch:h * pitch + n] (``_head_rows``); a bfloat16 driver's queries (even, odd) are
-# followed by the count of them a head from which its scores put the keys in the lanes (compiled.tiled_from)
+# followed by the count of them a head from which its scores put the keys in the lanes (compiled.tiled_from).
+# Each calls its kernels by address (jit.callee: each compiled once, not again into its driver), here with the
+# numba types of the arguments the drivers pass.
+_u32, _f32, _i64 = numba.types.uint32, numba.types.float32, numba.types.int64
+_WORDS, _ROWS, _IDS, _VIEW = _u32[:, ::1], _f32[:, ::1], _i64[:, ::1], _f32[:, :]
+_call_select_bf16 = _callee(_select_bf16, _WORDS, _ROWS, _ROWS, _i64, _i64, _ROWS, _IDS)
+_call_scores_bf16 = _callee(_scores_bf16, _WORDS, _ROWS, _ROWS, _VIEW, _i64)
+_call_select_f32 = _callee(_select_f32, _ROWS, _ROWS, _i64, _ROWS, _IDS)
+_call_scores_f32 = _callee(_scores_f32, _ROWS, _ROWS, _VIEW)
+_call_sums_bf16 = _callee(_sums_bf16, _WORDS, _i64[::1], _f32[::1], _f32[::1], _f32[::1])
+_call_sums_f32 = _callee(_sums_f32, _ROWS, _i64[::1], _f32[::1], _f32[::1])
+_call_sums_blocked_bf16 = _callee(_sums_blocked, _WORDS, _IDS, _ROWS, _ROWS, _ROWS)
+_call_sums_blocked_f32 = _callee(_sums_blocked, _ROWS, _IDS, _ROWS, _ROWS, _ROWS)
+_call_dense_sums_bf16 = _callee(_dense_sums_bf16, _WORDS, _VIEW, _ROWS, _ROWS)  # a part of the rows' weights
+_call_dense_sums_f32 = _callee(_dense_sums_f32, _ROWS, _VIEW, _ROWS)
+_call_head_sums_bf16 = _callee(_dense_sums_bf16, _WORDS, _ROWS, _ROWS, _ROWS)  # a head's weights
+_call_head_sums_f32 = _callee(_dense_sums_f32, _ROWS, _ROWS, _ROWS)
+_call_attend_bf16 = _callee(_attend_dense_bf16, _WORDS, _WORDS, _ROWS, _ROWS, _i64, _ROWS, _ROWS, _f32[::1],
+                            _f32[::1], _ROWS)
+_call_attend_f32 = _callee(_attend_dense_f32, _ROWS, _ROWS, _ROWS, _ROWS, _ROWS, _f32[::1], _f32[::1], _ROWS)
+
 
 # one driver scores (k == 0: every score into ``out``) or selects (each query's top k) per head: one parallel
 # function to compile for both, and ``_scores_*`` with one signature (``out`` as the select's blocks, 'A')
 
 
-@_compile_parallel
-def _scan_heads_bf16(words, heads, pitch, n, even, odd, tiled_from, k, out_scores, out_ids, out):
+@_parallel_driver(_call_select_bf16, _call_scores_bf16)
+def _scan_heads_bf16(words, heads, pitch, n, even, odd, tiled_from, k, out_scores, out_ids, out, select, scores):
     for h in numba.prange(heads):
         rows = words[h * pitch:h * pitch + n]
         if k == 0:
-            _scores_bf16(rows, even[h], odd[h], out[h][:, :n], tiled_from)
+            _call_scores_bf16(scores, (rows, even[h], odd[h], out[h][:, :n], tiled_from))
         else:
-            _select_bf16(rows, even[h], odd[h], k, tiled_from, out_scores[h], out_ids[h])
+            _call_select_bf16(select, (rows, even[h], odd[h], k, tiled_from, out_scores[h], out_ids[h]))
 
 
-@_compile_parallel
-def _scan_heads_f32(keys, heads, pitch, n, queries, k, out_scores, out_ids, out):
+@_parallel_driver(_call_select_f32, _call_scores_f32)
+def _scan_heads_f32(keys, heads, pitch, n, queries, k, out_scores, out_ids, out, select, scores):
     for h in numba.prange(heads):
         rows = keys[h * pitch:h * pitch + n]
         if k == 0:
-            _scores_f32(rows, queries[h], out[h][:, :n])
+            _call_scores_f32(scores, (rows, queries[h], out[h][:, :n]))
         else:
-            _select_f32(rows, queries[h], k, out_scores[h], out_ids[h])
+            _call_select_f32(select, (rows, queries[h], k, out_scores[h], out_ids[h]))
 
 
-@_compile_parallel
-def _sums_queries_bf16(words, ids, weights, even, odd):
+@_parallel_driver(_call_sums_bf16)
+def _sums_queries_bf16(words, ids, weights, even, odd, sums):
     for q in numba.prange(ids.shape[0]):
-        _sums_bf16(words, ids[q], weights[q], even[q], odd[q])
+        _call_sums_bf16(sums, (words, ids[q], weights[q], even[q], odd[q]))
 
 
-@_compile_parallel
-def _sums_queries_f32(states, ids, weights, out):
+@_parallel_driver(_call_sums_f32)
+def _sums_queries_f32(states, ids, weights, out, sums):
     for q in numba.prange(ids.shape[0]):
-        _sums_f32(states, ids[q], weights[q], out[q])
+        _call_sums_f32(sums, (states, ids[q], weights[q], out[q]))
 
 
 # the blocked sums' driver: the queries in ``parts`` consecutive shares, one a thread
 
 
-@_compile_parallel
-def _sums_blocked_parts(rows, ids, weights, first, second, parts):
+@_parallel_driver(_call_sums_blocked_bf16)
+def _sums_blocked_parts_bf16(words, ids, weights, even, odd, parts, sums):
     nq = ids.shape[0]
     for part in numba.prange(parts):
         share = slice((part * nq) // parts, ((part + 1) * nq) // parts)
-        _sums_blocked(rows, ids[share], weights[share], first[share], second[share])
+        _call_sums_blocked_bf16(sums, (words, ids[share], weights[share], even[share], odd[share]))
 
 
-@_compile_parallel
-def _dense_sums_parts_bf16(words, weights, bounds, even, odd):
+@_parallel_driver(_call_sums_blocked_f32)
+def _sums_blocked_parts_f32(states, ids, weights, out, none, parts, sums):
+    nq = ids.shape[0]
+    for part in numba.prange(parts):
+        share = slice((part * nq) // parts, ((part + 1) * nq) // parts)
+        _call_sums_blocked_f32(sums, (states, ids[share], weights[share], out[share], none[share]))
+
+
+@_parallel_driver(_call_dense_sums_bf16)
+def _dense_sums_parts_bf16(words, weights, bounds, even, odd, sums):
     for part in numba.prange(len(bounds) - 1):
         rows = slice(bounds[part], bounds[part + 1])
-        _dense_sums_bf16(words[rows], weights[:, rows], even[part], odd[part])
+        _call_dense_sums_bf16(sums, (words[rows], weights[:, rows], even[part], odd[part]))
 
 
-@_compile_parallel
-def _dense_sums_parts_f32(states, weights, bounds, out):
+@_parallel_driver(_call_dense_sums_f32)
+def _dense_sums_parts_f32(states, weights, bounds, out, sums):
     for part in numba.prange(len(bounds) - 1):
         rows = slice(bounds[part], bounds[part + 1])
-        _dense_sums_f32(states[rows], weights[:, rows], out[part])
+        _call_dense_sums_f32(sums, (states[rows], weights[:, rows], out[part]))
+
+
+@_parallel_driver(_call_head_sums_bf16)
+def _dense_sums_heads_bf16(words, heads, pitch, n, weights, even, odd, sums):
+    """even, odd [H, nq, dh/2] = weights [H, nq, n] @ each head's bfloat16 values (head h's are
+    words[h * pitch:h * pitch + n], ``_head_rows``), the heads spread over the threads."""
+    for h in numba.prange(heads):
+        _call_head_sums_bf16(sums, (words[h * pitch:h * pitch + n], weights[h], even[h], odd[h]))
+
+
+@_parallel_driver(_call_head_sums_f32)
+def _dense_sums_heads_f32(values, heads, pitch, n, weights, out, sums):
+    """``_dense_sums_heads_bf16`` for fp32 values: out [H, nq, dh]."""
+    for h in numba.prange(heads):
+        _call_head_sums_f32(sums, (values[h * pitch:h * pitch + n], weights[h], out[h]))
+
+
+@_parallel_driver(_call_attend_bf16)
+def _attend_dense_heads_bf16(key_words, value_words, heads, key_pitch, value_pitch, n, even, odd, tiled_from,
+                             kept, block_peaks, peak, total, out, attend):
+    for h in numba.prange(heads):
+        _call_attend_bf16(attend, (key_words[h * key_pitch:h * key_pitch + n],
+                                   value_words[h * value_pitch:h * value_pitch + n], even[h], odd[h], tiled_from,
+                                   kept[h], block_peaks[h], peak[h], total[h], out[h]))
+
+
+@_parallel_driver(_call_attend_f32)
+def _attend_dense_heads_f32(keys, values, heads, key_pitch, value_pitch, n, queries, kept, block_peaks, peak,
+                            total, out, attend):
+    for h in numba.prange(heads):
+        _call_attend_f32(attend, (keys[h * key_pitch:h * key_pitch + n], values[h * value_pitch:h * value_pitch + n],
+                                  queries[h], kept[h], block_peaks[h], peak[h], total[h], out[h]))
 
 
 jit.end_decorations()

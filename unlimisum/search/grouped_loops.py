@@ -22,7 +22,7 @@ from unlimisum.search import jit
 from unlimisum.search.compiled_loops import BLOCK_ROWS, _capacity, _finish, _keep
 from unlimisum.search.jit import CACHED as _CACHED
 from unlimisum.search.jit import kernel as _compile
-from unlimisum.search.jit import parallel_kernel as _compile_parallel
+from unlimisum.search.jit import callee, parallel_driver
 from unlimisum.search.score_loops import _scores_bf16, _scores_f32
 
 # keys a part holds at least: a part shorter than a few blocks spends more in its first blocks (every score a
@@ -135,33 +135,43 @@ def _part_buffers(units, rows, k):
 # ``_head_rows``), each in ``parts`` parts, a part a thread, then each head's parts merged on a thread
 
 
-@_compile_parallel
+# the kernels they call by address (jit.callee), with the numba types of the arguments they pass
+_f32, _i64 = numba.types.float32, numba.types.int64
+_call_part_bf16 = callee(_grouped_part_bf16, numba.types.uint32[:, ::1], _f32[:, ::1], _f32[:, ::1], _i64, _i64, _i64,
+                         _i64, _f32[:, ::1], _i64[:, ::1], _i64[::1])
+_call_part_f32 = callee(_grouped_part_f32, _f32[:, ::1], _f32[:, ::1], _i64, _i64, _i64, _f32[:, ::1], _i64[:, ::1],
+                        _i64[::1])
+_call_merged = callee(_merged, _f32[:, :, ::1], _i64[:, :, ::1], _i64[:, ::1], _i64, _f32[:, ::1], _i64[:, ::1])
+
+
+@parallel_driver(_call_part_bf16, _call_merged)
 def _select_grouped_heads_bf16(words, heads, pitch, n, even, odd, tiled_from, group, k, parts, out_scores,
-                               out_ids):
+                               out_ids, part_kernel, merged):
     kept, kept_ids, held = _part_buffers(heads * parts, even.shape[1] // group, k)
     for unit in numba.prange(heads * parts):
         h = unit // parts
         first = _part_start(n, parts, unit % parts)
         last = _part_start(n, parts, unit % parts + 1)
-        _grouped_part_bf16(words[h * pitch + first:h * pitch + last], even[h], odd[h], group, k, tiled_from, first,
-                           kept[unit], kept_ids[unit], held[unit])
+        _call_part_bf16(part_kernel, (words[h * pitch + first:h * pitch + last], even[h], odd[h], group, k,
+                                      tiled_from, first, kept[unit], kept_ids[unit], held[unit]))
     for h in numba.prange(heads):
         units = slice(h * parts, (h + 1) * parts)
-        _merged(kept[units], kept_ids[units], held[units], k, out_scores[h], out_ids[h])
+        _call_merged(merged, (kept[units], kept_ids[units], held[units], k, out_scores[h], out_ids[h]))
 
 
-@_compile_parallel
-def _select_grouped_heads_f32(keys, heads, pitch, n, queries, group, k, parts, out_scores, out_ids):
+@parallel_driver(_call_part_f32, _call_merged)
+def _select_grouped_heads_f32(keys, heads, pitch, n, queries, group, k, parts, out_scores, out_ids, part_kernel,
+                              merged):
     kept, kept_ids, held = _part_buffers(heads * parts, queries.shape[1] // group, k)
     for unit in numba.prange(heads * parts):
         h = unit // parts
         first = _part_start(n, parts, unit % parts)
         last = _part_start(n, parts, unit % parts + 1)
-        _grouped_part_f32(keys[h * pitch + first:h * pitch + last], queries[h], group, k, first, kept[unit],
-                          kept_ids[unit], held[unit])
+        _call_part_f32(part_kernel, (keys[h * pitch + first:h * pitch + last], queries[h], group, k, first,
+                                     kept[unit], kept_ids[unit], held[unit]))
     for h in numba.prange(heads):
         units = slice(h * parts, (h + 1) * parts)
-        _merged(kept[units], kept_ids[units], held[units], k, out_scores[h], out_ids[h])
+        _call_merged(merged, (kept[units], kept_ids[units], held[units], k, out_scores[h], out_ids[h]))
 
 
 jit.end_decorations()

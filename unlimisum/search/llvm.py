@@ -18,7 +18,9 @@ Python code, each a numba intrinsic written in LLVM IR, each with why:
 - ``_above`` and ``_lowest_bit``: eight scores compared with a threshold in one instruction, the result a bit
   mask, and its lowest set bit (``cttz``): numba compares scores one by one and has no count of trailing zeros;
 - ``_largest``: the largest of a row's scores 8 lanes at a time (``llvm.maxnum``, NaNs passed over): numba's
-  ``max`` loop is not vectorized.
+  ``max`` loop is not vectorized;
+- ``call_at_of``: a call of a compiled kernel at an address given at run time (``jit.callee``): numba calls a
+  kernel it knows by name only, linking the kernel's code into the caller's to be optimised and emitted again.
 
 The vectors are LLVM's <8 x float>, which it maps onto whatever registers the machine has (one AVX2 register,
 two SSE or NEON ones, half an AVX-512 one).
@@ -542,3 +544,31 @@ def _largest(typingctx, scores, row, start, count):
         return top
 
     return signature, codegen
+
+
+
+# --- a compiled kernel called at an address given at run time (jit.callee)
+
+
+def call_at_of(signature: tuple, returns):
+    """An intrinsic: ``call(address, arguments)`` calls the compiled kernel whose entry is at ``address`` (an
+    int64: ``jit.callee``'s ``call.address()``) with the tuple ``arguments``, their numba types ``signature`` (the
+    kernel's, which returns ``returns``). A call with other types does not type: the kernel at the address was
+    compiled for these."""
+
+    def codegen(context, builder, _signature, args):
+        function_type = context.call_conv.get_function_type(returns, signature)
+        entry = builder.inttoptr(args[0], function_type.as_pointer())
+        values = _cgutils.unpack_tuple(builder, args[1], len(signature))
+        status, result = context.call_conv.call_function(builder, entry, returns, signature, values)
+        with _cgutils.if_unlikely(builder, status.is_error):
+            context.call_conv.return_status_propagate(builder, status)
+        return result
+
+    def typer(typingctx, address, arguments):
+        if not (isinstance(address, numba.types.Integer) and isinstance(arguments, numba.types.BaseTuple)
+                and tuple(arguments.types) == tuple(signature)):
+            return None
+        return returns(address, arguments), codegen
+
+    return _intrinsic(typer)

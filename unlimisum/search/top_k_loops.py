@@ -34,7 +34,7 @@ import numpy as np
 
 from unlimisum.search import jit
 from unlimisum.search.jit import CACHED as _CACHED
-from unlimisum.search.jit import parallel_kernel as _compile_parallel
+from unlimisum.search.jit import callee, parallel_driver
 
 BINS = 256  # bins of a row's candidates: about 1.5 k / 256 scores share the k-th's bin
 SAMPLE_SCORES = 1_024  # scores of a row sampled for its floor (at most a quarter of the row)
@@ -232,8 +232,13 @@ def _row_top_k(row, k, spread, rank, values, ids, out_values, out_ids):
     return True
 
 
-@_compile_parallel
-def _top_k_rows(scores, k, parts, out_values, out_ids, done):
+_f32, _i64 = numba.types.float32, numba.types.int64
+_call_row_top_k = callee(_row_top_k, _f32[::1], _i64, _i64, _i64, _f32[::1], _i64[::1], _f32[::1], _i64[::1],
+                         returns=numba.types.boolean)  # by address (jit.callee)
+
+
+@parallel_driver(_call_row_top_k)
+def _top_k_rows(scores, k, parts, out_values, out_ids, done, row_top_k):
     """out_values/out_ids [rows, k] = each row of scores [rows, n] fp32's k largest (``_row_top_k``), the rows in
     ``parts`` consecutive shares, one a thread, each with its candidates' buffer; done[r] = 0 where row r was left
     to the caller."""
@@ -246,7 +251,8 @@ def _top_k_rows(scores, k, parts, out_values, out_ids, done):
         values = np.empty(n + 1, np.float32)  # a branch-free copy writes one beyond the last it keeps
         ids = np.empty(n + 1, np.int64)
         for r in range((part * rows) // parts, ((part + 1) * rows) // parts):
-            done[r] = _row_top_k(scores[r], k, spread, rank, values, ids, out_values[r], out_ids[r])
+            done[r] = _call_row_top_k(row_top_k, (scores[r], k, spread, rank, values, ids, out_values[r],
+                                                  out_ids[r]))
 
 
 jit.end_decorations()
