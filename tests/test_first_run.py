@@ -190,6 +190,22 @@ def test_the_display_says_it_compiles_and_how_long_is_left(width):
     assert "kernels" in progress.COMPILE_STAGE and "once" in progress.COMPILE_STAGE
 
 
+@pytest.mark.parametrize("stage, total, label", [
+    ("cache", None, progress.CACHE_STAGE), ("prepare", None, progress.PREPARE_STAGE),
+    ("evidence", 3, progress.EVIDENCE_STAGE), ("support", 1_234, progress.support_stage(1_234))])
+def test_each_stage_reads_whole_in_an_80_column_terminal(stage, total, label):
+    """The label beside the bar, not cut: a longer one showed 'finding evidence (reading the summary aga…'."""
+    console = terminal(80)
+    display = ProgressDisplay(console, clock=FakeClock(), memory=FakeMemory(), auto_refresh=False)
+    with display:
+        display.begin_document(1, 1, "book.txt")
+        display(ProgressEvent(stage, 0, total, "Book", {}))
+        display.refresh()
+        shown = console.file.getvalue()
+    assert any(label in line for line in shown.splitlines()), shown
+    assert "1,234" in progress.support_stage(1_234) and "sentences" in progress.support_stage(1_234)
+
+
 @pytest.mark.parametrize("stage, info, units", [("encode", {"tokens": 40_000}, "tokens/s"), ("support", {}, ""),
                                                 ("keys", {}, "")])
 def test_long_stages_show_the_time_left(stage, info, units):

@@ -28,9 +28,19 @@ if TYPE_CHECKING:  # results imports torch; keep `unlimisum --help` and completi
     from unlimisum.events import ProgressEvent
     from unlimisum.results import Summary
 
-# within LABEL_CELLS: whole beside the bar, the counts and "about 24.4 s left" in an 80-column terminal
+# the stages' labels, each within LABEL_CELLS: whole beside the bar, the counts and "about 24.4 s left" in an
+# 80-column terminal (the scrollback's lines say more)
 COMPILE_STAGE = "compiling kernels (once per machine)"
-EVIDENCE_STAGE = "finding evidence (reading the summary again, each sentence without its passages)"
+EVIDENCE_STAGE = "finding evidence (summary read again)"
+CACHE_STAGE = "looking for the book in the cache"
+PREPARE_STAGE = "preparing retrieval"
+
+
+def support_stage(sentences: int) -> str:
+    """The support stage's label: ``sentences`` read again, each without its passages."""
+    return f"measuring support of {sentences:,} sentence{'s' if sentences != 1 else ''}"
+
+
 MEMORY_SAMPLE_SECONDS = 0.25  # how often the live display reads RSS/GPU memory (psutil is cheap, not free)
 CHAPTER_TITLE_CELLS = 40  # chapter titles are cut to this many characters in the live display
 # The live rows at the console's width: the bar is 30 cells when the label keeps LABEL_CELLS beside it,
@@ -282,7 +292,7 @@ class ProgressDisplay(DrawnOnLiveArea):
 
     def _on_cache(self, event: ProgressEvent) -> None:
         if event.completed == 0:
-            self._stage("looking for the encoded book in the cache")
+            self._stage(CACHE_STAGE)
         else:
             self._datastore_bytes = event.info.get("bytes")
             self.log(f"encoded book read from the cache: {event.info.get('tokens', 0):,} tokens, no encoding")
@@ -363,7 +373,7 @@ class ProgressDisplay(DrawnOnLiveArea):
 
     def _on_prepare(self, event: ProgressEvent) -> None:
         if event.completed == 0:
-            self._stage("preparing retrieval (measuring kernels, packing the store)")
+            self._stage(PREPARE_STAGE)
             return
         if event.info.get("bytes"):
             self._datastore_bytes = event.info["bytes"]
@@ -385,8 +395,7 @@ class ProgressDisplay(DrawnOnLiveArea):
     def _on_support(self, event: ProgressEvent) -> None:
         """A summary's sentences read again, each without its passages: how many, and the time left."""
         if event.completed == 0:
-            self._stage(f"measuring support: {event.total:,} sentence{'s' if event.total != 1 else ''} read "
-                        "without their passages", total=event.total, units="sentences/s")
+            self._stage(support_stage(event.total), total=event.total, units="sentences/s")
             return
         self._advance(event.completed, rate_count=event.completed)
 

@@ -483,13 +483,13 @@ KERNELS = ("select", "select_grouped", "scores", "weighted_sum", "dense_sum", "h
            "top_k", "linear")
 SCORES_KERNELS = ("top_k",)  # read fp32 scores whatever the store holds: ready once, as for a float32 store
 # seconds each kernel took to compile from an empty cache, for the estimate the display shows while a first run
-# waits for them: ``python -m bench.compile_time`` (a fresh process each, after the kernels a run compiles before
-# it; one dtype, bfloat16 but the top-k's; a 2-core EPYC Zen 4, numba 0.68; the top-k, the grouped select and the
-# dense attention measured again when they were made faster to compile). select and scores share one driver: the
-# first of the two takes the time. The grouped select first in a process (a decoder-only run's) took 19.7 s;
-# loading a compiled kernel takes ~0.1 s. The same compile differs by up to 5 s from one process to the next.
-COMPILE_SECONDS = {"select": 13.7, "select_grouped": 16.4, "scores": 0.5, "weighted_sum": 4.9, "dense_sum": 1.7,
-                   "head_dense_sum": 1.7, "attend_dense": 10.6, "top_k": 4.0, "linear": 2.7}
+# waits for them: ``python -m bench.compile_time --dtypes bfloat16`` (a fresh process each, after the kernels a run
+# compiles before it; one dtype, bfloat16 but the top-k's; a 2-core EPYC Zen 4, numba 0.68; medians of two, once
+# the drivers called their kernels by address). select and scores share one driver: the first of the two takes the
+# time. The grouped select first in a process (a decoder-only run's) took 8.9 s; loading a compiled kernel takes
+# ~0.1 s. The same compile differs by up to 5 s from one process to the next.
+COMPILE_SECONDS = {"select": 8.6, "select_grouped": 8.5, "scores": 0.1, "weighted_sum": 3.0, "dense_sum": 1.4,
+                   "head_dense_sum": 1.2, "attend_dense": 4.4, "top_k": 3.2, "linear": 2.7}
 
 # warm's thread loads kernels compiled before in about 0.5 s (all seven and numba's import, EPYC Zen 2): one that
 # is alive after this long is compiling
