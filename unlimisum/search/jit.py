@@ -15,7 +15,7 @@ kernels (``measurements.KERNEL_SOURCES``): other code, another folder.
 
 A parallel driver (``parallel_driver``: one call for all heads, spread over the threads) calls its kernels at
 their addresses, passed to it at run time (``callee``), not by name: numba links a kernel called by name into its
-caller's code and optimises and emits it again there, twice for a parallel caller, which took most of a first
+caller's code and optimises and emits it again there, twice in a parallel caller, and that was most of a first
 run's compile (the scan 13.9 -> 8.6 s, the dense attention 10.4 -> 4.4 s; ``python -m bench.compile_time``).
 """
 
@@ -73,8 +73,6 @@ def end_decorations() -> None:
     numba.config.CACHE_DIR = _others_cache_dir.pop()
 
 
-
-
 class _Entry:
     """Where ``kernel``'s machine code for one signature starts, compiled (or loaded from the cache) when first
     asked."""
@@ -97,9 +95,9 @@ def callee(kernel: Callable, *argument_types, returns=None):
     """The intrinsic a parallel driver calls ``kernel`` with at its address, ``call(address, (arguments...))``,
     the arguments' numba types exactly ``argument_types`` (``returns``: the kernel's return type, none by
     default); ``call.address()`` is that address, compiled (or loaded) on first asking, which the driver's caller
-    passes (``parallel_driver``). numba links a kernel called by name into its caller and optimises and emits its
-    code there again, in a parallel driver twice (the loop's body, then the driver): the scan's driver took 7.0 s
-    to compile after its kernel (8.5 s), 0.6 s calling it by address (a 2-core EPYC Zen 4)."""
+    passes (``parallel_driver``). Called by name, the scan's kernel (8.5 s to compile) was linked, optimised and
+    emitted again into its parallel driver's loop body and the driver (7.0 s more); by address, 0.6 s more (a
+    2-core EPYC Zen 4)."""
     from unlimisum.search.llvm import call_at_of
 
     signature = tuple(argument_types)

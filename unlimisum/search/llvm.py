@@ -546,7 +546,6 @@ def _largest(typingctx, scores, row, start, count):
     return signature, codegen
 
 
-
 # --- a compiled kernel called at an address given at run time (jit.callee)
 
 
