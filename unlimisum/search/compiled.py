@@ -485,11 +485,11 @@ SCORES_KERNELS = ("top_k",)  # read fp32 scores whatever the store holds: ready 
 # seconds each kernel took to compile from an empty cache, for the estimate the display shows while a first run
 # waits for them: ``python -m bench.compile_time --dtypes bfloat16`` (a fresh process each, after the kernels a run
 # compiles before it; one dtype, bfloat16 but the top-k's; a 2-core EPYC Zen 4, numba 0.68; medians of two, once
-# the drivers called their kernels by address). select and scores share one driver: the first of the two takes the
+# the drivers called their kernels by address; linear once its shares were one). select and scores share one driver: the first of the two takes the
 # time. The grouped select first in a process (a decoder-only run's) took 8.9 s; loading a compiled kernel takes
 # ~0.1 s. The same compile differs by up to 5 s from one process to the next.
 COMPILE_SECONDS = {"select": 8.6, "select_grouped": 8.5, "scores": 0.1, "weighted_sum": 3.0, "dense_sum": 1.4,
-                   "head_dense_sum": 1.2, "attend_dense": 4.4, "top_k": 3.2, "linear": 2.7}
+                   "head_dense_sum": 1.2, "attend_dense": 4.4, "top_k": 3.2, "linear": 0.9}
 
 # warm's thread loads kernels compiled before in about 0.5 s (all seven and numba's import, EPYC Zen 2): one that
 # is alive after this long is compiling
