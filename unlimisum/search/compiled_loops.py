@@ -677,11 +677,11 @@ def _sums_blocked_parts_bf16(words, ids, weights, even, odd, parts, sums):
 
 
 @_parallel_driver(_call_sums_blocked_f32)
-def _sums_blocked_parts_f32(states, ids, weights, out, none, parts, sums):
+def _sums_blocked_parts_f32(states, ids, weights, out, second, parts, sums):
     nq = ids.shape[0]
     for part in numba.prange(parts):
         share = slice((part * nq) // parts, ((part + 1) * nq) // parts)
-        _call_sums_blocked_f32(sums, (states, ids[share], weights[share], out[share], none[share]))
+        _call_sums_blocked_f32(sums, (states, ids[share], weights[share], out[share], second[share]))
 
 
 @_parallel_driver(_call_dense_sums_bf16)
