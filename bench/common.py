@@ -85,21 +85,31 @@ def matmul_gflops(n: int = 2048, repeats: int = 5, trials: int = 3) -> float:
     return best
 
 
+def microarchitecture() -> str:
+    """The CPU's microarchitecture as LLVM names it (``znver4``, ``znver5``, ``sapphirerapids``): a model name
+    such as "AMD EPYC" covers several, whose vector units differ."""
+    import llvmlite.binding
+
+    return llvmlite.binding.get_host_cpu_name()
+
+
 def cpu_kind() -> str:
-    """The CPU as a figure is named by: its model name, the 16-bit and vector units it has, and "as AVX2" under
-    the settings that make it behave like a CPU without them (unlimisum.measurements.INSTRUCTION_SETTINGS)."""
+    """The CPU as a figure is named by: its model name, the 16-bit and vector units it has, its
+    microarchitecture, and "as AVX2" under the settings that make it behave like a CPU without those units
+    (unlimisum.measurements.INSTRUCTION_SETTINGS)."""
     from unlimisum.measurements import _cpu_description
 
     name, flags = _cpu_description()
     units = [unit for unit in ("amx_bf16", "avx512_bf16", "avx512f", "avx2") if unit in flags.split()]
     emulated = " as AVX2" if any(name in os.environ for name in INSTRUCTION_SETTINGS) else ""
-    return f"{name} ({', '.join(units[:2]) or 'no AVX2'}){emulated}"
+    return f"{name} ({', '.join(units[:2]) or 'no AVX2'}; {microarchitecture()}){emulated}"
 
 
 def machine() -> dict:
     return {
         "cpu": platform.processor() or platform.machine(),
         "cpu_kind": cpu_kind(),
+        "microarchitecture": microarchitecture(),
         "cores": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
