@@ -26,15 +26,6 @@ def _bf16_scores(dot, keys_at_once):
     return scores
 
 
-def _f32_scores(dot, keys_at_once):
-    @numba.njit(nogil=True)
-    def scores(keys, queries, first, out):
-        for r in range(0, keys.shape[0] - keys_at_once + 1, keys_at_once):
-            dot(keys, r, queries, first, out)
-
-    return scores
-
-
 def _bf16_words(keys: torch.Tensor) -> np.ndarray:
     """[n, dh] bfloat16 keys as [n, dh/2] words, the even dimension in the lower half (``_scores_bf16``'s)."""
     return keys.contiguous().view(torch.int16).numpy().view(np.uint32)
@@ -57,22 +48,6 @@ def test_bfloat16_scores_in_16_lanes_are_the_8_lane_scores_bit_for_bit(count, ke
     np.testing.assert_array_equal(results[1].view(np.uint32), results[0].view(np.uint32))
     expected = (queries[1:].double() @ keys.double().T).numpy()
     np.testing.assert_allclose(results[1][1:], expected, rtol=1e-5, atol=1e-4)
-
-
-@pytest.mark.parametrize("count", [2, 3, 4])
-@pytest.mark.parametrize("keys_at_once", [2, 4])
-def test_float32_scores_in_16_lanes_are_the_8_lane_scores_bit_for_bit(count, keys_at_once):
-    generator = torch.Generator().manual_seed(count)
-    keys = torch.randn(32, 64, generator=generator).numpy()
-    queries = torch.randn(count, 64, generator=generator).numpy()
-    results = []
-    for wide in (False, True):
-        out = np.zeros((count, 32), np.float32)
-        _f32_scores(llvm._dot_f32_of(count, keys_at_once, wide=wide), keys_at_once)(keys, queries, 0, out)
-        results.append(out)
-    np.testing.assert_array_equal(results[1].view(np.uint32), results[0].view(np.uint32))
-    np.testing.assert_allclose(results[1], queries.astype(np.float64) @ keys.T.astype(np.float64), rtol=1e-5,
-                               atol=1e-4)
 
 
 def test_one_key_at_a_time_stays_in_8_lanes():

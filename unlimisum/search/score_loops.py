@@ -16,8 +16,7 @@ from unlimisum.search.jit import kernel as _compile
 from unlimisum.search.llvm import (_LANES, _SHIFT, _UPPER, TILE_KEYS, WIDE, _as_float, _dot_four_bf16,
     _dot_four_f32, _dot_three_bf16, _dot_three_f32, _dot_two_bf16, _dot_two_f32, _key_tile_bf16, _pair_four_bf16,
     _pair_four_f32, _pair_three_bf16, _pair_three_f32, _pair_two_bf16, _pair_two_f32, _prefetch, _quad_four_bf16,
-    _quad_four_f32, _quad_one_bf16, _quad_three_bf16, _quad_three_f32, _quad_two_bf16, _quad_two_f32,
-    _tile_scores_one, _tile_scores_two)
+    _quad_one_bf16, _quad_three_bf16, _quad_two_bf16, _tile_scores_one, _tile_scores_two)
 
 # queries from which bfloat16 keys are scored with the keys in the lanes (``_scores_tiled_bf16``) where nothing
 # else is asked: fewer keep the few-query sums below on every machine (4 queries measured 0.8x on an EPYC Zen 2);
@@ -59,17 +58,6 @@ def _quad_bf16(words, row, even, odd, first, count, out):
         _quad_three_bf16(words, row, even, odd, first, out)
     else:
         _quad_two_bf16(words, row, even, odd, first, out)
-
-
-@numba.njit(nogil=True, cache=_CACHED, inline="always")
-def _quad_f32(keys, row, queries, first, count, out):
-    """``_dot_f32_of(count, 4)``: keys row to row + 3."""
-    if count == 4:
-        _quad_four_f32(keys, row, queries, first, out)
-    elif count == 3:
-        _quad_three_f32(keys, row, queries, first, out)
-    else:
-        _quad_two_f32(keys, row, queries, first, out)
 
 
 @numba.njit(nogil=True, cache=_CACHED, inline="always")
@@ -213,19 +201,11 @@ def _scores_f32(keys, queries, out):
     first = 0
     while dim % _LANES == 0 and queries.shape[0] - first >= 2:  # as ``_scores_bf16``: 4, then 2 or 3
         count = min(4, queries.shape[0] - first)
-        r = 0
-        if WIDE:
-            while r + 4 <= n:
-                if first == 0:
-                    _prefetch(keys, r, 4)
-                _quad_f32(keys, r, queries, first, count, out)
-                r += 4
-        while r + 2 <= n:
+        for r in range(0, n - 1, 2):  # in 8 lanes also where WIDE (16 lanes measured 0.9x for fp32 keys)
             if first == 0:
                 _prefetch(keys, r, 2)
             _pair_f32(keys, r, queries, first, count, out)
-            r += 2
-        if r < n:
+        if n % 2:
             _dot_f32(keys, n - 1, queries, first, count, out)
         first += count
     for q in range(first, queries.shape[0]):
