@@ -635,11 +635,15 @@ def test_packed_kernel_packs_only_what_it_can_hold(monkeypatch, tmp_path):
     assert build(states, config=IndexConfig(storage_dtype="float32")).packed() is None
 
 
-def _calibrate_with(monkeypatch, packed_seconds: float, native_seconds: float = 5.6e-3):
+def _calibrate_with(monkeypatch, packed_seconds: float, native_seconds: float = 5.6e-3,
+                    gathers: dict[str, float] | None = None):
     """calibrate() on this machine's code path, with the timings it races replaced by given figures (seconds):
     the float32 kernel's blocks 20 ms, the native scores ``native_seconds``, the packed ones ``packed_seconds``;
-    every dense pass over the quarter store twice its kernel's scores (times four: the whole store)."""
+    every dense pass over the quarter store twice its kernel's scores (times four: the whole store); the gathers
+    as ``gathers`` says where it names them."""
     def figure(name: str) -> float:
+        if gathers and name in gathers:
+            return gathers[name]
         kernel = name.removeprefix("dense/").split("/")[0].split("@")[0]
         scores = {"native": native_seconds, "packed": packed_seconds}.get(kernel, 20e-3)
         return 2 * scores / 4 if name.startswith("dense/") and name.count("/") == 1 else scores
@@ -664,6 +668,26 @@ def test_packed_kernel_is_chosen_only_when_it_pays_for_its_copies(monkeypatch):
     avx2 = _calibrate_with(monkeypatch, packed_seconds=8e-3, native_seconds=72e-3)  # emulated bf16: float32 next
     assert (avx2.scores, avx2.fallback) == ("packed", "float32")
     assert kernels.choose_scores({"native": 3.0, "float32": 2.0}) == ("float32", "float32")
+
+
+@pytest.mark.skipif(not packing.available(), reason="this torch build has no fbgemm fp16 GEMM")
+@pytest.mark.parametrize("fused_seconds, fused", [(0.04e-3, True), (0.5e-3, False)])
+def test_where_packed_wins_the_native_fallbacks_gather_is_measured_fused_and_not(monkeypatch, fused_seconds, fused):
+    """A store the packed kernel does not pack (a key store's values) is summed by the native fallback's gather:
+    fused or not as measured for it (it was left unfused, 6x slower on an EPYC Zen 5), and the packed kernel's own
+    gather cost stays its own."""
+    monkeypatch.delenv("UNLIMISUM_SCORE_KERNEL", raising=False)
+    choice = _calibrate_with(monkeypatch, packed_seconds=2e-3, native_seconds=5.6e-3,
+                             gathers={"gather": 0.3e-3, "gather/16-bit": 0.24e-3, "gather/fused": fused_seconds})
+    assert (choice.scores, choice.fallback) == ("packed", "native")
+    assert "gather/16-bit" in choice.reason and "gather/fused" in choice.reason
+    assert choice.fused_gather is fused and choice.unpacked().fused_gather is fused
+    assert choice.gather_row_cost == pytest.approx(0.3e-3 / (kernels.CALIBRATION_GATHER_ROWS // 12 * 12))
+    native = _calibrate_with(monkeypatch, packed_seconds=5e-3, native_seconds=5.6e-3,
+                             gathers={"gather": 0.24e-3, "gather/fused": fused_seconds})
+    assert native.scores == "native" and native.fused_gather is fused and "gather/16-bit" not in native.reason
+    float32 = _calibrate_with(monkeypatch, packed_seconds=8e-3, native_seconds=72e-3, gathers={"gather": 0.3e-3})
+    assert float32.fallback == "float32" and not float32.fused_gather and "gather/fused" not in float32.reason
 
 
 def test_packed_copies_leave_room_for_what_the_process_holds(monkeypatch):

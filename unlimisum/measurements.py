@@ -51,6 +51,10 @@ INSTRUCTION_SETTINGS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "DNNL_MAX_C
                         "MKL_CBWR", "OMP_NUM_THREADS", "NUMBA_CPU_NAME", "NUMBA_CPU_FEATURES")
 # A race stops timing a candidate whose best time is this many times the leader's: it will not be chosen.
 GIVE_UP_FACTOR = 4.0
+# ... and after its first call only from this many times: a first call may carry one-time costs (a oneDNN kernel's
+# code generated, buffers faulted in): a bfloat16 matmul's first call in a calibration took 5.3x its later ones on an
+# EPYC Zen 5, and the packed kernel was chosen over it; a CPU without 16-bit units runs it 50x slower
+FIRST_CALL_GIVE_UP_FACTOR = 16.0
 # A kept choice whose live cost is this many times what its measurement found is measured again (``LiveCheck``),
 # judged on the median of its first LIVE_SAMPLES calls in a process.
 LIVE_SLOWER_FACTOR = 1.5
@@ -391,18 +395,20 @@ def race(candidates: Mapping[str, Callable[[], object]], *, turns: int = 3, give
          ) -> dict[str, float]:
     """The best time of each candidate, timed in turns (a b c a b c ...) so that a busy moment of a shared
     machine falls on all alike. The first turn also warms up (buffers grow, kernels are picked), so every
-    candidate is called at least twice, except one whose first call already took ``give_up`` times the
-    leader's best: it is clearly the loser and is not called again. After that, a candidate ``give_up`` times
-    slower than the leader is not timed again. ``timer(run)``: seconds of one call (default: ``clock`` around
-    it); a candidate not timed again keeps its best (slow) time, so it is not chosen."""
+    candidate is called at least twice, except one whose first call already took FIRST_CALL_GIVE_UP_FACTOR
+    (or ``give_up``, if more) times the leader's best: it is clearly the loser and is not called again. After
+    that, a candidate ``give_up`` times slower than the leader is not timed again. ``timer(run)``: seconds of one
+    call (default: ``clock`` around it); a candidate not timed again keeps its best (slow) time, so it is not
+    chosen."""
     timed = timer if timer is not None else (lambda run: _time_with(clock, run))
     best: dict[str, float] = {}
     for name, run in candidates.items():
         best[name] = timed(run)
     for turn in range(turns):
         leader = min(best.values())
+        factor = max(give_up, FIRST_CALL_GIVE_UP_FACTOR) if turn == 0 else give_up
         for name, run in candidates.items():
-            if best[name] <= give_up * leader:
+            if best[name] <= factor * leader:
                 best[name] = min(best[name], timed(run))
     return best
 
