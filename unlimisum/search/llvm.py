@@ -287,7 +287,7 @@ def _dot_codegen(bfloat16: bool, count: int, keys_at_once: int, wide: bool):
                         total = sums[key][j] if pairs else sums[key][min(part, sum_parts - 1)][j]
                         builder.store(_multiply_add(builder, key_lanes[part], query_lanes, builder.load(total)),
                                       total)
-        if pairs:  # [(the sum, the lane of its lower key's total)]: a pair's upper key at 8 lanes further on
+        if pairs:  # [(a sum, the (key, query) of its lower 8 lanes, then of its upper 8)]
             members = [(builder.load(sums[pair][j]), [(2 * pair, j), (2 * pair + 1, j)])
                        for pair in range(pairs) for j in range(count)]
             zero = _llvm.Constant(_WIDE_FLOATS, [0.0] * 2 * _LANES)
