@@ -242,7 +242,7 @@ def _dot_codegen(bfloat16: bool, count: int, keys_at_once: int, wide: bool):
     together (one by one, each would take three shuffles and three additions of its own). ``wide`` (bfloat16
     keys, two or four): two keys' 8 lanes side by side in each 16-lane vector, met by the query's lanes twice
     over, each lane the same sum as in 8 lanes; the halves then reduced as 8 lanes are."""
-    pairs = keys_at_once // 2 if wide and bfloat16 else 0
+    pairs = keys_at_once // 2 if wide else 0  # one key: none
 
     def codegen(context, builder, signature, args):
         if bfloat16:
@@ -328,8 +328,7 @@ def _dot_bf16_of(count: int, keys_at_once: int, wide: bool = WIDE):
         if not (_rows_of(words, numba.types.uint32) and _rows_of(even, numba.types.float32)
                 and _rows_of(odd, numba.types.float32) and _rows_of(out, numba.types.float32)):
             return None
-        return numba.types.none(words, row, even, odd, first, out), _dot_codegen(True, count, keys_at_once,
-                                                                                   wide and keys_at_once > 1)
+        return numba.types.none(words, row, even, odd, first, out), _dot_codegen(True, count, keys_at_once, wide)
 
     return _intrinsic(typer)
 
